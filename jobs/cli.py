@@ -1,0 +1,73 @@
+"""The ``adbatch`` console script: one subcommand per stage, each with ``--config FILE``.
+
+Subcommands resolve lazily to ``(module, config class, run function)`` so ``adbatch --help`` stays
+fast and a stage's heavy imports load only when that stage runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from typing import Any, Callable
+
+from jobs.config_cli import add_config_arguments, config_from_args
+
+#: subcommand -> (module, config class, run function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "index": ("pipelines.index", "IndexJobConfig", "run_index",
+              "build the hierarchical semantic-ID index and trie of an ad corpus"),
+    "train": ("pipelines.train", "TrainJobConfig", "run_train",
+              "train the ad index into the model (DSI), optionally with progressive N:M sparsity"),
+    "compress": ("pipelines.compress", "CompressJobConfig", "run_compress",
+                 "compress a causal LM: adaptive INT4 + layer-adaptive 2:4/1:4, packed 2bit-CSR"),
+    "generate": ("pipelines.generate", "GenerateJobConfig", "run_generate",
+                 "batch generation: targets (query -> ads) or creatives (ad -> headline)"),
+    "eval": ("pipelines.evaluate", "EvalJobConfig", "run_eval",
+             "evaluate targeting and creatives quality and speed; writes report.md + plots"),
+    "refresh": ("jobs.nightly_refresh", "RefreshConfig", "run_refresh",
+                "the nightly refresh: index -> train -> compress -> generate -> eval"),
+}
+
+
+def _load(command: str) -> tuple[type, Callable[[Any], dict[str, Any]]]:
+    module_name, cls_name, fn_name, _ = COMMANDS[command]
+    module = importlib.import_module(module_name)
+    return getattr(module, cls_name), getattr(module, fn_name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adbatch", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, _, _, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", metavar="FILE", help="YAML or TOML config; CLI flags override it")
+        p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+        try:
+            cls, _ = _load(name)
+        except ImportError as exc:  # the stage's module is unavailable in this install
+            p.description = f"{help_text} [unavailable: {exc}]"
+            continue
+        add_config_arguments(p, cls)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    cls, run = _load(args.command)
+    config = config_from_args(cls, args, section=args.command)
+    result = run(config)
+    print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Build argparse options from a config dataclass, and merge file values with CLI overrides.
+
+Precedence: dataclass defaults < config file (YAML/TOML) < CLI flags. Nested config fields become
+dotted flags (``--cluster.branching 10``) and nested tables in the file (``[index.cluster]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import typing
+from pathlib import Path
+from typing import Any
+
+from adbatch.config import ConfigBase, ConfigError, load_config_file
+
+_MISSING = object()
+
+
+def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return _flag_type(args[0])
+    if origin in (list, tuple):
+        args = typing.get_args(hint)
+        inner = args[0] if args and args[0] is not Ellipsis else str
+        inner_type, _ = _flag_type(inner)
+        return inner_type, {"nargs": "+"}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return str, {"choices": [m.value for m in hint]}
+    if hint is bool:
+        return str, {"metavar": "{true,false}"}
+    if hint in (int, float, str):
+        return hint, {}
+    if hint is Path:
+        return str, {"metavar": "PATH"}
+    return str, {}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type[ConfigBase], prefix: str = "") -> None:
+    """Add one ``--field`` per dataclass field (recursively for nested configs)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        hint = hints[f.name]
+        inner = hint
+        if typing.get_origin(hint) is typing.Union:
+            nn = [a for a in typing.get_args(hint) if a is not type(None)]
+            inner = nn[0] if len(nn) == 1 else hint
+        if isinstance(inner, type) and issubclass(inner, ConfigBase):
+            add_config_arguments(parser, inner, prefix=f"{prefix}{f.name}.")
+            continue
+        ftype, extra = _flag_type(hint)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, enum.Enum):
+            default = default.value
+        help_text = f.metadata.get("help", "")
+        parser.add_argument(
+            f"--{prefix}{f.name}".replace("_", "-"),
+            dest=f"{prefix}{f.name}",
+            type=ftype,
+            default=_MISSING,
+            help=f"{help_text} (default: {default})".strip(),
+            **extra,
+        )
+
+
+def _set_nested(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur = data
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+        if not isinstance(cur, dict):
+            raise ConfigError(f"config key {p!r} must be a table to hold {dotted!r}")
+    cur[parts[-1]] = value
+
+
+def config_from_args(
+    cls: type[ConfigBase], args: argparse.Namespace, section: str | None = None
+) -> ConfigBase:
+    """Defaults < ``--config`` file (its ``[section]`` table if present) < explicit CLI flags."""
+    data: dict[str, Any] = {}
+    cfg_file = getattr(args, "config", None)
+    if cfg_file:
+        file_data = load_config_file(cfg_file)
+        if section and isinstance(file_data.get(section), dict):
+            file_data = file_data[section]
+        data.update(file_data)
+    for key, value in vars(args).items():
+        if key in ("config", "command", "log_level") or value is _MISSING:
+            continue
+        _set_nested(data, key, value)
+    return cls.from_dict(data)
