@@ -1,0 +1,63 @@
+"""Shared fixtures: the ../shared evaluation data (skipped when absent) and tiny real-arch models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = Path(os.environ.get("ADBATCH_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` (Home Depot, slogans). Its files are never copied into the repo."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared evaluation data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def home_depot_csv(shared_data: Path) -> Path:
+    path = shared_data / "home_depot_relevance" / "train.csv"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    return path
+
+
+@pytest.fixture(scope="session")
+def example_ads() -> Path:
+    return REPO / "examples" / "slogan_ads.parquet"
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """The default model's tokenizer (no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    from adbatch.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(), local_files_only=True)
+
+
+def make_tiny_llama(vocab_size: int = 512, hidden: int = 64, layers: int = 2, seed: int = 0,
+                    intermediate: int = 128, heads: int = 4, kv_heads: int = 2):
+    """A random-init Llama of real architecture, small enough for CPU tests (fp32, eval mode)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    return model
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_llama()
