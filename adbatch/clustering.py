@@ -1,0 +1,277 @@
+"""Hierarchical FAISS k-means (DSI-style semantic IDs).
+
+All ads are clustered into ``branching`` clusters; every cluster holding more than ``leaf_size``
+ads is clustered again, recursively. An ad's code is its path of cluster indices followed by its
+position inside its leaf, so codes are unique and prefix-free (a node is either split or a leaf).
+
+The unit of work is :func:`split_node`: it sees only the rows of one cluster, so a scheduler can run
+each split anywhere (``pipelines/index.py`` runs each as a Ray task) and the result equals the
+sequential :func:`build_hierarchy`: every split is seeded from the config seed and the node's path,
+never from execution order, and FAISS runs with a fixed thread count.
+
+Degenerate inputs: a cluster with fewer ads than ``branching`` is split into at most that many
+clusters; when k-means cannot split (identical embeddings, or one cluster takes every point) the
+rows are split deterministically into near-equal consecutive chunks in row order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from adbatch.config import ConfigBase, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ClusterConfig(ConfigBase):
+    """Hierarchical k-means knobs."""
+
+    branching: int = dataclasses.field(default=10, metadata={"help": "k: clusters per split"})
+    leaf_size: int = dataclasses.field(default=100, metadata={"help": "c: max ads per leaf"})
+    niter: int = dataclasses.field(default=20, metadata={"help": "k-means iterations per split"})
+    max_points_per_centroid: int = dataclasses.field(
+        default=256, metadata={"help": "k-means trains on at most k*this sampled points"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "base seed (per node: seed+path)"})
+    faiss_threads: int = dataclasses.field(
+        default=1, metadata={"help": "OpenMP threads per split (fixed so results never depend "
+                                     "on the machine; parallelism comes from splitting nodes)"})
+
+    def validate(self) -> None:
+        if self.branching < 2:
+            raise ConfigError("ClusterConfig.branching: must be >= 2")
+        if self.leaf_size < 1:
+            raise ConfigError("ClusterConfig.leaf_size: must be >= 1")
+        if self.niter < 1:
+            raise ConfigError("ClusterConfig.niter: must be >= 1")
+        if self.max_points_per_centroid < 1:
+            raise ConfigError("ClusterConfig.max_points_per_centroid: must be >= 1")
+        if self.faiss_threads < 1:
+            raise ConfigError("ClusterConfig.faiss_threads: must be >= 1")
+
+
+@dataclasses.dataclass
+class Child:
+    """One cluster produced by a split: its path, its rows (global ad rows, ascending)."""
+
+    path: tuple[int, ...]
+    rows: np.ndarray  # int64 [n]
+
+
+@dataclasses.dataclass
+class Hierarchy:
+    """The result: per ad row its code.
+
+    ``code_flat int32 [sum(code_len)]`` holds the codes back to back in row order; ``code_len
+    int32 [N]`` their lengths (cluster depth + 1 for the leaf position).
+    """
+
+    code_flat: np.ndarray
+    code_len: np.ndarray
+    num_splits: int
+    num_leaves: int
+    fallback_splits: int
+
+    @property
+    def num_ads(self) -> int:
+        return int(self.code_len.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.code_len.max()) if self.num_ads else 0
+
+    def codes(self) -> list[list[int]]:
+        offs = np.concatenate([[0], np.cumsum(self.code_len)])
+        flat = self.code_flat.tolist()
+        return [flat[offs[i]:offs[i + 1]] for i in range(self.num_ads)]
+
+    def padded(self) -> np.ndarray:
+        """``int32 [N, max_depth]`` codes right-padded with -1."""
+        out = np.full((self.num_ads, self.max_depth), -1, dtype=np.int32)
+        out[np.arange(self.max_depth)[None, :] < self.code_len[:, None]] = self.code_flat
+        return out
+
+
+def node_seed(seed: int, path: tuple[int, ...]) -> int:
+    """A seed that depends only on the base seed and the node's path."""
+    return (seed * 1_000_003 + zlib.crc32(repr(path).encode())) % (2**31 - 1)
+
+
+def _chunk_labels(n: int, k: int) -> np.ndarray:
+    """Rows 0..n-1 into k near-equal consecutive chunks."""
+    return (np.arange(n, dtype=np.int64) * k) // n
+
+
+def kmeanspp_init(x: np.ndarray, k: int, max_sample: int, seed: int) -> np.ndarray:
+    """k-means++ seeding on a sample of at most ``max_sample`` rows.
+
+    FAISS seeds with k random points, which with k equal-sized groups covers all of them with
+    probability k!/k^k (0.04% for k=10); D^2 sampling makes one centroid per group likely.
+
+    Args:
+        x: ``float32 [n, D]``.
+    Returns:
+        ``float32 [k, D]``.
+    """
+    rng = np.random.default_rng(seed)
+    n = x.shape[0]
+    sample = x[np.sort(rng.choice(n, max_sample, replace=False))] if n > max_sample else x
+    sq = np.einsum("ij,ij->i", sample, sample)
+    centers = [int(rng.integers(sample.shape[0]))]
+    d2 = np.maximum(sq - 2 * sample @ sample[centers[0]] + sq[centers[0]], 0.0)
+    for _ in range(1, k):  # k iterations, each vectorized over the sample
+        total = float(d2.sum())
+        nxt = int(rng.choice(sample.shape[0], p=d2 / total)) if total > 0 else \
+            int(rng.integers(sample.shape[0]))
+        centers.append(nxt)
+        d2 = np.minimum(d2, np.maximum(sq - 2 * sample @ sample[nxt] + sq[nxt], 0.0))
+    return np.ascontiguousarray(sample[centers], dtype=np.float32)
+
+
+def kmeans_labels(emb: np.ndarray, k: int, config: ClusterConfig, seed: int) -> np.ndarray:
+    """FAISS k-means assignments.
+
+    Args:
+        emb: ``float32 [n, D]``.
+    Returns:
+        ``int64 [n]`` labels in ``[0, k)`` (some clusters may be empty).
+    """
+    import faiss
+
+    n, d = emb.shape
+    x = np.ascontiguousarray(emb, dtype=np.float32)
+    init = kmeanspp_init(x, k, config.max_points_per_centroid * k, seed)
+    prev_threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(config.faiss_threads)
+    try:
+        km = faiss.Kmeans(d, k, niter=config.niter, seed=seed, verbose=False,
+                          max_points_per_centroid=config.max_points_per_centroid,
+                          min_points_per_centroid=1)
+        km.train(x, init_centroids=init)
+        _, labels = km.index.search(np.ascontiguousarray(emb, dtype=np.float32), 1)
+    finally:
+        faiss.omp_set_num_threads(prev_threads)
+    return labels[:, 0].astype(np.int64)
+
+
+def split_labels(emb: np.ndarray, config: ClusterConfig, path: tuple[int, ...]
+                 ) -> tuple[np.ndarray, bool]:
+    """Cluster labels for one node's embeddings, compacted to ``0..k'-1`` with ``k' >= 2``.
+
+    Args:
+        emb: ``float32 [n, D]`` with ``n > leaf_size`` (and ``n >= 2``).
+    Returns:
+        (``int64 [n]`` labels, whether the deterministic fallback was used).
+    """
+    n = emb.shape[0]
+    k = min(config.branching, n)
+    fallback = False
+    # k-means cannot separate identical points; skip it rather than rely on FAISS's handling.
+    if np.ptp(emb, axis=0).max(initial=0.0) == 0.0:
+        labels, fallback = _chunk_labels(n, k), True
+    else:
+        labels = kmeans_labels(emb, k, config, node_seed(config.seed, path))
+        if np.unique(labels).shape[0] < 2:
+            labels, fallback = _chunk_labels(n, k), True
+    # Keep FAISS's centroid order but drop empty clusters, so indices stay dense.
+    _, labels = np.unique(labels, return_inverse=True)
+    return labels.astype(np.int64), fallback
+
+
+def split_node(emb: np.ndarray, rows: np.ndarray, path: tuple[int, ...], config: ClusterConfig
+               ) -> tuple[list[Child], list[np.ndarray], bool]:
+    """Split one cluster.
+
+    Args:
+        emb: ``float32 [n, D]`` embeddings of exactly this node's rows.
+        rows: ``int64 [n]`` their global ad rows (ascending).
+        path: the node's cluster path.
+    Returns:
+        (children in label order, each child's ``float32 [n_j, D]`` embeddings, fallback used).
+    """
+    labels, fallback = split_labels(emb, config, path)
+    order = np.argsort(labels, kind="stable")  # keeps row order inside each child
+    bounds = np.searchsorted(labels[order], np.arange(int(labels.max()) + 2))
+    children, child_embs = [], []
+    for j in range(bounds.shape[0] - 1):
+        idx = order[bounds[j]:bounds[j + 1]]
+        children.append(Child(path + (j,), rows[idx]))
+        child_embs.append(np.ascontiguousarray(emb[idx]))
+    return children, child_embs, fallback
+
+
+class HierarchyBuilder:
+    """Collects leaves and splits into a :class:`Hierarchy`; shared by both schedulers."""
+
+    def __init__(self, num_ads: int, config: ClusterConfig) -> None:
+        self.num_ads = num_ads
+        self.config = config
+        self.leaves: list[Child] = []
+        self.num_splits = 0
+        self.fallback_splits = 0
+
+    def is_leaf(self, n: int) -> bool:
+        return n <= self.config.leaf_size
+
+    def add_leaf(self, child: Child) -> None:
+        self.leaves.append(child)
+
+    def add_split(self, fallback: bool) -> None:
+        self.num_splits += 1
+        self.fallback_splits += int(fallback)
+
+    def finish(self) -> Hierarchy:
+        n = self.num_ads
+        code_len = np.zeros(n, dtype=np.int32)
+        covered = np.zeros(n, dtype=bool)
+        for leaf in self.leaves:
+            code_len[leaf.rows] = len(leaf.path) + 1
+            if covered[leaf.rows].any():
+                raise AssertionError("a row landed in two leaves")
+            covered[leaf.rows] = True
+        if not covered.all():
+            raise AssertionError(f"{int((~covered).sum())} rows are in no leaf")
+        offs = np.concatenate([[0], np.cumsum(code_len, dtype=np.int64)])
+        flat = np.zeros(int(offs[-1]), dtype=np.int32)
+        for leaf in self.leaves:  # loop over leaves (~N/c), vectorized over their rows
+            depth = len(leaf.path)
+            start = offs[leaf.rows]
+            for lvl, idx in enumerate(leaf.path):
+                flat[start + lvl] = idx
+            flat[start + depth] = np.arange(leaf.rows.shape[0], dtype=np.int32)
+        return Hierarchy(code_flat=flat, code_len=code_len, num_splits=self.num_splits,
+                         num_leaves=len(self.leaves), fallback_splits=self.fallback_splits)
+
+
+def build_hierarchy(emb: np.ndarray, config: ClusterConfig | None = None,
+                    on_progress: Callable[[int], None] | None = None) -> Hierarchy:
+    """Sequential hierarchical k-means over all rows.
+
+    Args:
+        emb: ``float32 [N, D]``.
+        on_progress: called with the number of ads that reached a leaf, as they do.
+    """
+    cfg = config or ClusterConfig()
+    emb = np.ascontiguousarray(emb, dtype=np.float32)
+    if emb.ndim != 2 or emb.shape[0] == 0:
+        raise ValueError(f"embeddings must be [N>0, D], got {emb.shape}")
+    builder = HierarchyBuilder(emb.shape[0], cfg)
+    queue: deque[tuple[Child, np.ndarray]] = deque(
+        [(Child((), np.arange(emb.shape[0], dtype=np.int64)), emb)])
+    while queue:
+        node, node_emb = queue.popleft()
+        if builder.is_leaf(node.rows.shape[0]):
+            builder.add_leaf(node)
+            if on_progress:
+                on_progress(int(node.rows.shape[0]))
+            continue
+        children, child_embs, fallback = split_node(node_emb, node.rows, node.path, cfg)
+        builder.add_split(fallback)
+        queue.extend(zip(children, child_embs))
+    return builder.finish()

@@ -1,0 +1,286 @@
+"""The module swap: ``compress_(model, config, stats)`` replaces ``nn.Linear`` by :class:`CompressedLinear`.
+
+Work per layer is two pure functions of (weight, statistics, config) -- :func:`analyze_layer`
+(scores -> proxy loss of 2:4 and 1:4, i.e. the layer importance) and :func:`compress_layer`
+(mask -> INT4 with chosen group sizes -> packed) -- mapped over layers by a :class:`LayerExecutor`.
+The library runs them in a loop (:class:`SequentialExecutor`); ``pipelines/compress.py`` runs the
+same functions as Ray tasks, which is why they take plain tensors and return plain results.
+
+Tied embeddings / lm_head: left dense (see docs/compress.md). The lm_head is tied to the input
+embedding table in SmolLM2, so compressing it would either alter the embeddings or untie (store)
+them twice; it is also the most quantization-sensitive matrix of small LMs, and the N:M kernel
+targets the transformer-block GEMVs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from adbatch.compress.calibration import CalibrationStats, LayerStats, compressible_linears
+from adbatch.compress.quantization import quantize_rows
+from adbatch.compress.recipe import (
+    CompressConfig, CompressionRecipe, GroupPolicy, LayerRecipe, PatternPolicy, ScoreMethod,
+)
+from adbatch.compress.sparsity import (
+    LayerImportance, allocate_patterns, element_scores, interleaved_patterns, kept_positions, nm_mask,
+    proxy_loss,
+)
+from kernels.nm_int4 import PackedNMInt4, SparsityPattern, nm_int4_linear, pack_nm_int4, dequantize_nm_int4
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompressedLinear", "LayerInput", "LayerAnalysis", "LayerResult", "LayerExecutor",
+           "SequentialExecutor", "analyze_layer", "compress_layer", "compress_", "densify_",
+           "plan_patterns"]
+
+M = 4
+
+
+class CompressedLinear(nn.Module):
+    """A linear layer holding a :class:`PackedNMInt4` weight (buffers, so ``.to(device)`` moves it).
+
+    ``forward(x [..., K]) -> [..., N]`` calls :func:`kernels.nm_int4.nm_int4_linear`: Triton on CUDA,
+    the pure-torch reference (unpack, dequantize, matmul) elsewhere.
+    """
+
+    PACKED_KEYS = ("qweight", "qpos", "scale_zero", "group_ptr", "group_shift")
+
+    def __init__(self, packed: PackedNMInt4, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        for key, t in packed.state_dict().items():
+            self.register_buffer(key, t)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.pattern = packed.pattern
+        self.in_features = packed.in_features
+        self.out_features = packed.out_features
+        self.kept = packed.kept
+
+    @property
+    def packed(self) -> PackedNMInt4:
+        return PackedNMInt4(
+            qweight=self.qweight, qpos=self.qpos, scale_zero=self.scale_zero, group_ptr=self.group_ptr,
+            group_shift=self.group_shift, pattern=self.pattern, in_features=self.in_features,
+            out_features=self.out_features, kept=self.kept,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nm_int4_linear(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, pattern={self.pattern.value}"
+
+
+@dataclass
+class LayerInput:
+    """What one layer's work needs: the weight [N, K] float32 (CPU), optional bias [N], statistics."""
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    stats: LayerStats | None
+
+
+@dataclass
+class LayerAnalysis:
+    importance: LayerImportance
+    score_summary: dict[str, float]
+
+
+@dataclass
+class LayerResult:
+    name: str
+    packed: PackedNMInt4
+    bias: torch.Tensor | None
+    recipe: LayerRecipe
+
+
+class LayerExecutor(Protocol):
+    """Maps a per-layer function over layers. ``put`` stores the inputs once (e.g. in Ray's object
+    store); ``map(fn, handles, args)`` returns ``[fn(item_i, args_i)]`` in order."""
+
+    def put(self, items: Sequence[LayerInput]) -> list[Any]: ...
+
+    def map(self, fn: Callable[[LayerInput, Any], Any], handles: list[Any], args: list[Any], desc: str) -> list[Any]: ...
+
+
+class SequentialExecutor:
+    """The in-process loop (with a progress bar)."""
+
+    def put(self, items: Sequence[LayerInput]) -> list[Any]:
+        return list(items)
+
+    def map(self, fn, handles, args, desc: str = "layers"):
+        from tqdm.auto import tqdm
+
+        return [fn(h, a) for h, a in tqdm(list(zip(handles, args)), desc=desc, unit="layer", leave=False)]
+
+
+def _scores(item: LayerInput, config: CompressConfig) -> torch.Tensor:
+    st = item.stats
+    method = config.score
+    if st is None and method is not ScoreMethod.MAGNITUDE:
+        raise ValueError(f"layer {item.name}: score {method.value!r} needs calibration statistics")
+    act_norm = st.act_norm if st is not None else None
+    grad_abs = st.grad_abs if st is not None else None
+    if method is ScoreMethod.PAPER and grad_abs is None:
+        raise ValueError(f"layer {item.name}: the paper score needs gradients (calibration.use_gradients=true)")
+    return element_scores(item.weight, act_norm, grad_abs, method, config.grad_weight)
+
+
+def _sparsifiable(item: LayerInput) -> bool:
+    return item.weight.shape[1] % M == 0
+
+
+def analyze_layer(item: LayerInput, config: CompressConfig) -> LayerAnalysis:
+    """Proxy loss of pruning the layer with 2:4 and 1:4 (its importance) and a score summary."""
+    n_out, k_in = item.weight.shape
+    st = item.stats
+    losses = {SparsityPattern.DENSE: 0.0}
+    summary: dict[str, float] = {}
+    if _sparsifiable(item):
+        scores = _scores(item, config)
+        col = st.col_moment if st is not None else torch.ones(k_in)
+        row = st.row_moment if st is not None else None
+        for pattern in (SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR):
+            losses[pattern] = proxy_loss(item.weight, nm_mask(scores, pattern.n), col, row)
+    if st is not None:
+        w = item.weight.float().abs()
+        summary["mean_w_xnorm"] = float((w * st.act_norm.unsqueeze(0)).mean(dtype=torch.float64))
+        if st.grad_sq is not None:
+            summary["mean_w_grad"] = float((w * st.grad_abs).mean(dtype=torch.float64))
+    imp = LayerImportance(name=item.name, params=n_out * k_in, proxy_loss=losses, sparsifiable=_sparsifiable(item))
+    return LayerAnalysis(importance=imp, score_summary=summary)
+
+
+def compress_layer(item: LayerInput, plan: tuple[SparsityPattern, CompressConfig]) -> LayerResult:
+    """Mask (for a sparse pattern), quantize the kept values and pack one layer."""
+    pattern, config = plan
+    weight = item.weight.float()
+    n_out, k_in = weight.shape
+    st = item.stats
+    if pattern.is_sparse:
+        pos = kept_positions(_scores(item, config), pattern.n)  # uint8 [N, Kk]
+        kk = torch.arange(pos.shape[1])
+        cols = (kk // pattern.n).unsqueeze(0) * M + pos.to(torch.int64)  # [N, Kk]
+        values = weight.gather(1, cols)
+    else:
+        pos = None
+        cols = torch.arange(k_in).unsqueeze(0).expand(n_out, -1)
+        values = weight
+    sens = None
+    if st is not None:
+        sens = st.col_moment[cols]
+        if st.row_moment is not None:
+            sens = sens * st.row_moment.unsqueeze(1)
+    qr = quantize_rows(values, sens, config.group_policy, config.group_sizes, config.reference_group_size)
+    packed = pack_nm_int4(qr.q, pos, qr.scale, qr.zero, qr.group_size, pattern, k_in)
+    counts = {int(g): int(c) for g, c in zip(*torch.unique(qr.group_size, return_counts=True))}
+    recipe = LayerRecipe(
+        name=item.name, out_features=n_out, in_features=k_in, pattern=pattern,
+        group_size_counts=counts, bits_per_kept=qr.bits / max(qr.q.numel(), 1),
+        packed_bytes=packed.nbytes(), importance=None, proxy_loss={}, score_summary={},
+        quant_error=float(qr.error.sum()), packed_metadata=dict(packed.metadata()),
+    )
+    return LayerResult(name=item.name, packed=packed, bias=item.bias, recipe=recipe)
+
+
+def plan_patterns(analyses: list[LayerAnalysis], config: CompressConfig) -> dict[str, SparsityPattern]:
+    """Pattern per layer under ``config.pattern_policy``."""
+    imps = [a.importance for a in analyses]
+    policy = config.pattern_policy
+    if policy is PatternPolicy.NONE:
+        return {x.name: SparsityPattern.DENSE for x in imps}
+    if policy is PatternPolicy.UNIFORM:
+        return {x.name: (config.uniform_pattern if x.sparsifiable else SparsityPattern.DENSE) for x in imps}
+    if policy is PatternPolicy.INTERLEAVED:
+        return interleaved_patterns(imps, config.target_density, config.allowed_patterns)
+    return allocate_patterns(imps, config.target_density, config.allowed_patterns)
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def _needs_analysis(config: CompressConfig) -> bool:
+    return config.pattern_policy in (PatternPolicy.LAYER_ADAPTIVE, PatternPolicy.INTERLEAVED)
+
+
+def compress_(model: nn.Module, config: CompressConfig, stats: CalibrationStats | None = None,
+              executor: LayerExecutor | None = None) -> CompressionRecipe:
+    """Compress every compressible ``nn.Linear`` of ``model`` in place (-> :class:`CompressedLinear`).
+
+    Args:
+        model: a causal LM; its linears are read on CPU in float32.
+        config: :class:`CompressConfig`.
+        stats: calibration statistics (required unless the config needs none: magnitude score or
+            dense patterns, uniform groups).
+        executor: where per-layer work runs (default: in-process loop).
+    Returns: the :class:`CompressionRecipe` (per layer: pattern, group sizes, importance, bytes).
+    """
+    executor = executor or SequentialExecutor()
+    linears = compressible_linears(model, config.skip_modules)
+    if not linears:
+        raise ValueError("model has no compressible nn.Linear layers")
+    if stats is None and (config.needs_activation_stats or config.needs_gradients):
+        raise ValueError("this CompressConfig needs calibration statistics (score/policy use them); pass stats=")
+    if stats is not None:
+        missing = [n for n in linears if n not in stats.layers]
+        if missing:
+            raise ValueError(f"calibration statistics missing for layers {missing[:5]} (+{max(len(missing) - 5, 0)})")
+    items = [
+        LayerInput(
+            name=name, weight=m.weight.detach().to("cpu", torch.float32),
+            bias=None if m.bias is None else m.bias.detach().to("cpu"),
+            stats=None if stats is None else stats.layers[name],
+        )
+        for name, m in linears.items()
+    ]
+    handles = executor.put(items)
+    analyses: list[LayerAnalysis] | None = None
+    if stats is not None or _needs_analysis(config):
+        analyses = executor.map(analyze_layer, handles, [config] * len(items), "importance")
+        plan = plan_patterns(analyses, config)
+    else:
+        plan = plan_patterns(
+            [LayerAnalysis(LayerImportance(x.name, x.weight.numel(), {}, _sparsifiable(x)), {}) for x in items], config)
+    results: list[LayerResult] = executor.map(
+        compress_layer, handles, [(plan[x.name], config) for x in items], "quantize+pack")
+    layers = []
+    for i, res in enumerate(results):
+        rec = res.recipe
+        if analyses is not None:
+            a = analyses[i]
+            rec.importance = a.importance.importance
+            rec.proxy_loss = {p.value: float(v) for p, v in a.importance.proxy_loss.items()}
+            rec.score_summary = a.score_summary
+        device = linears[res.name].weight.device
+        _set_module(model, res.name, CompressedLinear(res.packed, res.bias).to(device))
+        layers.append(rec)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    recipe = CompressionRecipe(config=config, layers=layers,
+                               calibration={} if stats is None else dict(stats.info), tied_embeddings=tied)
+    log.info("compressed %d layers: %s", len(layers), recipe.summary())
+    return recipe
+
+
+def densify_(model: nn.Module) -> int:
+    """Replace every :class:`CompressedLinear` by an ``nn.Linear`` holding its dequantized weight
+    (same values, faster repeated CPU evaluation). Returns the number of layers replaced."""
+    names = [n for n, m in model.named_modules() if isinstance(m, CompressedLinear)]
+    for name in names:
+        cl = model.get_submodule(name)
+        w = dequantize_nm_int4(cl.packed, torch.float32)
+        lin = nn.Linear(cl.in_features, cl.out_features, bias=cl.bias is not None, device=w.device)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if cl.bias is not None:
+                lin.bias.copy_(cl.bias)
+        _set_module(model, name, lin)
+    return len(names)

@@ -1,0 +1,205 @@
+"""Asymmetric INT4 group quantization of kept values with per-row adaptive group sizes.
+
+Format (kernels/nm_int4.py): ``w = (q - zero) * scale``, ``q`` in [0, 15], fp16 ``scale``/``zero`` per
+group of ``group_size[r]`` consecutive kept values of row ``r`` (last group may be partial). The range
+of every group is widened to include 0 so ``zero`` lies in [0, 15] (exact in fp16 to ~0.008) and an
+all-zero group is exact.
+
+Group-size choice (SpQR-style sensitivity): the error of a row at size g is
+``err_r(g) = G_r * sum_k H_{col(k)} * (v_rk - deq_g(v)_rk)^2`` with ``H_j = E[x_j^2]`` the input second
+moment of the kept value's column and ``G_r = E[g_r^2]`` the output-gradient moment of the row (1 when
+not collected). Bits of a row: ``4 * Kk + 32 * ceil(Kk / g)`` (INT4 values + fp16 scale + fp16 zero).
+Budget: per layer, at most the bits the uniform ``reference_group_size`` would take, so adaptive and
+uniform layers are byte-for-byte comparable. The assignment is a Lagrangian relaxation (bisection
+on the price of a bit) followed by a greedy fill of the remaining bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adbatch.compress.recipe import GroupPolicy
+
+__all__ = ["QuantizedRows", "quantize_rows", "quantize_fixed", "choose_group_sizes", "row_bits",
+           "dequantize_rows"]
+
+SCALE_ZERO_BITS = 32  # fp16 scale + fp16 zero per group
+VALUE_BITS = 4
+_MIN_SCALE = 2.0 ** -24  # smallest fp16 subnormal; keeps division finite for all-zero groups
+
+
+@dataclass
+class QuantizedRows:
+    """INT4 kept values of a layer, in the layout :func:`kernels.nm_int4.pack_nm_int4` takes.
+
+    ``q`` uint8 [N, Kk]; ``scale``/``zero`` fp16 [G] (rows in order, groups of a row consecutive);
+    ``group_size`` int32 [N]; ``dequant`` float32 [N, Kk] (the values the packed format reproduces);
+    ``error`` float64 [N] the sensitivity-weighted squared error per row.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: torch.Tensor
+    dequant: torch.Tensor
+    error: torch.Tensor
+
+    @property
+    def bits(self) -> int:
+        return int(row_bits(self.q.shape[1], self.group_size).sum())
+
+
+def row_bits(kept: int, group_size: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: bits of each row's INT4 values + scale/zero pairs."""
+    groups = (kept + group_size.to(torch.int64) - 1) // group_size.to(torch.int64)
+    return VALUE_BITS * kept + SCALE_ZERO_BITS * groups
+
+
+def quantize_fixed(values: torch.Tensor, group_size: int, weight: torch.Tensor | None = None):
+    """Quantize every row with the same group size.
+
+    Args: values float [N, Kk]; group_size int; weight float [N, Kk] error weights (None = 1).
+    Returns ``(q uint8 [N, Kk], scale fp16 [N, Gr], zero fp16 [N, Gr], dequant float32 [N, Kk],
+    error float64 [N])`` with ``Gr = ceil(Kk / group_size)``.
+    """
+    if values.dim() != 2:
+        raise ValueError(f"values: expected [N, Kk], got {tuple(values.shape)}")
+    rows, kept = values.shape
+    groups = -(-kept // group_size)
+    padded = torch.zeros(rows, groups * group_size, dtype=torch.float32, device=values.device)
+    padded[:, :kept] = values.float()
+    g = padded.reshape(rows, groups, group_size)
+    # padding is 0 and the range includes 0 anyway, so pads never move min/max
+    lo = g.amin(dim=-1).clamp(max=0.0)
+    hi = g.amax(dim=-1).clamp(min=0.0)
+    scale = ((hi - lo) / 15.0).clamp(min=_MIN_SCALE).half()
+    zero = (-lo / scale.float()).clamp(0.0, 15.0).half()
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)  # quantize with the stored values
+    q = torch.clamp(torch.round(g / s + z), 0, 15)
+    deq = ((q - z) * s).reshape(rows, -1)[:, :kept]
+    q = q.reshape(rows, -1)[:, :kept].to(torch.uint8)
+    diff = (deq - values.float()).pow(2)
+    if weight is not None:
+        diff = diff * weight.float()
+    error = diff.sum(dim=1, dtype=torch.float64)
+    return q, scale, zero, deq, error
+
+
+def _lagrangian_choice(err: torch.Tensor, bits: torch.Tensor, budget: float) -> torch.Tensor:
+    """err float64 [S, N], bits int64 [S] per-row bits of each option -> long [N] option index with
+    total bits <= budget (assumes the cheapest option fits)."""
+    cheapest = int(torch.argmin(bits))
+    b = bits.double().unsqueeze(1)
+
+    def pick(lam: float) -> torch.Tensor:
+        return torch.argmin(err + lam * b, dim=0)
+
+    def total(ch: torch.Tensor) -> float:
+        return float(bits[ch].sum())
+
+    lo, hi = 0.0, 1.0
+    if total(pick(lo)) <= budget:
+        return pick(lo)
+    scale = float(err.max()) + 1e-30
+    hi = scale
+    while total(pick(hi)) > budget and hi < scale * 2.0 ** 80:
+        hi *= 2.0
+    if total(pick(hi)) > budget:
+        return torch.full((err.shape[1],), cheapest, dtype=torch.long)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if total(pick(mid)) <= budget:
+            hi = mid
+        else:
+            lo = mid
+    return pick(hi)
+
+
+def choose_group_sizes(err: torch.Tensor, sizes: tuple[int, ...], kept: int, budget_bits: float) -> torch.Tensor:
+    """Per-row group sizes minimizing the summed error under a bits budget.
+
+    Args: err float64 [S, N] error of each row at each size in ``sizes`` (ascending); kept = Kk;
+    budget_bits: total bits allowed for the layer's values + scales/zeros.
+    Returns int32 [N] group sizes (total bits <= budget_bits whenever the largest size fits).
+    """
+    sizes_t = torch.tensor(sizes, dtype=torch.int64)
+    bits = row_bits(kept, sizes_t)  # [S]
+    idx = _lagrangian_choice(err, bits, budget_bits)
+    used = float(bits[idx].sum())
+    # greedy fill: move rows one size smaller (more groups) where it buys the most error per bit
+    can = idx > 0
+    if bool(can.any()):
+        rows = torch.nonzero(can).squeeze(1)
+        nxt = idx[rows] - 1
+        gain = err[idx[rows], rows] - err[nxt, rows]
+        cost = (bits[nxt] - bits[idx[rows]]).double()
+        ratio = gain / cost.clamp(min=1.0)
+        order = torch.argsort(-ratio, stable=True)
+        cum = used + torch.cumsum(cost[order], 0)
+        # the cumulative sum stays valid only for a prefix; cut at the first row that no longer fits
+        fits = cum <= budget_bits
+        first_bad = int(torch.nonzero(~fits)[0]) if bool((~fits).any()) else len(order)
+        take = order[:first_bad]
+        take = take[gain[take] > 0]
+        idx = idx.clone()
+        idx[rows[take]] = nxt[take]
+    return sizes_t[idx].to(torch.int32)
+
+
+def quantize_rows(values: torch.Tensor, weight: torch.Tensor | None, policy: GroupPolicy,
+                  sizes: tuple[int, ...], reference_size: int) -> QuantizedRows:
+    """Quantize a layer's kept values with uniform or adaptive per-row group sizes.
+
+    Args:
+        values: float [N, Kk] kept values (rows' kept values in ascending column order).
+        weight: float [N, Kk] sensitivity weights ``G_r * H_col`` (None = 1).
+        policy: :class:`GroupPolicy`; sizes: candidate sizes; reference_size: the uniform size whose
+            bits bound the adaptive choice.
+    Returns: :class:`QuantizedRows`.
+    """
+    rows, kept = values.shape
+    policy = GroupPolicy(policy)
+    if policy is GroupPolicy.UNIFORM:
+        chosen = torch.full((rows,), reference_size, dtype=torch.int32)
+    else:
+        sizes = tuple(sorted(sizes))
+        err = torch.stack([quantize_fixed(values, g, weight)[4] for g in sizes])  # [S, N]
+        budget = float(row_bits(kept, torch.full((rows,), reference_size)).sum())
+        chosen = choose_group_sizes(err, sizes, kept, budget)
+    return _quantize_with_sizes(values, weight, chosen)
+
+
+def _quantize_with_sizes(values: torch.Tensor, weight: torch.Tensor | None, chosen: torch.Tensor) -> QuantizedRows:
+    rows, kept = values.shape
+    q = torch.empty(rows, kept, dtype=torch.uint8)
+    deq = torch.empty(rows, kept, dtype=torch.float32)
+    error = torch.empty(rows, dtype=torch.float64)
+    groups = (kept + chosen.to(torch.int64) - 1) // chosen.to(torch.int64)
+    ptr = torch.zeros(rows + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(groups, 0)
+    scale = torch.empty(int(ptr[-1]), dtype=torch.float16)
+    zero = torch.empty(int(ptr[-1]), dtype=torch.float16)
+    # one vectorized pass per distinct size (at most 4), not per row
+    for g in sorted(set(chosen.tolist())):
+        sel = torch.nonzero(chosen == g).squeeze(1)
+        w = weight[sel] if weight is not None else None
+        qs, sc, zs, dq, er = quantize_fixed(values[sel], int(g), w)
+        q[sel], deq[sel], error[sel] = qs, dq, er
+        slots = (ptr[sel].unsqueeze(1) + torch.arange(sc.shape[1]).unsqueeze(0)).reshape(-1)
+        scale[slots] = sc.reshape(-1)
+        zero[slots] = zs.reshape(-1)
+    return QuantizedRows(q=q, scale=scale, zero=zero, group_size=chosen.to(torch.int32), dequant=deq, error=error)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: torch.Tensor) -> torch.Tensor:
+    """Inverse map of the format: q uint8 [N, Kk], scale/zero fp16 [G], group_size int32 [N] ->
+    float32 [N, Kk] ``(q - zero) * scale``."""
+    rows, kept = q.shape
+    gs = group_size.to(torch.int64)
+    groups = (kept + gs - 1) // gs
+    ptr = torch.zeros(rows + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(groups, 0)
+    gidx = ptr[:-1].unsqueeze(1) + torch.arange(kept).unsqueeze(0) // gs.unsqueeze(1)
+    return (q.float() - zero.float()[gidx]) * scale.float()[gidx]

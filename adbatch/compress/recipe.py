@@ -1,0 +1,222 @@
+"""Configs, enums and the per-layer recipe of the compression stage (JSON round-trip, no pickle).
+
+:class:`CompressConfig` holds the knobs (what to do); :class:`CompressionRecipe` records what was
+done to every layer (pattern, group sizes, importance, score summary) and is written as
+``recipe.json`` inside the compressed checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Any
+
+from adbatch.config import ConfigBase, ConfigError
+from kernels.nm_int4 import GROUP_SIZES, SparsityPattern
+
+__all__ = [
+    "CalibrationConfig", "CompressConfig", "CompressionRecipe", "GroupPolicy", "LayerRecipe",
+    "PatternPolicy", "ScoreMethod", "SparsityPattern", "PATTERN_DENSITY",
+]
+
+#: fraction of the weights of a layer kept by each pattern
+PATTERN_DENSITY: dict[SparsityPattern, float] = {
+    SparsityPattern.DENSE: 1.0, SparsityPattern.TWO_FOUR: 0.5, SparsityPattern.ONE_FOUR: 0.25,
+}
+
+
+class ScoreMethod(str, enum.Enum):
+    """Element importance used to choose the kept weights of every group of 4."""
+
+    MAGNITUDE = "magnitude"  #: |W_ij|
+    WANDA = "wanda"  #: |W_ij| * ||X_j||_2
+    PAPER = "paper"  #: |W_ij| * ||X_j||_2 + |W_ij| * |dE/dW_ij|  (DESIGN.md section 1)
+
+
+class PatternPolicy(str, enum.Enum):
+    """How each layer's N:M pattern is chosen."""
+
+    NONE = "none"  #: every layer dense (INT4 only)
+    UNIFORM = "uniform"  #: every layer gets ``uniform_pattern``
+    INTERLEAVED = "interleaved"  #: importance-blind mix hitting ``target_density`` (ablation baseline)
+    LAYER_ADAPTIVE = "layer_adaptive"  #: importance-driven mix hitting ``target_density``
+
+
+class GroupPolicy(str, enum.Enum):
+    """How each output row's INT4 group size is chosen."""
+
+    UNIFORM = "uniform"  #: every row uses ``reference_group_size``
+    ADAPTIVE = "adaptive"  #: per-row sizes from ``group_sizes`` at the bits of ``reference_group_size``
+
+
+@dataclasses.dataclass
+class CalibrationConfig(ConfigBase):
+    """Which texts go through the model to collect the statistics, and how many."""
+
+    path: Path | None = dataclasses.field(default=None, metadata={
+        "help": "calibration texts: a .txt file (one text per line) or a Parquet with a 'text' column "
+                "(or 'title'/'description'); None = sample the bundled examples/slogan_ads.parquet"})
+    num_texts: int = dataclasses.field(default=128, metadata={"help": "texts sampled for calibration"})
+    seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per calibration sequence"})
+    batch_size: int = dataclasses.field(default=4, metadata={"help": "sequences per forward/backward"})
+    use_gradients: bool = dataclasses.field(default=True, metadata={
+        "help": "backpropagate the LM loss to collect |dE/dW| and output-gradient moments"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed"})
+
+    def validate(self) -> None:
+        for name in ("num_texts", "seq_len", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"CalibrationConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class CompressConfig(ConfigBase):
+    """The compression knobs. Defaults = the full recipe (paper score, layer-adaptive, adaptive INT4)."""
+
+    score: ScoreMethod = dataclasses.field(default=ScoreMethod.PAPER, metadata={
+        "help": "element score for N:M selection"})
+    grad_weight: float = dataclasses.field(default=1.0, metadata={
+        "help": "weight of the |W|*|dE/dW| term in the paper score (1.0 = the paper's formula)"})
+    pattern_policy: PatternPolicy = dataclasses.field(default=PatternPolicy.LAYER_ADAPTIVE, metadata={
+        "help": "how layers get their N:M pattern"})
+    uniform_pattern: SparsityPattern = dataclasses.field(default=SparsityPattern.TWO_FOUR, metadata={
+        "help": "pattern of every layer when pattern_policy=uniform"})
+    target_density: float = dataclasses.field(default=0.5, metadata={
+        "help": "average fraction of weights kept (parameter-weighted) for the mixed policies"})
+    allowed_patterns: tuple[SparsityPattern, ...] = dataclasses.field(
+        default=(SparsityPattern.ONE_FOUR, SparsityPattern.TWO_FOUR, SparsityPattern.DENSE),
+        metadata={"help": "patterns the mixed policies may assign"})
+    group_policy: GroupPolicy = dataclasses.field(default=GroupPolicy.ADAPTIVE, metadata={
+        "help": "INT4 group-size policy"})
+    group_sizes: tuple[int, ...] = dataclasses.field(default=GROUP_SIZES, metadata={
+        "help": "candidate group sizes (kept values per group)"})
+    reference_group_size: int = dataclasses.field(default=128, metadata={
+        "help": "uniform group size; the adaptive policy spends at most this size's bits per layer"})
+    skip_modules: tuple[str, ...] = dataclasses.field(default=("lm_head",), metadata={
+        "help": "linear modules (name suffixes) left dense in their original dtype"})
+    dense_dtype: str = dataclasses.field(default="float16", metadata={
+        "help": "dtype of the uncompressed tensors (embeddings, norms, lm_head) in the checkpoint"})
+    shard_max_bytes: int = dataclasses.field(default=512 << 20, metadata={
+        "help": "largest safetensors shard of packed layers"})
+
+    def validate(self) -> None:
+        if not 0.25 <= self.target_density <= 1.0:
+            raise ConfigError(f"CompressConfig.target_density must be in [0.25, 1], got {self.target_density}")
+        bad = [g for g in self.group_sizes if g not in GROUP_SIZES]
+        if bad or not self.group_sizes:
+            raise ConfigError(f"CompressConfig.group_sizes must be a non-empty subset of {GROUP_SIZES}, got {self.group_sizes}")
+        if self.reference_group_size not in GROUP_SIZES:
+            raise ConfigError(f"CompressConfig.reference_group_size must be in {GROUP_SIZES}, got {self.reference_group_size}")
+        if not self.allowed_patterns:
+            raise ConfigError("CompressConfig.allowed_patterns must not be empty")
+        self.allowed_patterns = tuple(SparsityPattern(p) for p in self.allowed_patterns)
+        self.group_sizes = tuple(sorted(int(g) for g in self.group_sizes))
+        lowest = min(PATTERN_DENSITY[p] for p in self.allowed_patterns)
+        if self.pattern_policy in (PatternPolicy.INTERLEAVED, PatternPolicy.LAYER_ADAPTIVE) and self.target_density < lowest:
+            raise ConfigError(f"CompressConfig.target_density={self.target_density} is below the sparsest allowed pattern ({lowest})")
+        if self.dense_dtype not in ("float16", "bfloat16", "float32"):
+            raise ConfigError(f"CompressConfig.dense_dtype must be float16, bfloat16 or float32, got {self.dense_dtype!r}")
+        if self.grad_weight < 0:
+            raise ConfigError(f"CompressConfig.grad_weight must be >= 0, got {self.grad_weight}")
+        if self.shard_max_bytes <= 0:
+            raise ConfigError("CompressConfig.shard_max_bytes must be > 0")
+
+    @property
+    def needs_activation_stats(self) -> bool:
+        sparse = self.pattern_policy is not PatternPolicy.NONE
+        return (sparse and self.score is not ScoreMethod.MAGNITUDE) or self.group_policy is GroupPolicy.ADAPTIVE \
+            or self.pattern_policy is PatternPolicy.LAYER_ADAPTIVE
+
+    @property
+    def needs_gradients(self) -> bool:
+        sparse = self.pattern_policy is not PatternPolicy.NONE
+        return sparse and self.score is ScoreMethod.PAPER and self.grad_weight > 0
+
+
+@dataclasses.dataclass
+class LayerRecipe:
+    """What was applied to one linear layer (one entry of ``recipe.json``)."""
+
+    name: str
+    out_features: int
+    in_features: int
+    pattern: SparsityPattern
+    group_size_counts: dict[int, int]  #: group size -> number of rows using it
+    bits_per_kept: float  #: INT4 value + scale/zero bits per kept value (positions excluded)
+    packed_bytes: int
+    importance: float | None  #: proxy loss increase per weight removed going 2:4 -> 1:4
+    proxy_loss: dict[str, float]  #: pattern -> proxy loss increase of pruning this layer with it
+    score_summary: dict[str, float]  #: magnitudes of the score terms (mean |W|*||X||, mean |W|*|G|)
+    quant_error: float  #: sum of the sensitivity-weighted squared quantization error
+    shard: str = ""
+    packed_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["pattern"] = self.pattern.value
+        d["group_size_counts"] = {str(k): int(v) for k, v in self.group_size_counts.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LayerRecipe":
+        d = dict(d)
+        d["pattern"] = SparsityPattern(d["pattern"])
+        d["group_size_counts"] = {int(k): int(v) for k, v in d["group_size_counts"].items()}
+        return cls(**d)
+
+
+@dataclasses.dataclass
+class CompressionRecipe:
+    """The config plus every layer's outcome; ``recipe.json`` in a compressed checkpoint."""
+
+    config: CompressConfig
+    layers: list[LayerRecipe]
+    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tied_embeddings: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(),
+            "layers": [layer.to_dict() for layer in self.layers],
+            "calibration": self.calibration,
+            "tied_embeddings": self.tied_embeddings,
+            "summary": self.summary(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompressionRecipe":
+        for key in ("config", "layers"):
+            if key not in d:
+                raise ValueError(f"recipe.json: missing field {key!r}")
+        return cls(
+            config=CompressConfig.from_dict(d["config"]),
+            layers=[LayerRecipe.from_dict(x) for x in d["layers"]],
+            calibration=dict(d.get("calibration", {})),
+            tied_embeddings=bool(d.get("tied_embeddings", False)),
+        )
+
+    def layer(self, name: str) -> LayerRecipe:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no layer {name!r} in the recipe")
+
+    def summary(self) -> dict[str, Any]:
+        """Parameter-weighted density, bits per weight of the compressed linears, pattern counts."""
+        params = sum(x.out_features * x.in_features for x in self.layers)
+        if params == 0:
+            return {"layers": 0}
+        kept = sum(x.out_features * x.in_features * PATTERN_DENSITY[x.pattern] for x in self.layers)
+        packed = sum(x.packed_bytes for x in self.layers)
+        counts: dict[str, int] = {}
+        for x in self.layers:
+            counts[x.pattern.value] = counts.get(x.pattern.value, 0) + 1
+        return {
+            "layers": len(self.layers),
+            "params": params,
+            "density": kept / params,
+            "packed_bytes": packed,
+            "bits_per_weight": 8.0 * packed / params,
+            "pattern_counts": counts,
+        }

@@ -1,0 +1,317 @@
+"""Trie-constrained batched beam search with prefix-tree parallel verification.
+
+Scoring rule (identical in every verify mode): a candidate's raw score is the sum of the exact
+log-probs of its target tokens, each a ``log_softmax`` over the FULL vocabulary (the trie only
+masks which tokens may be chosen, it never renormalizes). Its final score is
+``raw / len ** length_penalty`` (``len`` = target tokens; 0 = the plain sum, the default).
+Running beams are ranked by raw score, finished candidates by final score, as in HF beam search.
+
+Per step and query (mirrors HF ``generate(num_beams=B, early_stopping=False, length_penalty=0)``):
+expand every running beam by its trie children; a terminal child ranked among the query's top
+``B`` candidates enters the finished pool (``P = max(B, top_k)`` best trie nodes kept); the top
+``B`` candidates that have children become the next running beams. With the plain sum, scores only
+decrease along a path, so a running beam scoring at or below the pool's worst cannot improve it and
+is dropped: a query ends when its pool is full and no beam can enter, or when no beam runs.
+
+Verification (``VerifyMode``): a newly chosen beam may instead be finished in one tree pass
+(:mod:`adbatch.decoding.tree_verify`): every candidate below it enters the pool with its exact score,
+competing with running beams' candidates on equal terms. The GPU->CPU sync happens once per step
+(beam liveness, node sizes and parents in one small tensor), which the trigger and the cache
+bookkeeping need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from adbatch.decoding.config import TargetSearchConfig, VerifyMode
+from adbatch.decoding.cost_model import CostModel, load_or_calibrate
+from adbatch.decoding.kv import (check_supported, forward_hidden, head_logprobs, keep_rows, left_pad,
+                                 model_device, new_cache)
+from adbatch.decoding.tree_verify import TrieAux, final_scores, verify_trees
+
+log = logging.getLogger(__name__)
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass
+class TargetSearchResult:
+    """Per query the best ``k`` ad rows.
+
+    ``rows``: ``Long[Q, k]`` index rows (-1 padding), best first; rows sharing one target sequence
+    (one terminal trie node) are consecutive, in ascending row order, with equal scores.
+    ``scores``: ``Float32[Q, k]`` final scores (-inf on padding). ``stats``: counters (see docs).
+    """
+
+    rows: torch.Tensor
+    scores: torch.Tensor
+    stats: dict[str, Any]
+
+
+def _merge_pool(pool_s: torch.Tensor, pool_n: torch.Tensor, new_s: torch.Tensor,
+                new_n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the best ``P`` of pool ``[Q, P]`` + new ``[Q, M]`` finished nodes (scores desc)."""
+    s = torch.cat([pool_s, new_s], 1)
+    n = torch.cat([pool_n, new_n], 1)
+    top_s, idx = s.topk(pool_s.shape[1], dim=1)
+    return top_s, n.gather(1, idx)
+
+
+def _rows_from_pool(pool_s: torch.Tensor, pool_n: torch.Tensor, aux: TrieAux, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expand pool nodes ``[Q, P]`` to their ad rows, truncated to ``k`` per query."""
+    Q, P = pool_n.shape
+    safe = pool_n.clamp(min=0)
+    cnt = torch.where(pool_n >= 0, aux.terminal_ptr[safe + 1] - aux.terminal_ptr[safe], 0)
+    cum = cnt.cumsum(1)                                                   # [Q, P]
+    j = torch.arange(k, device=pool_n.device)[None].expand(Q, k).contiguous()
+    which = torch.searchsorted(cum, j, right=True)                        # [Q, k]
+    valid = which < P
+    which = which.clamp(max=P - 1)
+    node = safe.gather(1, which)
+    offset = j - (cum - cnt).gather(1, which)
+    rows = aux.terminal_rows[(aux.terminal_ptr[node] + offset).clamp(max=aux.terminal_rows.numel() - 1)]
+    rows = torch.where(valid, rows, -1)
+    scores = torch.where(valid, pool_s.gather(1, which), NEG_INF)
+    return rows, scores
+
+
+def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
+                     cfg: TargetSearchConfig, cost: CostModel | None) -> np.ndarray:
+    """Host-side trigger over the step's new real beams (flat slot arrays). Returns a Bool mask.
+
+    ``pending``: beams that would be decoded next step; ``fed``: tree tokens a verification of each
+    would feed; ``height``: decode steps each still needs. Trees in one pass are right-padded to
+    the largest, so a pass of ``n`` beams costs ``verify_ms(n * largest fed)``.
+
+    ``always``: every beam that fits the caps (smallest trees first). ``auto``: (1) when every
+    pending beam fits and one pass over all of them costs less than the rest of the search
+    (``max height x step_ms(rows)``), verify all — the search ends now; (2) otherwise take the
+    smallest trees first, as many as keep the pass cheaper than the decode work they retire, each
+    beam charged its share of a step (``height x step_ms(rows) / rows``).
+    """
+    out = np.zeros_like(pending)
+    if cfg.verify is VerifyMode.OFF or not pending.any():
+        return out
+    fits = pending & (fed <= cfg.max_tree_tokens)
+    idx = np.flatnonzero(fits)
+    if idx.size == 0:
+        return out
+    idx = idx[np.argsort(fed[idx], kind="stable")]
+    padded = np.arange(1, idx.size + 1) * fed[idx]             # pass tokens of the first j beams
+    within = padded <= cfg.max_tokens_per_pass
+    if cfg.verify is VerifyMode.ALWAYS:
+        out[idx[within]] = True
+        return out
+    assert cost is not None, "verify=auto needs a cost model"
+    rows = int(pending.sum())
+    step = float(cost.step_cost(rows))
+    if idx.size == rows and within[-1] and float(cost.verify_cost(padded[-1])) < height[idx].max() * step:
+        out[idx] = True
+        return out
+    saved = np.cumsum(height[idx]) * (step / rows)
+    ok = within & (cost.verify_cost(padded) < saved)
+    if ok.any():
+        out[idx[: int(np.flatnonzero(ok)[-1]) + 1]] = True
+    return out
+
+
+@torch.no_grad()
+def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
+                  cfg: TargetSearchConfig, cost: CostModel | None, pad_id: int,
+                  stats: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query batch. Beam slots ``[Q * B]`` are REAL (prefix in a cache row, decoded step by
+    step) or VIRTUAL (inside a verified subtree: every descendant's exact score is already known,
+    so the slot keeps competing for beam places exactly as in ``off`` mode, at no model cost;
+    its terminals are already in the pool)."""
+    dev = model_device(model)
+    Q, B, P = len(prompts), cfg.num_beams, cfg.pool_size
+    lp_pen = cfg.length_penalty
+    max_steps = cfg.max_steps or aux.max_depth
+
+    ids, attn, pos = left_pad(prompts, pad_id, dev)
+    cache = new_cache()
+    hidden = forward_hidden(model, ids, attn, pos, cache)
+    logp = head_logprobs(model, hidden[:, -1], cfg.logprob_chunk)         # [R, V]
+    next_pos = attn.sum(1)                                                # [R]
+    row_slot = torch.arange(Q, device=dev) * B                            # [R] slot of each row
+    S = Q * B
+    s_node = torch.full((S,), -1, dtype=torch.long, device=dev)
+    s_node[row_slot] = 0
+    s_score = torch.full((S,), NEG_INF, device=dev)
+    s_score[row_slot] = 0.0
+    s_virtual = torch.zeros(S, dtype=torch.bool, device=dev)
+    s_vbase = torch.zeros(S, dtype=torch.long, device=dev)
+    vraw = torch.zeros(1, device=dev)        # raw scores of verified subtrees, flat
+    width = max(aux.root_degree, 1)
+    pool_s = torch.full((Q, P), NEG_INF, device=dev)
+    pool_n = torch.full((Q, P), -1, dtype=torch.long, device=dev)
+    q_of_slot = torch.arange(S, device=dev) // B
+    stats["prefill_rows"] += Q
+
+    for _ in range(max_steps):
+        R = row_slot.shape[0]
+        tok, child = trie.children_padded(s_node, width=width)            # [S, C]
+        C = tok.shape[1]
+        csafe = child.clamp(min=0)
+        cand = torch.full((S, C), NEG_INF, device=dev)
+        if R:
+            cand[row_slot] = s_score[row_slot, None] + logp.gather(1, tok[row_slot].clamp(min=0))
+        virt = s_virtual[:, None].expand(S, C)
+        cand = torch.where(virt, vraw[(s_vbase[:, None] + csafe).clamp(0, vraw.numel() - 1)], cand)
+        cand = torch.where((tok >= 0) & (s_node[:, None] >= 0), cand, NEG_INF)
+        row_of_slot = torch.full((S,), -1, dtype=torch.long, device=dev)
+        row_of_slot[row_slot] = torch.arange(R, device=dev)
+        flat_s, flat_t, flat_c = cand.view(Q, B * C), tok.view(Q, B * C), child.view(Q, B * C)
+        flat_v = virt.reshape(Q, B * C)
+        k1 = min(B, B * C)
+
+        # Finished: terminal children among the query's top-B candidates (HF's rule); virtual
+        # ones take their rank but are in the pool already.
+        top_s, top_i = flat_s.topk(k1, dim=1)
+        top_c = flat_c.gather(1, top_i)
+        fin = (torch.isfinite(top_s) & (top_c >= 0) & aux.is_terminal[top_c.clamp(min=0)]
+               & ~flat_v.gather(1, top_i))
+        fin_s = torch.where(fin, final_scores(top_s, aux.depth[top_c.clamp(min=0)], lp_pen), NEG_INF)
+        pool_s, pool_n = _merge_pool(pool_s, pool_n, fin_s, torch.where(fin, top_c, -1))
+
+        # Running: the top-B candidates that can still grow.
+        grow = (flat_c >= 0) & (aux.degree[flat_c.clamp(min=0)] > 0)
+        run_s, run_i = torch.where(grow, flat_s, NEG_INF).topk(k1, dim=1)  # [Q, k1]
+        alive = torch.isfinite(run_s)
+        if lp_pen == 0.0:  # bound: descendants score <= the beam; drop beams that cannot enter
+            alive &= run_s > pool_s[:, -1:]
+        if k1 < B:
+            pad = B - k1
+            run_s = torch.cat([run_s, torch.full((Q, pad), NEG_INF, device=dev)], 1)
+            run_i = torch.cat([run_i, torch.zeros((Q, pad), dtype=torch.long, device=dev)], 1)
+            alive = torch.cat([alive, torch.zeros((Q, pad), dtype=torch.bool, device=dev)], 1)
+        run_c = flat_c.gather(1, run_i).reshape(-1)
+        run_t = flat_t.gather(1, run_i).reshape(-1)
+        run_s, alive = run_s.reshape(-1), alive.reshape(-1)
+        parent_slot = q_of_slot * B + run_i.reshape(-1) // C
+        run_virtual = s_virtual[parent_slot] & alive
+        parent_row = row_of_slot[parent_slot]
+        nsafe = run_c.clamp(min=0)
+        # The step's one GPU->CPU sync: everything the trigger and the bookkeeping need.
+        host = torch.stack([alive.long(), run_virtual.long(), aux.fed[nsafe], aux.height[nsafe],
+                            aux.sub[nsafe], aux.degree[nsafe], aux.depth[nsafe]]).cpu().numpy()
+        h_alive, h_virtual = host[0].astype(bool), host[1].astype(bool)
+        pending = h_alive & ~h_virtual
+        if not pending.any():
+            break  # only virtual beams left: their candidates are all in the pool
+        verify = _choose_verified(pending, host[2], host[3], cfg, cost)
+        cont = pending & ~verify
+
+        new_vbase = s_vbase[parent_slot]
+        if verify.any():
+            vs = np.flatnonzero(verify)
+            v_slots = torch.from_numpy(vs).to(dev)
+            fed_max, sub_max = int(host[2][vs].max()), int(host[4][vs].max())
+            scores, nodes, raw = verify_trees(
+                model, cache, parent_row[v_slots], attn, next_pos, run_c[v_slots], run_s[v_slots],
+                aux, fed_max=fed_max, sub_max=sub_max, height_max=int(host[3][vs].max()),
+                length_penalty=lp_pen, chunk=cfg.logprob_chunk)
+            m = min(P, scores.shape[1])
+            s_top, i_top = scores.topk(m, dim=1)                          # [V, m]
+            buf_s = torch.full((S, m), NEG_INF, device=dev)
+            buf_n = torch.full((S, m), -1, dtype=torch.long, device=dev)
+            buf_s[v_slots], buf_n[v_slots] = s_top, nodes.gather(1, i_top)
+            pool_s, pool_n = _merge_pool(pool_s, pool_n, buf_s.view(Q, B * m), buf_n.view(Q, B * m))
+            # The verified slots turn virtual: node c of beam v's subtree scores vraw[vbase + c].
+            offset = vraw.numel()
+            vraw = torch.cat([vraw, raw.reshape(-1)])
+            new_vbase[v_slots] = offset + torch.arange(vs.size, device=dev) * sub_max - run_c[v_slots]
+            run_virtual[v_slots] = True
+            stats["verify_passes"] += 1
+            stats["beams_verified"] += int(vs.size)
+            stats["verify_tokens"] += int(vs.size) * fed_max
+            stats["verified_depths"].update(host[6][vs].tolist())
+            stats["tree_tokens_max"] = max(stats["tree_tokens_max"], int(host[2][vs].max()))
+            stats["tree_tokens_sum"] += int(host[2][vs].sum())
+
+        s_node = torch.where(alive, run_c, -1)
+        s_score = torch.where(alive, run_s, NEG_INF)
+        s_virtual, s_vbase = run_virtual, new_vbase
+        width = max(int(host[5][h_alive].max()), 1)
+        if not cont.any():
+            break
+        cs = np.flatnonzero(cont)
+        c_slots = torch.from_numpy(cs).to(dev)
+        parents = parent_row[c_slots]
+        keep_rows(cache, parents)
+        attn = torch.cat([attn[parents], torch.ones(cs.size, 1, dtype=attn.dtype, device=dev)], 1)
+        step_pos = next_pos[parents]
+        hidden = forward_hidden(model, run_t[c_slots][:, None], attn, step_pos[:, None], cache)
+        logp = head_logprobs(model, hidden[:, -1], cfg.logprob_chunk)
+        next_pos = step_pos + 1
+        row_slot = c_slots
+        stats["steps"] += 1
+        stats["decode_rows"] += int(cs.size)
+    return _rows_from_pool(pool_s, pool_n, aux, cfg.top_k)
+
+
+def _new_stats(cfg: TargetSearchConfig) -> dict[str, Any]:
+    return {"mode": cfg.verify.value, "queries": 0, "prefill_rows": 0, "steps": 0, "decode_rows": 0,
+            "verify_passes": 0, "beams_verified": 0, "verify_tokens": 0, "tree_tokens_sum": 0,
+            "tree_tokens_max": 0, "verified_depths": Counter()}
+
+
+def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: TargetSearchConfig,
+                   cost_model: CostModel | None = None) -> TargetSearchResult:
+    """Best ``config.top_k`` ads per prompt, by exact constrained log-probability.
+
+    Args:
+        model: a HF causal LM (eval mode) whose log-probs are ``log_softmax(lm_head(hidden))``.
+        prompts: ``Q`` token-id lists (e.g. from ``encode_targeting_prompt``); the ad's target
+            sequence follows each prompt directly.
+        trie: an :class:`adbatch.trie.Trie` over the index's target sequences (any device; moved
+            to the model's device).
+        config: :class:`TargetSearchConfig`.
+        cost_model: the trigger's measurements for ``verify=auto``; default: the saved calibration
+            for this model/device/dtype, measured now if absent.
+    Returns:
+        :class:`TargetSearchResult` with ``rows Long[Q, k]``, ``scores Float32[Q, k]`` (CPU) and
+        ``stats`` (steps, decode rows, verify passes, beams verified, tree tokens, verified depths).
+    """
+    check_supported(model)
+    if not isinstance(config, TargetSearchConfig):
+        raise TypeError(f"config must be a TargetSearchConfig, got {type(config).__name__}")
+    dev = model_device(model)
+    head = model.get_output_embeddings()
+    vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
+    if trie.vocab_upper_bound > vocab:
+        raise ValueError(f"trie uses token ids up to {trie.vocab_upper_bound - 1} but the model's "
+                         f"vocabulary has {vocab} entries")
+    if trie.device != dev:
+        trie = trie.to(dev)
+    aux = TrieAux(trie)
+    if config.verify is VerifyMode.AUTO and cost_model is None:
+        cost_model = load_or_calibrate(model)
+    pad_id = getattr(model.config, "pad_token_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)
+    stats = _new_stats(config)
+    rows, scores = [], []
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(prompts), config.batch_size):
+            chunk = [list(map(int, p)) for p in prompts[start:start + config.batch_size]]
+            r, s = _search_batch(model, chunk, aux, trie, config, cost_model, pad_id, stats)
+            rows.append(r.cpu())
+            scores.append(s.cpu())
+    finally:
+        model.train(was_training)
+    stats["queries"] = len(prompts)
+    stats["verified_depths"] = {int(k): int(v) for k, v in sorted(stats["verified_depths"].items())}
+    if stats["beams_verified"]:
+        stats["tree_tokens_mean"] = stats["tree_tokens_sum"] / stats["beams_verified"]
+    log.debug("search_targets stats: %s", stats)
+    return TargetSearchResult(torch.cat(rows, 0), torch.cat(scores, 0), stats)

@@ -1,0 +1,105 @@
+"""Configs and enums of the decoding stage (targeting search and creative generation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import field
+
+from adbatch.config import ConfigBase, ConfigError
+
+
+class VerifyMode(str, enum.Enum):
+    """When a beam switches from step-by-step decoding to prefix-tree parallel verification."""
+
+    OFF = "off"  #: never: plain trie-constrained beam search
+    AUTO = "auto"  #: when the measured cost model says one tree pass is cheaper than the steps left
+    ALWAYS = "always"  #: whenever the beam's tree fits the token caps
+
+
+class CreativeStrategy(str, enum.Enum):
+    """How free text is decoded for creatives."""
+
+    GREEDY = "greedy"
+    SAMPLE = "sample"  #: temperature + nucleus (top-p) sampling
+    BEAM = "beam"  #: beam search ranked by mean log-prob per token
+
+
+@dataclasses.dataclass
+class TargetSearchConfig(ConfigBase):
+    """Trie-constrained beam search over an ad index (see docs/decoding.md for the scoring rule)."""
+
+    num_beams: int = field(default=8, metadata={"help": "running beams per query"})
+    top_k: int = field(default=10, metadata={"help": "ad rows returned per query"})
+    verify: VerifyMode = field(default=VerifyMode.AUTO, metadata={"help": "off | auto | always"})
+    max_tree_tokens: int = field(
+        default=256, metadata={"help": "a beam is verifiable only if its tree feeds <= this many tokens"})
+    max_tokens_per_pass: int = field(
+        default=4096, metadata={"help": "cap on padded tree tokens (beams x longest tree) in one pass"})
+    length_penalty: float = field(
+        default=0.0, metadata={"help": "final score = sum log-prob / length**length_penalty (0 = plain sum)"})
+    max_steps: int = field(default=0, metadata={"help": "decode steps cap; 0 = the trie's height"})
+    batch_size: int = field(default=64, metadata={"help": "queries searched together"})
+    logprob_chunk: int = field(
+        default=1024, metadata={"help": "positions per chunk when turning tree hidden states into log-probs"})
+
+    def validate(self) -> None:
+        if self.num_beams < 1:
+            raise ConfigError(f"TargetSearchConfig.num_beams must be >= 1, got {self.num_beams}")
+        if self.top_k < 1:
+            raise ConfigError(f"TargetSearchConfig.top_k must be >= 1, got {self.top_k}")
+        if self.max_tree_tokens < 1:
+            raise ConfigError(f"TargetSearchConfig.max_tree_tokens must be >= 1, got {self.max_tree_tokens}")
+        if self.max_tokens_per_pass < self.max_tree_tokens:
+            raise ConfigError("TargetSearchConfig.max_tokens_per_pass must be >= max_tree_tokens "
+                              f"({self.max_tokens_per_pass} < {self.max_tree_tokens})")
+        if self.max_steps < 0:
+            raise ConfigError(f"TargetSearchConfig.max_steps must be >= 0, got {self.max_steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"TargetSearchConfig.batch_size must be >= 1, got {self.batch_size}")
+        if self.logprob_chunk < 1:
+            raise ConfigError(f"TargetSearchConfig.logprob_chunk must be >= 1, got {self.logprob_chunk}")
+
+    @property
+    def pool_size(self) -> int:
+        """Finished trie nodes kept per query: max(num_beams, top_k)."""
+        return max(self.num_beams, self.top_k)
+
+
+@dataclasses.dataclass
+class CreativeConfig(ConfigBase):
+    """Free-text generation for creatives on the shared KV-cache loop."""
+
+    strategy: CreativeStrategy = field(default=CreativeStrategy.GREEDY,
+                                       metadata={"help": "greedy | sample | beam"})
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens generated at most"})
+    num_return: int = field(default=1, metadata={"help": "texts returned per prompt"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus mass kept when sampling"})
+    num_beams: int = field(default=4, metadata={"help": "beams per prompt (strategy beam)"})
+    stop_strings: list[str] = field(default_factory=lambda: ["\n"],
+                                    metadata={"help": "text is cut before the first of these"})
+    seed: int = field(default=0, metadata={"help": "sampling seed"})
+    batch_size: int = field(default=32, metadata={"help": "prompts decoded together"})
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"CreativeConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_return < 1:
+            raise ConfigError(f"CreativeConfig.num_return must be >= 1, got {self.num_return}")
+        if self.temperature <= 0:
+            raise ConfigError(f"CreativeConfig.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"CreativeConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.num_beams < 1:
+            raise ConfigError(f"CreativeConfig.num_beams must be >= 1, got {self.num_beams}")
+        if self.strategy is CreativeStrategy.BEAM and self.num_return > self.num_beams:
+            raise ConfigError("CreativeConfig.num_return must be <= num_beams for strategy beam "
+                              f"({self.num_return} > {self.num_beams})")
+        if self.strategy is CreativeStrategy.GREEDY and self.num_return != 1:
+            raise ConfigError("CreativeConfig.num_return must be 1 for strategy greedy "
+                              f"(got {self.num_return}); use sample or beam for several")
+        if any(not s for s in self.stop_strings):
+            raise ConfigError("CreativeConfig.stop_strings must not contain an empty string")
+        if self.batch_size < 1:
+            raise ConfigError(f"CreativeConfig.batch_size must be >= 1, got {self.batch_size}")

@@ -1,0 +1,137 @@
+"""Prefix-tree parallel verification: score every candidate below a beam in ONE forward pass.
+
+For a beam at trie node ``n`` whose own token is still pending (chosen this step, not yet fed), the
+tree fed to the model is ``n`` itself plus every *internal* node of its subtree (nodes with
+children). Leaves are never fed: their log-prob is read at their parent's position. Each fed token
+attends to its row's cached prefix and to its own ancestors inside the tree (ancestor-or-self),
+with ``position_ids = next position of the beam + depth below n``. So the log-prob of a tree
+token equals the one a plain step-by-step decode of its branch would give.
+
+The trie keeps node ids in depth-first preorder (adbatch/trie.py), so the subtree of ``n`` is the
+id range ``[n, n + subtree_nodes[n])`` and "a is an ancestor of b" is the interval test
+``a <= b < a + subtree_nodes[a]``: trees, masks and path sums are built on the device with no
+per-beam Python. Several beams of several queries share one pass (trees right-padded); the tree
+tokens go into a throw-away copy of the beams' cache rows, so the main cache needs no crop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from adbatch.decoding.kv import copy_rows, forward_hidden, head_logprobs, model_dtype
+
+
+class TrieAux:
+    """Per-node arrays derived once from a trie, on its device (all ``Long[N]`` unless noted).
+
+    ``degree``, ``is_terminal`` (Bool), ``height``, ``depth``, ``sub`` (subtree_nodes),
+    ``parent``, ``token``, ``fed`` (tokens a verification of the node feeds: the node itself
+    plus the internal nodes below it), ``terminal_ptr`` / ``terminal_rows``.
+    """
+
+    def __init__(self, trie: Any) -> None:
+        self.degree = (trie.child_ptr[1:] - trie.child_ptr[:-1]).long()
+        self.terminal_ptr = trie.terminal_ptr.long()
+        self.terminal_rows = trie.terminal_rows.long()
+        self.is_terminal = self.terminal_ptr[1:] > self.terminal_ptr[:-1]
+        self.height = trie.height.long()
+        self.depth = trie.depth.long()
+        self.sub = trie.subtree_nodes.long()
+        self.parent = trie.parent.long()
+        self.token = trie.token.long()
+        n = self.degree.shape[0]
+        ids = torch.arange(n, device=self.degree.device)
+        # Preorder check: every non-root node lies inside its parent's id interval, after it.
+        if n > 1:
+            p = self.parent[1:]
+            ok = bool(((p >= 0) & (p < ids[1:]) & (ids[1:] < p + self.sub[p.clamp(min=0)])).all())
+            if not ok or int(self.sub[0]) != n:
+                raise ValueError("trie node ids are not in depth-first preorder; adbatch.decoding "
+                                 "relies on the contiguous-subtree layout of adbatch.trie")
+        internal = (self.degree > 0).long()
+        csum = torch.zeros(n + 1, dtype=torch.long, device=ids.device)
+        csum[1:] = internal.cumsum(0)
+        # The node's own (pending) token is always fed, internal or not.
+        self.fed = csum[ids + self.sub] - csum[ids] + (1 - internal)
+        self.max_depth = int(self.height[0])
+        self.root_degree = int(self.degree[0])
+
+
+def final_scores(raw: torch.Tensor, length: torch.Tensor, length_penalty: float) -> torch.Tensor:
+    """The documented scoring rule: ``raw / length ** length_penalty`` (``raw`` itself when 0)."""
+    if length_penalty == 0.0:
+        return raw
+    return raw / length.clamp(min=1).to(raw.dtype).pow(length_penalty)
+
+
+@torch.no_grad()
+def verify_trees(model: Any, cache: Any, parent_rows: torch.Tensor, prefix_mask: torch.Tensor,
+                 next_pos: torch.Tensor, nodes: torch.Tensor, base_scores: torch.Tensor,
+                 aux: TrieAux, fed_max: int, sub_max: int, height_max: int,
+                 length_penalty: float = 0.0, chunk: int = 1024
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact scores of every complete candidate strictly below each verified beam.
+
+    Args:
+        cache: the main cache (rows ``R``, length ``L``); not modified.
+        parent_rows: ``Long[V]`` cache row holding each beam's prefix.
+        prefix_mask: ``Long[R, L]`` 2-D attention mask of the cache rows.
+        next_pos: ``Long[R]`` position of the next token of each cache row.
+        nodes: ``Long[V]`` trie node of each beam (its token not yet fed).
+        base_scores: ``Float32[V]`` sum of log-probs of each beam's tokens up to ``nodes``.
+        fed_max: ``max(aux.fed[nodes])``; sub_max: ``max(aux.sub[nodes])``;
+        height_max: ``max(aux.height[nodes])`` (host ints, known from the step's one sync).
+    Returns:
+        ``(scores Float32[V, sub_max - 1], cand_nodes Long[V, sub_max - 1], raw Float32[V, sub_max])``:
+        final scores (scoring rule applied) of the terminal nodes strictly below each beam
+        (``-inf`` / -1 elsewhere), and the raw score (sum of log-probs) of every subtree node by
+        its offset ``node - nodes[v]`` (the beam's own score at offset 0).
+    """
+    dev = nodes.device
+    V = nodes.shape[0]
+    j = torch.arange(sub_max, device=dev)
+    sub = aux.sub[nodes]                                                  # [V]
+    in_tree = j[None, :] < sub[:, None]                                   # [V, S]
+    ids = torch.where(in_tree, nodes[:, None] + j[None, :], 0)            # [V, S]
+    internal = in_tree & ((aux.degree[ids] > 0) | (j[None, :] == 0))      # fed positions
+    fed_idx = internal.long().cumsum(1) - 1                               # [V, S]
+    fed_node = torch.full((V, fed_max + 1), -1, dtype=torch.long, device=dev)
+    fed_node.scatter_(1, torch.where(internal, fed_idx, fed_max), ids)
+    fed_node = fed_node[:, :fed_max]                                      # [V, F]
+    fed_valid = fed_node >= 0
+    fed_safe = fed_node.clamp(min=0)
+    fed_tok = torch.where(fed_valid, aux.token[fed_safe], 0)
+    rel_depth = torch.where(fed_valid, aux.depth[fed_safe] - aux.depth[nodes][:, None], 0)
+    pos = next_pos[parent_rows][:, None] + rel_depth                      # [V, F]
+
+    a = fed_node[:, None, :]                                              # key   [V, 1, F]
+    b = fed_node[:, :, None]                                              # query [V, F, 1]
+    tree_vis = (a <= b) & (b < a + aux.sub[a.clamp(min=0)]) & fed_valid[:, None, :]
+    tree_vis |= torch.eye(fed_max, dtype=torch.bool, device=dev)[None]   # padding sees itself
+    prefix_vis = prefix_mask[parent_rows].bool()[:, None, :].expand(V, fed_max, -1)
+    vis = torch.cat([prefix_vis, tree_vis], dim=-1)[:, None]              # [V, 1, F, L + F]
+    dtype = model_dtype(model)
+    mask4 = torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill_(~vis, torch.finfo(dtype).min)
+
+    sub_cache = copy_rows(cache, parent_rows)
+    hidden = forward_hidden(model, fed_tok, mask4, pos, sub_cache)        # [V, F, H]
+    del sub_cache
+    lp = head_logprobs(model, hidden.reshape(V * fed_max, -1), chunk)     # [V*F, vocab]
+    vocab = lp.shape[1]
+
+    par_local = torch.where(in_tree & (j[None, :] > 0), aux.parent[ids] - nodes[:, None], 0)
+    par_fed = fed_idx.gather(1, par_local)                                # [V, S]
+    flat = (torch.arange(V, device=dev)[:, None] * fed_max + par_fed) * vocab + aux.token[ids].clamp(min=0)
+    edge = torch.where(in_tree & (j[None, :] > 0), lp.view(-1)[flat], 0.0)  # [V, S]
+    # Path sums by pointer chasing over the tree depth (entries at depth d are final after d rounds).
+    cum = edge
+    for _ in range(max(height_max - 1, 0)):
+        cum = edge + cum.gather(1, par_local)
+    raw = base_scores[:, None] + cum
+    is_cand = in_tree & (j[None, :] > 0) & aux.is_terminal[ids]
+    scores = final_scores(raw, aux.depth[ids], length_penalty)
+    scores = torch.where(is_cand, scores, float("-inf"))
+    cand_nodes = torch.where(is_cand, ids, -1)
+    return scores[:, 1:], cand_nodes[:, 1:], raw

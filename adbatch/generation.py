@@ -1,0 +1,427 @@
+"""The generators behind the generate stage, usable without Ray (a notebook, the GPU machine).
+
+:class:`TargetGenerator` loads a model (dense through :func:`adbatch.models.load_causal_lm`, or a
+compressed checkpoint through :func:`adbatch.compress.load_compressed`) and an index
+(:func:`adbatch.index.load_index`) once, then maps batches of validated target requests
+(``request_id, query``) to *answers*: one row per request with its ranked ads as list columns, or an
+``error``. :class:`CreativeGenerator` does the same for creative requests. ``pipelines/generate.py``
+wraps them in a Ray Data actor; :func:`answers_to_output` turns answers into the output schemas of
+:mod:`adbatch.requests` and the rejected rows.
+
+Batch size adapts: when a batch raises an out-of-memory error the generator halves its batch size,
+logs it, and retries the same requests; a request that fails even alone becomes an error answer
+(a rejected row with the reason), never a crashed job.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import pyarrow as pa
+
+from adbatch.artifacts import sha256_file, sha256_json, sha256_paths
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.requests import (CREATIVES_OUT_SCHEMA, REJECTED_SCHEMA, TARGETS_OUT_SCHEMA,
+                              GenerateTask, RejectStage)
+
+log = logging.getLogger(__name__)
+
+
+class DeviceChoice(str, enum.Enum):
+    """Where the generator runs the model."""
+
+    AUTO = "auto"  #: CUDA when available (e.g. a Ray actor given a GPU), else CPU
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclasses.dataclass
+class GenerateConfig(ConfigBase):
+    """Runtime knobs of one generator (not the decoding algorithm: that is the decoding config)."""
+
+    batch_size: int = dataclasses.field(
+        default=16, metadata={"help": "requests per model call (halved on out-of-memory)"})
+    device: DeviceChoice = dataclasses.field(
+        default=DeviceChoice.AUTO, metadata={"help": "auto | cpu | cuda"})
+    num_threads: int = dataclasses.field(
+        default=0, metadata={"help": "torch CPU threads in this process (0 = leave torch's default)"})
+    max_query_tokens: int = dataclasses.field(
+        default=48, metadata={"help": "query tokens kept in the targeting prompt"})
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"GenerateConfig.batch_size must be >= 1, got {self.batch_size}")
+        if self.num_threads < 0:
+            raise ConfigError(f"GenerateConfig.num_threads must be >= 0, got {self.num_threads}")
+        if self.max_query_tokens < 1:
+            raise ConfigError(f"GenerateConfig.max_query_tokens must be >= 1, got {self.max_query_tokens}")
+
+
+class ModelKind(str, enum.Enum):
+    DENSE = "dense"  #: an HF folder, a GGUF, or the default model, loaded as plain torch modules
+    COMPRESSED = "compressed"  #: an ``adbatch compress`` checkpoint (INT4 + N:M packed linears)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Which model a generator loads: ``compressed`` when set, else ``model`` (None = default)."""
+
+    model: str | None = None
+    compressed: str | None = None
+
+    @property
+    def kind(self) -> ModelKind:
+        return ModelKind.COMPRESSED if self.compressed else ModelKind.DENSE
+
+    def folder(self) -> Path:
+        """The local folder holding the weights (the default model is converted once)."""
+        if self.compressed:
+            return Path(self.compressed)
+        from adbatch.models import resolve_model
+
+        return resolve_model(self.model)
+
+    def identity(self) -> dict[str, Any]:
+        """kind, folder and a content hash (the checkpoint manifest, or the weight files)."""
+        folder = self.folder()
+        if self.kind is ModelKind.COMPRESSED:
+            digest = sha256_file(folder / "manifest.json")
+        else:
+            files = sorted(p for p in folder.iterdir()
+                           if p.suffix in (".safetensors", ".json") and not p.name.startswith("."))
+            digest = sha256_paths(files)
+        return {"kind": self.kind.value, "source": self.compressed or self.model or "default",
+                "folder": str(folder), "sha256": digest}
+
+    def training_record(self) -> dict[str, Any] | None:
+        """The ``adbatch_training.json`` binding this model to an index, if it has one."""
+        from adbatch.training.checkpoint import read_training_record
+
+        folder = self.folder()
+        record = read_training_record(folder)
+        if record is None and self.kind is ModelKind.COMPRESSED:
+            # A compressed checkpoint may carry the binding in its manifest instead.
+            manifest = json.loads((folder / "manifest.json").read_text())
+            if manifest.get("trained_on_index"):
+                record = {"trained_on_index": manifest["trained_on_index"]}
+        return record
+
+
+def check_model_index(spec: ModelSpec, index: Any) -> dict[str, Any] | None:
+    """Refuse a model trained on another index; allow an untrained model only on a text index.
+
+    An untrained model over a ``codes`` index cannot emit the code tokens at all, so it is refused
+    with a message saying what to do.
+    """
+    from adbatch.training.checkpoint import IndexMismatchError
+
+    record = spec.training_record()
+    want = index.index_hash
+    if record is None:
+        if str(getattr(index.scheme, "value", index.scheme)) == "codes":
+            raise IndexMismatchError(
+                f"model {spec.folder()} was never trained on an index, and index {index.directory} "
+                f"uses the 'codes' scheme (special tokens it cannot emit): train it first "
+                f"(adbatch train) or use a 'text' index")
+        log.warning("model %s is untrained (zero-shot) over text index %s; expect low recall",
+                    spec.folder(), str(want)[:12])
+        return None
+    have = record.get("trained_on_index")
+    if have != want:
+        raise IndexMismatchError(
+            f"model {spec.folder()} was trained on index {str(have)[:12]}, not on {want[:12]} "
+            f"({index.directory}): retrain on this index or pass the index it was trained on")
+    return record
+
+
+def resolve_device(choice: DeviceChoice) -> str:
+    import torch
+
+    if choice is DeviceChoice.AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice is DeviceChoice.CUDA and not torch.cuda.is_available():
+        raise RuntimeError("GenerateConfig.device=cuda but torch sees no CUDA device")
+    return choice.value
+
+
+def load_model(spec: ModelSpec, device: str) -> tuple[Any, Any]:
+    """(model, tokenizer) in eval mode on ``device``."""
+    if spec.kind is ModelKind.COMPRESSED:
+        from adbatch.compress import load_compressed
+
+        model, tok = load_compressed(spec.compressed, device=device)
+    else:
+        from adbatch.models import load_causal_lm
+
+        model, tok = load_causal_lm(spec.model, device=device)
+    if getattr(tok, "pad_token_id", None) is None:
+        tok.pad_token = tok.eos_token
+    model.eval()
+    return model, tok
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+#: request-level answers of the targets generator (one row per request; internal to the stage)
+TARGET_ANSWER_SCHEMA = pa.schema([
+    ("request_id", pa.string()),
+    ("error", pa.string()),  # null when answered
+    ("ad_ids", pa.list_(pa.string())),
+    ("scores", pa.list_(pa.float32())),
+    ("codes", pa.list_(pa.list_(pa.int32()))),
+    ("verify_mode", pa.string()),
+    ("beams_verified", pa.int32()),  # beams verified in the decode batch this request ran in
+])
+
+#: request-level answers of the creatives generator
+CREATIVE_ANSWER_SCHEMA = pa.schema([
+    ("request_id", pa.string()),
+    ("ad_id", pa.string()),
+    ("error", pa.string()),
+    ("headlines", pa.list_(pa.string())),
+    ("scores", pa.list_(pa.float32())),
+])
+
+
+def answer_schema(task: GenerateTask) -> pa.Schema:
+    return TARGET_ANSWER_SCHEMA if task is GenerateTask.TARGETS else CREATIVE_ANSWER_SCHEMA
+
+
+class _AdaptiveBatcher:
+    """Runs ``fn`` over items in batches; on out-of-memory halves the batch size and retries."""
+
+    def __init__(self, batch_size: int, on_oom: Callable[[], None] | None = None) -> None:
+        self.batch_size = batch_size
+        self.on_oom = on_oom
+        self.oom_events = 0
+
+    def run(self, items: Sequence[Any], fn: Callable[[Sequence[Any]], list[Any]],
+            fail: Callable[[Any, str], Any]) -> list[Any]:
+        out: list[Any] = []
+        i = 0
+        while i < len(items):
+            chunk = items[i:i + self.batch_size]
+            try:
+                res = fn(chunk)
+            except Exception as exc:  # only OOM is recoverable here; anything else propagates
+                if not _is_oom(exc):
+                    raise
+                self.oom_events += 1
+                if self.on_oom:
+                    self.on_oom()
+                if len(chunk) == 1:
+                    log.error("out of memory on a single request; rejecting it: %s", exc)
+                    out.append(fail(chunk[0], f"out of memory at batch size 1: {exc}"[:300]))
+                    i += 1
+                    continue
+                self.batch_size = max(1, len(chunk) // 2)
+                log.warning("out of memory at batch size %d; halving to %d and retrying",
+                            len(chunk), self.batch_size)
+                continue
+            out.extend(res)
+            i += len(chunk)
+        return out
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class _GeneratorBase(abc.ABC):
+    task: GenerateTask
+
+    def __init__(self, spec: ModelSpec, config: GenerateConfig) -> None:
+        import torch
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.spec = spec
+        self.config = config
+        self.device = resolve_device(config.device)
+        t0 = time.perf_counter()
+        self.model, self.tokenizer = load_model(spec, self.device)
+        self.load_seconds = time.perf_counter() - t0
+        self.batcher = _AdaptiveBatcher(config.batch_size, on_oom=_empty_cuda_cache)
+        self.requests_done = 0
+        self.busy_seconds = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        return self.batcher.batch_size
+
+    def stats(self) -> dict[str, Any]:
+        return {"requests": self.requests_done, "busy_s": round(self.busy_seconds, 4),
+                "load_s": round(self.load_seconds, 4), "batch_size": self.batch_size,
+                "oom_events": self.batcher.oom_events, "device": self.device}
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        """Answers for one batch of validated requests (extra ``partition`` column passed through)."""
+        t0 = time.perf_counter()
+        rows = batch.to_pylist()
+        answers = self.batcher.run(rows, self._generate, self._failed)
+        table = pa.Table.from_pylist(answers, schema=answer_schema(self.task))
+        if "partition" in batch.column_names:
+            table = table.append_column("partition", batch.column("partition"))
+        seconds = time.perf_counter() - t0
+        # every request of a call finishes together, so the call's wall time is each one's latency
+        table = table.append_column("batch_seconds", pa.array([seconds] * len(rows), pa.float64()))
+        self.busy_seconds += seconds
+        self.requests_done += len(rows)
+        return table
+
+    @abc.abstractmethod
+    def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Answers for ``rows`` (one model call); may raise out-of-memory."""
+
+    @abc.abstractmethod
+    def _failed(self, row: dict[str, Any], reason: str) -> dict[str, Any]:
+        """The error answer for ``row``."""
+
+
+class TargetGenerator(_GeneratorBase):
+    """Query -> ranked ads over an index, by trie-constrained beam search (+ verification).
+
+    Loads the model and the index once; each call maps a ``pa.Table`` of ``request_id, query``
+    (validated, see :func:`adbatch.requests.validate_requests`) to a table of
+    :data:`TARGET_ANSWER_SCHEMA`.
+    """
+
+    task = GenerateTask.TARGETS
+
+    def __init__(self, spec: ModelSpec, index_dir: str | Path, search: Any,
+                 config: GenerateConfig | None = None) -> None:
+        from adbatch.decoding import TargetSearchConfig
+        from adbatch.index import load_index
+
+        if not isinstance(search, TargetSearchConfig):
+            raise TypeError(f"search must be a TargetSearchConfig, got {type(search).__name__}")
+        self.index = load_index(index_dir)
+        self.training_record = check_model_index(spec, self.index)
+        super().__init__(spec, config or GenerateConfig())
+        self.search = search
+        self.trie = self.index.trie.to(self.device)
+        self.ad_ids = [str(a) for a in self.index.ad_ids]
+        self.codes = self.index.ad_codes.column("code").to_pylist()
+        self.cost_model = None
+        if search.verify.value == "auto":
+            from adbatch.decoding import load_or_calibrate
+
+            # measured once per generator, not once per batch
+            self.cost_model = load_or_calibrate(self.model)
+
+    def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        from adbatch.decoding import search_targets
+        from adbatch.prompts import encode_targeting_prompt
+
+        prompts = [encode_targeting_prompt(self.tokenizer, r["query"], self.config.max_query_tokens)
+                   for r in rows]
+        cfg = self.search.replace(batch_size=len(rows))
+        result = search_targets(self.model, prompts, self.trie, cfg, cost_model=self.cost_model)
+        rows_t = result.rows.tolist()  # [Q, k], -1 padding
+        scores_t = result.scores.tolist()
+        verified = int(result.stats.get("beams_verified", 0))
+        out = []
+        for r, ad_rows, sc in zip(rows, rows_t, scores_t):
+            keep = [(a, s) for a, s in zip(ad_rows, sc) if a >= 0]
+            out.append({
+                "request_id": r["request_id"], "error": None,
+                "ad_ids": [self.ad_ids[a] for a, _ in keep],
+                "scores": [float(s) for _, s in keep],
+                "codes": [self.codes[a] for a, _ in keep],
+                "verify_mode": self.search.verify.value, "beams_verified": verified,
+            })
+        return out
+
+    def _failed(self, row: dict[str, Any], reason: str) -> dict[str, Any]:
+        return {"request_id": row["request_id"], "error": reason, "ad_ids": [], "scores": [],
+                "codes": [], "verify_mode": self.search.verify.value, "beams_verified": 0}
+
+
+class CreativeGenerator(_GeneratorBase):
+    """Ad/product record -> headline variants (free-text generation).
+
+    Each call maps a ``pa.Table`` of validated creative requests (``request_id, ad_id`` + ad fields)
+    to a table of :data:`CREATIVE_ANSWER_SCHEMA`.
+    """
+
+    task = GenerateTask.CREATIVES
+
+    def __init__(self, spec: ModelSpec, creative: Any, config: GenerateConfig | None = None) -> None:
+        from adbatch.decoding import CreativeConfig
+
+        if not isinstance(creative, CreativeConfig):
+            raise TypeError(f"creative must be a CreativeConfig, got {type(creative).__name__}")
+        super().__init__(spec, config or GenerateConfig())
+        self.creative = creative
+
+    def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        from adbatch.decoding import generate_creatives
+        from adbatch.prompts import encode_creative_prompt
+
+        prompts = [encode_creative_prompt(self.tokenizer, r) for r in rows]
+        cfg = self.creative.replace(batch_size=len(rows))
+        results = generate_creatives(self.model, self.tokenizer, prompts, cfg)
+        return [{"request_id": r["request_id"], "ad_id": r["ad_id"], "error": None,
+                 "headlines": [t for t, _ in res], "scores": [float(s) for _, s in res]}
+                for r, res in zip(rows, results)]
+
+    def _failed(self, row: dict[str, Any], reason: str) -> dict[str, Any]:
+        return {"request_id": row["request_id"], "ad_id": row["ad_id"], "error": reason,
+                "headlines": [], "scores": []}
+
+
+def answers_to_output(task: GenerateTask, answers: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """Explode request-level answers into (output rows, rejected rows).
+
+    Targets: one output row per (request, rank), rank 1 = best. Creatives: one per (request,
+    variant). An answer with an ``error`` becomes a rejected row (stage ``generate``).
+    """
+    rows = answers.to_pylist()
+    out: dict[str, list[Any]] = {f.name: [] for f in (TARGETS_OUT_SCHEMA if task is GenerateTask.TARGETS
+                                                    else CREATIVES_OUT_SCHEMA)}
+    rejected = []
+    for a in rows:
+        if a["error"] is not None:
+            rejected.append({"request_id": a["request_id"], "file": "", "row": -1,
+                             "stage": RejectStage.GENERATE.value, "reason": a["error"],
+                             "raw": json.dumps({"request_id": a["request_id"]})})
+            continue
+        if task is GenerateTask.TARGETS:
+            for rank, (ad, score, code) in enumerate(zip(a["ad_ids"], a["scores"], a["codes"]), 1):
+                out["request_id"].append(a["request_id"])
+                out["rank"].append(rank)
+                out["ad_id"].append(ad)
+                out["score"].append(score)
+                out["code"].append(code)
+                out["verify_mode"].append(a["verify_mode"])
+                out["batch_beams_verified"].append(a["beams_verified"])
+        else:
+            for v, (text, score) in enumerate(zip(a["headlines"], a["scores"])):
+                out["request_id"].append(a["request_id"])
+                out["ad_id"].append(a["ad_id"])
+                out["variant"].append(v)
+                out["headline"].append(text)
+                out["score"].append(score)
+    schema = TARGETS_OUT_SCHEMA if task is GenerateTask.TARGETS else CREATIVES_OUT_SCHEMA
+    return (pa.Table.from_pydict(out, schema=schema),
+            pa.Table.from_pylist(rejected, schema=REJECTED_SCHEMA))
+
+
+def generator_fingerprint(task: GenerateTask, decoding: Any, config: GenerateConfig) -> str:
+    """Hash of everything that decides the content of the answers (not the batch size)."""
+    return sha256_json({"task": task.value, "decoding": decoding.to_dict(),
+                        "max_query_tokens": config.max_query_tokens})

@@ -1,0 +1,268 @@
+"""The ad index stage: corpus -> embeddings -> hierarchical codes -> token sequences -> trie.
+
+``build_index(ads, out, IndexConfig(...))`` runs the whole stage in-process (no Ray);
+``pipelines/index.py`` runs the embedding and clustering phases as Ray tasks and then calls the
+same :func:`write_index`. Output directory (all files written atomically, ``manifest.json`` last so
+its presence marks a finished index):
+
+- ``ad_codes.parquet``: one row per indexed ad, in *row* order (row = position, the id the trie
+  returns): ``ad_id`` (string or int64, as in the corpus), ``code`` list<int32> (cluster path +
+  position in the leaf), ``token_ids`` list<int32> (the target sequence), ``text`` string (the
+  rendered sequence).
+- ``trie.safetensors``: the :class:`~adbatch.trie.Trie` over ``token_ids`` (terminal rows = rows).
+- ``clusters.parquet``: one row per cluster: ``path``, ``size``, ``label``.
+- ``rejected.parquet``: corpus rows set aside, with a reason (see :mod:`adbatch.corpus`).
+- ``manifest.json``: input hash, config, counts, timings, code version, plus ``scheme``,
+  ``tokenizer``, ``base_vocab_size``, ``special_tokens`` (codes), ``eos_token_id`` (text),
+  ``index_hash``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from adbatch.artifacts import (
+    StageTimer, build_manifest, read_manifest, sha256_file, sha256_json, write_json_atomic,
+    write_parquet_atomic,
+)
+from adbatch.clustering import ClusterConfig, Hierarchy, build_hierarchy
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.corpus import Corpus, CorpusConfig, read_corpus
+from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
+from adbatch.semantic_ids import IdScheme, RenderConfig, RenderedIds, render_ids
+from adbatch.trie import Trie
+
+log = logging.getLogger(__name__)
+
+AD_CODES_FILE = "ad_codes.parquet"
+TRIE_FILE = "trie.safetensors"
+CLUSTERS_FILE = "clusters.parquet"
+REJECTED_FILE = "rejected.parquet"
+
+
+@dataclasses.dataclass
+class IndexConfig(ConfigBase):
+    """Everything that decides the index's content (stored in its manifest)."""
+
+    columns: CorpusConfig = dataclasses.field(default_factory=CorpusConfig)
+    embedding: EmbeddingConfig = dataclasses.field(default_factory=EmbeddingConfig)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    render: RenderConfig = dataclasses.field(default_factory=RenderConfig)
+    tokenizer: str | None = dataclasses.field(
+        default=None, metadata={"help": "HF model/tokenizer folder whose vocabulary the sequences "
+                                        "use (default: the default model, SmolLM2-135M-Instruct)"})
+
+    def validate(self) -> None:
+        if self.tokenizer is not None and not str(self.tokenizer).strip():
+            raise ConfigError("IndexConfig.tokenizer: empty string; leave unset for the default")
+
+
+@dataclasses.dataclass
+class AdIndex:
+    """A finished index loaded from disk (see the module docstring for the files)."""
+
+    directory: Path
+    trie: Trie
+    ad_codes: pa.Table
+    manifest: dict[str, Any]
+
+    @property
+    def ad_ids(self) -> list:
+        return self.ad_codes.column("ad_id").to_pylist()
+
+    @property
+    def scheme(self) -> IdScheme:
+        return IdScheme(self.manifest["scheme"])
+
+    @property
+    def index_hash(self) -> str:
+        return self.manifest["index_hash"]
+
+    @property
+    def base_vocab_size(self) -> int:
+        return int(self.manifest["base_vocab_size"])
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return list(self.manifest.get("special_tokens", []))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.manifest.get("eos_token_id")
+
+    @property
+    def num_ads(self) -> int:
+        return self.ad_codes.num_rows
+
+    def sequences(self) -> list[list[int]]:
+        return self.ad_codes.column("token_ids").to_pylist()
+
+    def texts(self) -> list[str]:
+        return self.ad_codes.column("text").to_pylist()
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(name: str | None) -> tuple[Any, str]:
+    """(tokenizer, the folder it came from); ``None`` -> the default model's tokenizer.
+
+    Cached per name: callers only read the tokenizer (never add tokens to the returned object).
+    """
+    from transformers import AutoTokenizer
+
+    from adbatch.models import resolve_model
+
+    folder = resolve_model(name)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True), str(folder)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the vocabulary (token -> id), so an index can tell tokenizers apart."""
+    return sha256_json(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]))
+
+
+def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True) -> np.ndarray:
+    """``float32 [N, D]``: the corpus's own embeddings, or MiniLM over its text fields."""
+    if corpus.embeddings is not None:
+        return corpus.embeddings
+    return embed_texts(corpus.embedding_inputs(), config, model=load_embedder(config),
+                       progress=progress)
+
+
+def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: IndexConfig,
+                timer: StageTimer, extra: dict[str, Any] | None = None,
+                tokenizer: Any = None, tokenizer_name: str | None = None) -> dict[str, Any]:
+    """Render sequences, build the trie and write every output file; return the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with timer.phase("render"):
+        if tokenizer is None:
+            tokenizer, tokenizer_name = load_tokenizer(config.tokenizer)
+        texts = corpus.table.column("text").to_pylist()
+        rendered = render_ids(hierarchy, texts, tokenizer, config.render,
+                              label_texts=corpus.embedding_inputs())
+    with timer.phase("trie"):
+        trie = Trie.from_flat(rendered.token_flat, rendered.token_len)
+    with timer.phase("write"):
+        ad_codes = _ad_codes_table(corpus, hierarchy, rendered)
+        write_parquet_atomic(ad_codes, out / AD_CODES_FILE)
+        trie.save(out / TRIE_FILE)
+        write_parquet_atomic(rendered.clusters, out / CLUSTERS_FILE)
+        write_parquet_atomic(corpus.rejected, out / REJECTED_FILE)
+        outputs = {name: sha256_file(out / name)
+                   for name in (AD_CODES_FILE, TRIE_FILE, CLUSTERS_FILE, REJECTED_FILE)}
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    index_hash = sha256_json({"ad_codes": outputs[AD_CODES_FILE], "trie": outputs[TRIE_FILE],
+                              "scheme": rendered.scheme.value, "tokenizer": tok_fp,
+                              "special_tokens": rendered.special_tokens})
+    distinct = int((np.diff(trie.terminal_ptr.numpy()) > 0).sum())
+    counts = {
+        "input_rows": corpus.num_input_rows,
+        "ads_indexed": corpus.num_ads,
+        "rejected": corpus.rejected.num_rows,
+        **{f"rejected_{k}": v for k, v in corpus.rejected_counts().items()},
+        "clusters": rendered.clusters.num_rows,
+        "splits": hierarchy.num_splits,
+        "fallback_splits": hierarchy.fallback_splits,
+        "leaves": hierarchy.num_leaves,
+        "max_code_length": hierarchy.max_depth,
+        "distinct_sequences": distinct,
+        "trie_nodes": trie.num_nodes,
+        "trie_bytes": trie.nbytes(),
+        "trie_max_depth": trie.max_depth,
+        "tokens_total": int(rendered.token_len.sum()),
+    }
+    manifest = build_manifest(
+        stage="index", config=config, inputs={"ads": corpus.input_hash},
+        outputs=outputs, counts=counts, timings=timer.seconds,
+        extra={
+            "scheme": rendered.scheme.value,
+            "tokenizer": tokenizer_name,
+            "tokenizer_fingerprint": tok_fp,
+            "base_vocab_size": rendered.base_vocab_size,
+            "special_tokens": rendered.special_tokens,
+            "eos_token_id": rendered.eos_token_id,
+            "trie_file": TRIE_FILE,
+            "index_hash": index_hash,
+            "input_files": [str(p) for p in corpus.paths],
+            **(extra or {}),
+        },
+    )
+    write_json_atomic(out / "manifest.json", manifest)
+    log.info("index: %d ads (%d rejected), %d clusters, trie %d nodes (%.1f B/ad) -> %s",
+             corpus.num_ads, corpus.rejected.num_rows, rendered.clusters.num_rows, trie.num_nodes,
+             trie.nbytes() / max(corpus.num_ads, 1), out)
+    return manifest
+
+
+def _ad_codes_table(corpus: Corpus, h: Hierarchy, r: RenderedIds) -> pa.Table:
+    code_offs = np.concatenate([[0], np.cumsum(h.code_len, dtype=np.int64)]).astype(np.int64)
+    tok_offs = r.offsets()
+    return pa.table({
+        "ad_id": corpus.table.column("ad_id"),
+        "code": pa.LargeListArray.from_arrays(pa.array(code_offs), pa.array(h.code_flat, pa.int32())
+                                              ).cast(pa.list_(pa.int32())),
+        "token_ids": pa.LargeListArray.from_arrays(pa.array(tok_offs),
+                                                   pa.array(r.token_flat, pa.int32())
+                                                   ).cast(pa.list_(pa.int32())),
+        "text": pa.array(r.texts, pa.string()),
+    })
+
+
+def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = None,
+                progress: bool = True) -> dict[str, Any]:
+    """Build the index of the corpus at ``ads`` into ``out`` sequentially (no Ray).
+
+    Returns the manifest written to ``out/manifest.json``.
+    """
+    cfg = config or IndexConfig()
+    timer = StageTimer()
+    with timer.phase("read"):
+        corpus = read_corpus(ads, cfg.columns)
+    if corpus.num_ads == 0:
+        raise ValueError(f"{ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
+                         f"{corpus.rejected_counts()})")
+    with timer.phase("embed"):
+        emb = embed_corpus(corpus, cfg.embedding, progress=progress)
+    with timer.phase("cluster"):
+        hierarchy = _cluster_with_progress(emb, cfg.cluster, progress)
+    return write_index(out, corpus, hierarchy, cfg, timer, extra={"runner": "sequential"})
+
+
+def _cluster_with_progress(emb: np.ndarray, config: ClusterConfig, progress: bool) -> Hierarchy:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=emb.shape[0], desc="cluster", unit="ad", disable=not progress) as bar:
+        return build_hierarchy(emb, config, on_progress=bar.update)
+
+
+def load_index(directory: str | Path, mmap: bool = True, verify: bool = True) -> AdIndex:
+    """Open a finished index. ``verify`` checks the files' sha256 against the manifest."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest.get("stage") != "index":
+        raise ValueError(f"{directory}: manifest is for stage {manifest.get('stage')!r}, not index")
+    trie_file = directory / manifest.get("trie_file", TRIE_FILE)
+    if verify:
+        for name in (AD_CODES_FILE, manifest.get("trie_file", TRIE_FILE)):
+            want = manifest["outputs"].get(name)
+            got = sha256_file(directory / name)
+            if want != got:
+                raise ValueError(f"{directory / name}: sha256 {got[:12]} does not match the "
+                                 f"manifest's {str(want)[:12]}; the index is damaged or mixed")
+    trie = Trie.load(trie_file, mmap=mmap)
+    ad_codes = pq.read_table(directory / AD_CODES_FILE)
+    if ad_codes.num_rows != int(manifest["counts"]["ads_indexed"]):
+        raise ValueError(f"{directory}: {ad_codes.num_rows} ad rows but the manifest says "
+                         f"{manifest['counts']['ads_indexed']}")
+    if trie.num_rows != ad_codes.num_rows:
+        raise ValueError(f"{directory}: trie lists {trie.num_rows} rows, ad_codes has "
+                         f"{ad_codes.num_rows}")
+    return AdIndex(directory=directory, trie=trie, ad_codes=ad_codes, manifest=manifest)

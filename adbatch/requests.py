@@ -1,0 +1,359 @@
+"""Request and output contracts of the generate stage, and up-front request validation.
+
+Two tasks read Parquet requests and write Parquet outputs whose schemas are defined here, once:
+
+- ``targets``: in ``request_id, query`` -> out :data:`TARGETS_OUT_SCHEMA` (one row per request and
+  rank: ``request_id, rank, ad_id, score, code, verify_mode, batch_beams_verified``).
+- ``creatives``: in ``request_id, ad_id`` + ad/product fields (any of
+  :data:`adbatch.prompts.CREATIVE_FIELDS`) -> out :data:`CREATIVES_OUT_SCHEMA` (one row per request
+  and variant: ``request_id, ad_id, variant, headline, score``).
+
+Validation happens before any model loads. A problem with the *file* (missing, not Parquet,
+corrupt, a required column absent or of a type that cannot hold the value) raises
+:class:`RequestSchemaError` naming the file and column. A problem with a *row* (null, empty or
+oversized query, a request_id that is not an integer or string, a duplicate request_id, an ad with no
+text at all) sends the row to :data:`REJECTED_SCHEMA` with a reason; it is counted, never dropped.
+
+``request_id`` is carried as a string in every output (integer ids are rendered in decimal), so one
+schema serves both kinds of input ids; ``ad_id`` likewise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.prompts import CREATIVE_FIELDS
+
+
+class GenerateTask(str, enum.Enum):
+    """Which generation workload a request file is for."""
+
+    TARGETS = "targets"  #: query -> ranked ad ids (trie-constrained beam search)
+    CREATIVES = "creatives"  #: ad/product record -> headline variants
+
+
+class RejectStage(str, enum.Enum):
+    """Where a row was turned away."""
+
+    VALIDATE = "validate"  #: before any model ran (bad row content)
+    GENERATE = "generate"  #: the generator could not answer it (e.g. out of memory at batch size 1)
+
+
+class RequestSchemaError(ValueError):
+    """The request file itself is unusable (missing, corrupt, a column absent or mistyped)."""
+
+
+#: columns every targets request file must have
+TARGETS_IN_COLUMNS = ("request_id", "query")
+#: columns every creatives request file must have (plus at least one of CREATIVE_FIELDS)
+CREATIVES_IN_COLUMNS = ("request_id", "ad_id")
+
+TARGETS_OUT_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),  # 1 = best
+        pa.field("ad_id", pa.string(), nullable=False),
+        pa.field("score", pa.float32(), nullable=False),  # sequence log-prob (length-penalized)
+        pa.field("code", pa.list_(pa.int32())),  # the ad's semantic-ID path in the index
+        pa.field("verify_mode", pa.string()),  # the search's VerifyMode value (off / auto / always)
+        # beams finished by prefix-tree parallel verification in the decode batch this request ran
+        # in (the decoder reports it per batch, not per query)
+        pa.field("batch_beams_verified", pa.int32()),
+    ]
+)
+
+CREATIVES_OUT_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("ad_id", pa.string(), nullable=False),
+        pa.field("variant", pa.int32(), nullable=False),  # 0-based, best first for beam search
+        pa.field("headline", pa.string(), nullable=False),
+        pa.field("score", pa.float32(), nullable=False),  # mean log-prob per generated token
+    ]
+)
+
+REJECTED_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string()),  # null when the id itself was unusable
+        pa.field("file", pa.string(), nullable=False),
+        pa.field("row", pa.int64(), nullable=False),  # 0-based row number inside ``file``
+        pa.field("stage", pa.string(), nullable=False),  # a RejectStage value
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("raw", pa.string(), nullable=False),  # the row as JSON (truncated), for debugging
+    ]
+)
+
+
+def output_schema(task: GenerateTask) -> pa.Schema:
+    return TARGETS_OUT_SCHEMA if task is GenerateTask.TARGETS else CREATIVES_OUT_SCHEMA
+
+
+@dataclasses.dataclass
+class RequestValidationConfig(ConfigBase):
+    """Limits applied to each request row."""
+
+    max_query_chars: int = dataclasses.field(
+        default=1000, metadata={"help": "queries longer than this are rejected (oversized)"}
+    )
+    max_ad_chars: int = dataclasses.field(
+        default=4000, metadata={"help": "creative requests whose fields total more are rejected"}
+    )
+
+    def validate(self) -> None:
+        if self.max_query_chars < 1:
+            raise ConfigError("RequestValidationConfig.max_query_chars must be >= 1")
+        if self.max_ad_chars < 1:
+            raise ConfigError("RequestValidationConfig.max_ad_chars must be >= 1")
+
+
+@dataclasses.dataclass
+class ValidatedRequests:
+    """Accepted rows (sorted by request_id, columns normalized) and rejected rows with reasons."""
+
+    task: GenerateTask
+    accepted: pa.Table  #: request_id string + task columns, sorted by request_id, ids unique
+    rejected: pa.Table  #: REJECTED_SCHEMA
+    files: list[Path]
+    rows_in: int
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"rows_in": self.rows_in, "accepted": self.accepted.num_rows,
+                "rejected": self.rejected.num_rows}
+
+
+def list_request_files(path: str | Path) -> list[Path]:
+    """A Parquet file, or every ``*.parquet`` file under a folder (sorted, so order is stable)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.parquet") if not p.name.startswith((".", "_")))
+        if not files:
+            raise RequestSchemaError(f"requests folder {path} holds no *.parquet files")
+        return files
+    raise RequestSchemaError(f"requests not found: {path}")
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_binary(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _is_id_type(t: pa.DataType) -> bool:
+    return _is_text(t) or pa.types.is_integer(t) or pa.types.is_floating(t) or _is_binary(t)
+
+
+def check_request_schema(path: str | Path, task: GenerateTask) -> list[Path]:
+    """Open every request file and check its columns, without reading the rows of a model.
+
+    Raises :class:`RequestSchemaError` naming the file and the column. Returns the file list.
+    """
+    files = list_request_files(path)
+    required = TARGETS_IN_COLUMNS if task is GenerateTask.TARGETS else CREATIVES_IN_COLUMNS
+    for f in files:
+        try:
+            schema = pq.read_schema(f)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise RequestSchemaError(f"{f}: not a readable Parquet file ({exc})") from None
+        names = set(schema.names)
+        missing = [c for c in required if c not in names]
+        if missing:
+            raise RequestSchemaError(
+                f"{f}: missing required column(s) {missing} for task {task.value!r}; "
+                f"found {sorted(names)}"
+            )
+        for col in required:
+            t = schema.field(col).type
+            ok = _is_id_type(t) if col in ("request_id", "ad_id") else (_is_text(t) or _is_binary(t))
+            if not ok:
+                want = "string or integer" if col in ("request_id", "ad_id") else "string"
+                raise RequestSchemaError(f"{f}: column {col!r} has type {t}, expected {want}")
+        if task is GenerateTask.CREATIVES:
+            fields = [c for c in CREATIVE_FIELDS if c in names]
+            if not fields:
+                raise RequestSchemaError(
+                    f"{f}: creatives requests need at least one of the ad fields {list(CREATIVE_FIELDS)}"
+                )
+            for col in fields:
+                t = schema.field(col).type
+                if not (_is_text(t) or _is_binary(t) or pa.types.is_null(t)):
+                    raise RequestSchemaError(f"{f}: column {col!r} has type {t}, expected string")
+    return files
+
+
+def _id_to_str(value: Any) -> str | None:
+    """Normalize an id value to its string form; None when it cannot serve as an id."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value) or value != int(value):
+            return None
+        value = int(value)
+    text = str(value).strip()
+    return text or None
+
+
+def _text_value(value: Any) -> tuple[str | None, str | None]:
+    """(text, problem): decode bytes as UTF-8; a non-text value is a wrong type."""
+    if value is None:
+        return None, "null"
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8"), None
+        except UnicodeDecodeError:
+            return None, "not valid UTF-8 text (wrong type)"
+    if not isinstance(value, str):
+        return None, f"wrong type {type(value).__name__}, expected string"
+    return value, None
+
+
+def _raw_json(row: dict[str, Any], limit: int = 500) -> str:
+    return json.dumps(row, default=lambda v: v.hex() if isinstance(v, bytes) else str(v))[:limit]
+
+
+def validate_requests(
+    path: str | Path, task: GenerateTask, config: RequestValidationConfig | None = None
+) -> ValidatedRequests:
+    """Read and validate a request file or folder; see the module docstring for the rules.
+
+    Duplicate ``request_id``: identical copies keep the first (file order) and reject the rest;
+    copies that disagree are all rejected (which one is meant cannot be known).
+    """
+    config = config or RequestValidationConfig()
+    task = GenerateTask(task)
+    files = check_request_schema(path, task)
+    text_cols = ["query"] if task is GenerateTask.TARGETS else [
+        c for c in CREATIVE_FIELDS
+    ]
+    rejected: list[dict[str, Any]] = []
+    kept: list[dict[str, Any]] = []  # normalized rows with their origin
+    rows_in = 0
+    for f in files:
+        try:
+            table = pq.read_table(f)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise RequestSchemaError(f"{f}: corrupt Parquet data ({exc})") from None
+        rows_in += table.num_rows
+        present = [c for c in text_cols if c in table.column_names]
+        cols = ["request_id"] + (["ad_id"] if task is GenerateTask.CREATIVES else []) + present
+        data = {c: table.column(c).to_pylist() for c in cols}
+        for i in range(table.num_rows):
+            raw = {c: data[c][i] for c in cols}
+
+            def reject(reason: str, rid: str | None = None) -> None:
+                rejected.append({"request_id": rid, "file": str(f), "row": i,
+                                 "stage": RejectStage.VALIDATE.value, "reason": reason,
+                                 "raw": _raw_json(raw)})
+
+            rid = _id_to_str(raw["request_id"])
+            if rid is None:
+                reject("request_id is null, empty or not an integer/string" if raw["request_id"] is None
+                       or isinstance(raw["request_id"], (str, bytes)) else
+                       f"request_id {raw['request_id']!r} is not an integer or string (wrong type)")
+                continue
+            row: dict[str, Any] = {"request_id": rid}
+            if task is GenerateTask.TARGETS:
+                query, problem = _text_value(raw["query"])
+                if problem:
+                    reject(f"query is {problem}", rid)
+                    continue
+                query = query.strip()
+                if not query:
+                    reject("query is empty", rid)
+                    continue
+                if len(query) > config.max_query_chars:
+                    reject(f"query is oversized ({len(query)} chars > max_query_chars="
+                           f"{config.max_query_chars})", rid)
+                    continue
+                row["query"] = query
+            else:
+                ad_id = _id_to_str(raw["ad_id"])
+                if ad_id is None:
+                    reject("ad_id is null, empty or not an integer/string", rid)
+                    continue
+                row["ad_id"] = ad_id
+                problems = []
+                total = 0
+                for c in present:
+                    text, problem = _text_value(raw[c])
+                    if problem and problem != "null":
+                        problems.append(f"{c} is {problem}")
+                    row[c] = text.strip() if text else None
+                    total += len(row[c] or "")
+                if problems:
+                    reject("; ".join(problems), rid)
+                    continue
+                if total == 0:
+                    reject(f"no ad text: all of {present} are null or empty", rid)
+                    continue
+                if total > config.max_ad_chars:
+                    reject(f"ad fields are oversized ({total} chars > max_ad_chars="
+                           f"{config.max_ad_chars})", rid)
+                    continue
+            kept.append({"row": row, "file": str(f), "index": i, "raw": raw})
+
+    # duplicates: group by id, in file order
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for item in kept:
+        by_id.setdefault(item["row"]["request_id"], []).append(item)
+    accepted_rows = []
+    for rid, items in by_id.items():
+        first = items[0]
+        if len(items) == 1:
+            accepted_rows.append(first["row"])
+            continue
+        identical = all(it["row"] == first["row"] for it in items[1:])
+        if identical:
+            accepted_rows.append(first["row"])
+            losers = items[1:]
+            why = (f"duplicate request_id {rid!r} (identical copy of {first['file']} row "
+                   f"{first['index']}, which is answered)")
+        else:
+            losers = items
+            why = f"duplicate request_id {rid!r} with conflicting content ({len(items)} rows)"
+        for it in losers:
+            rejected.append({"request_id": rid, "file": it["file"], "row": it["index"],
+                             "stage": RejectStage.VALIDATE.value, "reason": why,
+                             "raw": _raw_json(it["raw"])})
+
+    accepted_rows.sort(key=lambda r: r["request_id"])
+    if task is GenerateTask.TARGETS:
+        schema = pa.schema([("request_id", pa.string()), ("query", pa.string())])
+    else:
+        present_all = [c for c in CREATIVE_FIELDS if any(c in r for r in accepted_rows)]
+        schema = pa.schema([("request_id", pa.string()), ("ad_id", pa.string())]
+                           + [(c, pa.string()) for c in present_all])
+    accepted = pa.Table.from_pylist(accepted_rows, schema=schema)
+    rejected_table = pa.Table.from_pylist(rejected, schema=REJECTED_SCHEMA)
+    if rejected_table.num_rows:
+        rejected_table = rejected_table.sort_by([("file", "ascending"), ("row", "ascending")])
+    return ValidatedRequests(task=task, accepted=accepted, rejected=rejected_table,
+                             files=files, rows_in=rows_in)
+
+
+def empty_output(task: GenerateTask) -> pa.Table:
+    return output_schema(task).empty_table()
+
+
+def unique_request_ids(table: pa.Table) -> int:
+    """Number of distinct request ids in an output table."""
+    return len(pc.unique(table.column("request_id"))) if table.num_rows else 0

@@ -1,0 +1,309 @@
+"""Rendering hierarchical codes as token sequences, two schemes behind one interface.
+
+:class:`IdScheme.CODES` — one new special token per (level, index): the code ``(3, 7, 42)`` becomes
+``<ad_L0_3><ad_L1_7><ad_L2_42>``. Token strings are listed in (level, index) order in
+:attr:`RenderedIds.special_tokens`; token ``i`` of that list has id ``base_vocab_size + i`` once a
+tokenizer of ``base_vocab_size`` entries adds them in order. Codes are prefix-free (a cluster is
+either split or a leaf), so no EOS is appended: every complete sequence ends at a trie leaf.
+
+:class:`IdScheme.TEXT` — usable zero-shot by an instruct model: each cluster gets a short label
+made of its most distinctive words against its siblings (a smoothed log-odds of document frequency
+inside the cluster vs inside the sibling clusters), and an ad's sequence is
+``"label1 > label2 > ... > ad text"`` followed by EOS. Each segment (``"label1 >"``,
+``" label2 >"``, ``" ad text"``) is tokenized on its own, so all ads below a cluster share exactly
+the same token prefix; ad text is truncated to ``max_text_tokens`` tokens. Identical sequences are
+allowed and map (through the trie) to every ad they denote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import re
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from adbatch.clustering import Hierarchy
+from adbatch.config import ConfigBase, ConfigError
+
+log = logging.getLogger(__name__)
+
+LABEL_SEPARATOR = " >"
+_WORD = re.compile(r"(?u)\b[^\W\d_][^\W\d_]+\b")
+
+
+class IdScheme(str, enum.Enum):
+    """How a code path becomes the token sequence the model decodes (see module docstring)."""
+
+    CODES = "codes"
+    TEXT = "text"
+
+
+@dataclasses.dataclass
+class RenderConfig(ConfigBase):
+    """Semantic-ID rendering knobs."""
+
+    scheme: IdScheme = dataclasses.field(
+        default=IdScheme.TEXT, metadata={"help": "codes: new special tokens; text: labels + ad text"})
+    label_terms: int = dataclasses.field(
+        default=2, metadata={"help": "words per cluster label (text scheme)"})
+    max_text_tokens: int = dataclasses.field(
+        default=32, metadata={"help": "ad text tokens kept in a sequence (text scheme)"})
+    max_label_vocab: int = dataclasses.field(
+        default=50_000, metadata={"help": "most frequent words considered for labels"})
+
+    def validate(self) -> None:
+        for name in ("label_terms", "max_text_tokens", "max_label_vocab"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"RenderConfig.{name}: must be >= 1")
+
+
+@dataclasses.dataclass
+class RenderedIds:
+    """Token sequences of every ad row.
+
+    ``token_flat int32 [sum(token_len)]`` and ``token_len int32 [N]`` hold the sequences back to
+    back; ``texts`` the rendered strings. ``clusters`` (text scheme: one row per cluster with
+    ``path list<int32>``, ``size``, ``label``; codes scheme: same, label = its special token).
+    """
+
+    scheme: IdScheme
+    token_flat: np.ndarray
+    token_len: np.ndarray
+    texts: list[str]
+    base_vocab_size: int
+    special_tokens: list[str]
+    eos_token_id: int | None
+    clusters: pa.Table
+
+    def sequences(self) -> list[list[int]]:
+        offs = np.concatenate([[0], np.cumsum(self.token_len, dtype=np.int64)])
+        flat = self.token_flat.tolist()
+        return [flat[offs[i]:offs[i + 1]] for i in range(self.token_len.shape[0])]
+
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.token_len, dtype=np.int64)])
+
+
+def special_token(level: int, index: int) -> str:
+    return f"<ad_L{level}_{index}>"
+
+
+def render_ids(hierarchy: Hierarchy, texts: list[str], tokenizer: Any,
+               config: RenderConfig | None = None, label_texts: list[str] | None = None
+               ) -> RenderedIds:
+    """Render every ad's code as a token sequence under ``config.scheme``.
+
+    Args:
+        hierarchy: codes of ``N`` ads.
+        texts: ``N`` ad texts (the text scheme appends them).
+        tokenizer: a Hugging Face tokenizer (its size is ``base_vocab_size``; EOS from it).
+        label_texts: ``N`` texts that cluster labels are drawn from (default ``texts``).
+    """
+    cfg = config or RenderConfig()
+    if len(texts) != hierarchy.num_ads:
+        raise ValueError(f"{len(texts)} texts for {hierarchy.num_ads} ads")
+    if cfg.scheme is IdScheme.CODES:
+        return _render_codes(hierarchy, tokenizer)
+    return _render_text(hierarchy, texts, tokenizer, cfg, label_texts or texts)
+
+
+# ----------------------------------------------------------------------------- codes
+def _code_levels(h: Hierarchy) -> np.ndarray:
+    """``int64 [sum(code_len)]``: the level of each entry of ``code_flat``."""
+    offs = np.concatenate([[0], np.cumsum(h.code_len, dtype=np.int64)])
+    return np.arange(offs[-1], dtype=np.int64) - np.repeat(offs[:-1], h.code_len)
+
+
+def _cluster_nodes(h: Hierarchy) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per cluster level ``l`` (0-based): node id of each ad (-1 if its path is shorter), the
+    node's path ``int32 [M_l, l+1]``, and its parent node id at level ``l-1`` (-1 at level 0)."""
+    padded = h.padded()
+    cluster_depth = h.code_len.astype(np.int64) - 1
+    node_of, paths, parents = [], [], []
+    for lvl in range(int(cluster_depth.max(initial=0))):
+        has = cluster_depth > lvl
+        prefix = padded[has, :lvl + 1]
+        uniq, inv = np.unique(prefix, axis=0, return_inverse=True)
+        ids = np.full(h.num_ads, -1, dtype=np.int64)
+        ids[has] = inv.reshape(-1)
+        if lvl == 0:
+            par = np.full(uniq.shape[0], -1, dtype=np.int64)
+        else:
+            first = np.zeros(uniq.shape[0], dtype=np.int64)
+            first[inv.reshape(-1)] = np.flatnonzero(has)
+            par = node_of[lvl - 1][first]
+        node_of.append(ids)
+        paths.append(uniq.astype(np.int32))
+        parents.append(par)
+    return node_of, paths, parents
+
+
+def _render_codes(h: Hierarchy, tokenizer: Any) -> RenderedIds:
+    base = len(tokenizer)
+    levels = _code_levels(h)
+    num_levels = int(h.code_len.max())
+    width = np.zeros(num_levels, dtype=np.int64)
+    np.maximum.at(width, levels, h.code_flat.astype(np.int64) + 1)
+    level_off = np.concatenate([[0], np.cumsum(width)])
+    special = [special_token(lvl, i) for lvl in range(num_levels) for i in range(int(width[lvl]))]
+    token_flat = (base + level_off[levels] + h.code_flat).astype(np.int32)
+    offs = np.concatenate([[0], np.cumsum(h.code_len, dtype=np.int64)])
+    tok_list = token_flat.tolist()
+    texts = ["".join(special[t - base] for t in tok_list[offs[i]:offs[i + 1]])
+             for i in range(h.num_ads)]
+    node_of, paths, _ = _cluster_nodes(h)
+    rows = []
+    for lvl, p in enumerate(paths):
+        sizes = np.bincount(node_of[lvl][node_of[lvl] >= 0], minlength=p.shape[0])
+        for j in range(p.shape[0]):
+            rows.append((p[j].tolist(), int(sizes[j]), special_token(lvl, int(p[j, -1]))))
+    return RenderedIds(IdScheme.CODES, token_flat, h.code_len.astype(np.int32).copy(), texts, base,
+                       special, None, _clusters_table(rows))
+
+
+def _clusters_table(rows: list[tuple[list[int], int, str]]) -> pa.Table:
+    return pa.table({
+        "path": pa.array([r[0] for r in rows], pa.list_(pa.int32())),
+        "size": pa.array([r[1] for r in rows], pa.int64()),
+        "label": pa.array([r[2] for r in rows], pa.string()),
+    })
+
+
+# ----------------------------------------------------------------------------- text
+def cluster_labels(node_of: list[np.ndarray], paths: list[np.ndarray], parents: list[np.ndarray],
+                   label_texts: list[str], num_terms: int, max_vocab: int) -> list[list[str]]:
+    """A label per cluster node, per level: its ``num_terms`` most distinctive words vs siblings.
+
+    Distinctiveness of word ``w`` for cluster ``c`` with parent ``p``:
+    ``f_c * log(f_c / f_s)`` with ``f_c = (df_c(w) + a) / (n_c + 2a)`` and ``f_s`` the same over
+    the sibling clusters (``p`` minus ``c``); ``df`` counts ads containing the word. Ties break by
+    word. Sibling labels are made distinct (next-best word, else the cluster index).
+    """
+    import scipy.sparse as sp
+    from sklearn.feature_extraction.text import CountVectorizer
+
+    n = len(label_texts)
+    vec = CountVectorizer(lowercase=True, stop_words="english", token_pattern=_WORD.pattern,
+                          binary=True, max_features=max_vocab, dtype=np.float32)
+    try:
+        x = vec.fit_transform(label_texts).tocsr()  # [N, V] 0/1
+        vocab = np.asarray(vec.get_feature_names_out())
+    except ValueError:  # no word at all in the corpus
+        x, vocab = sp.csr_matrix((n, 1), dtype=np.float32), np.array(["group"])
+    alpha = 0.5
+    out: list[list[str]] = []
+    # words already said by a node's ancestors; a child repeating them tells the reader nothing
+    said: list[frozenset[str]] = []
+    prev_df = None
+    prev_size = None
+    for lvl, ids in enumerate(node_of):
+        m = paths[lvl].shape[0]
+        has = ids >= 0
+        memb = sp.csr_matrix((np.ones(int(has.sum()), np.float32), (ids[has], np.flatnonzero(has))),
+                             shape=(m, n))
+        df = (memb @ x).tocsr()                                  # [M, V] doc freq per cluster
+        size = np.asarray(memb.sum(axis=1)).ravel()              # [M]
+        par = parents[lvl]
+        if lvl == 0:
+            pdf = np.asarray(x.sum(axis=0)).ravel()[None, :]     # root: every ad
+            psize = np.array([float(n)])
+            par_idx = np.zeros(m, dtype=np.int64)
+        else:
+            pdf, psize, par_idx = prev_df, prev_size, par
+        coo = df.tocoo()
+        r, c, v = coo.row, coo.col, coo.data.astype(np.float64)
+        parent_df = np.asarray(pdf[par_idx[r], c]).ravel()
+        sib_df = parent_df - v
+        sib_n = psize[par_idx[r]] - size[r]
+        f_c = (v + alpha) / (size[r] + 2 * alpha)
+        f_s = (sib_df + alpha) / (sib_n + 2 * alpha)
+        score = f_c * np.log(f_c / f_s)
+        order = np.lexsort((vocab[c], -score, r))               # per node: best first, then word
+        r_o, c_o, s_o = r[order], c[order], score[order]
+        starts = np.searchsorted(r_o, np.arange(m + 1))
+        labels = [""] * m
+        # group nodes by parent so siblings can be kept distinct
+        by_parent: dict[int, list[int]] = {}
+        for node in range(m):
+            by_parent.setdefault(int(par_idx[node]), []).append(node)
+        node_said: list[frozenset[str]] = [frozenset()] * m
+        for parent_node, sibs in by_parent.items():
+            above = said[parent_node] if lvl > 0 else frozenset()
+            used: set[str] = set()
+            for node in sibs:
+                a, b = starts[node], starts[node + 1]
+                cand = [str(vocab[c_o[i]]) for i in range(a, min(b, a + 8 * num_terms + len(above)))
+                        if s_o[i] > 0 and vocab[c_o[i]] not in above]
+                words = cand[:num_terms]
+                label = " ".join(words) if words else f"group {int(paths[lvl][node, -1])}"
+                extra = num_terms
+                while label in used and extra < len(cand):
+                    words = words + [cand[extra]]
+                    extra += 1
+                    label = " ".join(words)
+                if label in used:
+                    label = f"{label} {int(paths[lvl][node, -1])}"
+                used.add(label)
+                labels[node] = label
+                node_said[node] = above | frozenset(label.split())
+        said = node_said
+        out.append(labels)
+        prev_df, prev_size = df, size
+    return out
+
+
+def _render_text(h: Hierarchy, texts: list[str], tokenizer: Any, cfg: RenderConfig,
+                 label_texts: list[str]) -> RenderedIds:
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the text scheme needs a tokenizer with an EOS token")
+    node_of, paths, parents = _cluster_nodes(h)
+    labels = cluster_labels(node_of, paths, parents, label_texts, cfg.label_terms,
+                            cfg.max_label_vocab)
+    # One tokenization per cluster segment; the first level has no leading space.
+    seg_tokens: list[list[list[int]]] = []
+    seg_strings: list[list[str]] = []
+    for lvl, labs in enumerate(labels):
+        strings = [("" if lvl == 0 else " ") + lab + LABEL_SEPARATOR for lab in labs]
+        seg_strings.append(strings)
+        seg_tokens.append(tokenizer(strings, add_special_tokens=False)["input_ids"] if strings
+                          else [])
+    cluster_depth = h.code_len.astype(np.int64) - 1
+    lead = np.where(cluster_depth > 0, " ", "")
+    text_strings = [lead[i] + " ".join(t.split()) for i, t in enumerate(texts)]
+    text_tokens = tokenizer(text_strings, add_special_tokens=False)["input_ids"]
+    k = cfg.max_text_tokens
+    seqs: list[list[int]] = []
+    rendered: list[str] = []
+    node_cols = [ids.tolist() for ids in node_of]
+    eos_str = tokenizer.eos_token or ""
+    for i in range(h.num_ads):  # assembling per-ad lists; all heavy work above is batched
+        seq: list[int] = []
+        parts: list[str] = []
+        for lvl in range(int(cluster_depth[i])):
+            node = node_cols[lvl][i]
+            seq.extend(seg_tokens[lvl][node])
+            parts.append(seg_strings[lvl][node])
+        tt = text_tokens[i]
+        if len(tt) > k:
+            tt = tt[:k]
+            parts.append(tokenizer.decode(tt))
+        else:
+            parts.append(text_strings[i])
+        seq.extend(tt)
+        seq.append(eos)
+        seqs.append(seq)
+        rendered.append("".join(parts) + eos_str)
+    token_len = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=len(seqs))
+    token_flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(token_len.sum()))
+    rows = []
+    for lvl, p in enumerate(paths):
+        sizes = np.bincount(node_of[lvl][node_of[lvl] >= 0], minlength=p.shape[0])
+        for j in range(p.shape[0]):
+            rows.append((p[j].tolist(), int(sizes[j]), labels[lvl][j]))
+    return RenderedIds(IdScheme.TEXT, token_flat, token_len, rendered, len(tokenizer), [], int(eos),
+                       _clusters_table(rows))

@@ -1,0 +1,142 @@
+"""Train the ad index into the model (DSI), optionally with progressive N:M sparsity.
+
+Public verb: :func:`train_on_index` (index + ad texts + labelled queries -> trained model folder).
+Pieces: :mod:`.data` (examples), :mod:`.trainer` (loop, :class:`TrainConfig`), :mod:`.sparsity`
+(progressive N:M), :mod:`.vocab` (code tokens), :mod:`.checkpoint` (folder + index binding).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Hashable, Iterable, Mapping
+
+from adbatch.training.checkpoint import (IndexMismatchError, check_index_compat, load_masks,
+                                         read_training_record, save_trained)
+from adbatch.training.sparsity import SparsityScheduleConfig
+from adbatch.training.trainer import TrainConfig
+
+__all__ = ["TrainConfig", "SparsityScheduleConfig", "train_on_index", "check_index_compat",
+           "IndexMismatchError", "read_training_record", "load_masks", "save_trained", "scheme_name"]
+
+log = logging.getLogger(__name__)
+
+
+def scheme_name(index: Any) -> str:
+    """``codes`` or ``text`` whether the index stores its scheme as an enum or a string."""
+    s = getattr(index, "scheme", None) or index.manifest.get("scheme")
+    return str(getattr(s, "value", s))
+
+
+def _index_targets(index: Any) -> list[list[int]]:
+    if "token_ids" not in index.ad_codes.column_names:
+        raise ValueError(f"index ad_codes has no 'token_ids' column (columns: {index.ad_codes.column_names})")
+    return [list(t) for t in index.ad_codes.column("token_ids").to_pylist()]
+
+
+def default_ad_texts(index: Any) -> dict[Hashable, str]:
+    """ad_id -> title from the index's ad table: its ``title`` column when present, else ``text``
+    for the ``text`` scheme (the rendered sequence *is* the title there)."""
+    cols = index.ad_codes.column_names
+    if "title" in cols:
+        col = "title"
+    elif scheme_name(index) == "text" and "text" in cols:
+        col = "text"
+    else:
+        raise ValueError("the codes scheme needs the ads' titles: pass ad_texts (ad_id -> title) "
+                         f"or an index whose ad_codes has a 'title' column (has {cols})")
+    return dict(zip(index.ad_ids, index.ad_codes.column(col).to_pylist()))
+
+
+def prepare_model_for_index(model: Any, tokenizer: Any, index: Any, ad_texts: Mapping[Hashable, str]) -> dict[str, Any]:
+    """Make ``model``/``tokenizer`` able to emit the index's targets (adds + initialises code tokens)."""
+    from adbatch.training.vocab import add_index_tokens, init_code_embeddings
+
+    info: dict[str, Any] = {"scheme": scheme_name(index)}
+    targets = _index_targets(index)
+    if info["scheme"] == "codes":
+        special = list(index.manifest.get("special_tokens") or [])
+        base = int(index.manifest["base_vocab_size"])
+        if add_index_tokens(tokenizer, special, base):
+            info["embedding_init"] = init_code_embeddings(
+                model, tokenizer, targets, [ad_texts.get(a, "") for a in index.ad_ids], base, len(special))
+        elif model.get_input_embeddings().weight.shape[0] < base + len(special):
+            model.resize_token_embeddings(base + len(special), mean_resizing=False)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    top = max(max(t) for t in targets)
+    if top >= vocab:
+        raise ValueError(f"index token id {top} >= model vocabulary {vocab}: index built for another tokenizer?")
+    return info
+
+
+def train_on_index(
+    index: Any,
+    out_dir: str | Path | None,
+    config: TrainConfig,
+    *,
+    ad_texts: Mapping[Hashable, str] | None = None,
+    labelled: Iterable[tuple[str, Hashable]] = (),
+    init_model: str | Path | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    device: str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = True,
+) -> tuple[Any, Any, dict[str, Any]]:
+    """Train a causal LM on ``index`` and (rank 0, when ``out_dir``) save the model folder.
+
+    ``index``: an ``AdIndex`` (``ad_codes`` with ``token_ids``, ``ad_ids``, ``manifest``,
+    ``index_hash``). ``labelled``: (query, ad_id) pairs of the train split. ``init_model``: a model
+    folder / GGUF / None (the default model); a folder trained on an earlier index is a warm start.
+    ``model``/``tokenizer`` override loading (tests pass tiny models). Returns
+    ``(model, tokenizer, summary)``.
+    """
+    import torch
+
+    from adbatch.training.data import build_examples
+    from adbatch.training.trainer import train_loop
+
+    t0 = time.perf_counter()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    warm_from = None
+    if model is None or tokenizer is None:
+        from adbatch.models import load_causal_lm
+
+        model, tokenizer = load_causal_lm(init_model, dtype=torch.float32, device="cpu")
+        if init_model is not None and Path(str(init_model)).is_dir():
+            rec = read_training_record(init_model)
+            warm_from = rec.get("trained_on_index") if rec else None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    ad_texts = dict(ad_texts) if ad_texts is not None else default_ad_texts(index)
+    info = prepare_model_for_index(model, tokenizer, index, ad_texts)
+    model.to(device)
+    examples, data_stats = build_examples(
+        tokenizer, index.ad_ids, _index_targets(index), ad_texts, labelled if config.retrieval else (),
+        indexing=config.indexing, append_eos=config.append_eos, max_query_tokens=config.max_query_tokens)
+    prep_s = time.perf_counter() - t0
+    trained = model
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+    stats, sparsity = train_loop(trained, examples, config, pad_id=tokenizer.pad_token_id, device=device,
+                                 rank=rank, world_size=world_size, progress=progress)
+    summary = {**info, "data": data_stats, "train": stats.summary(model, torch.device(device)),
+               "prepare_seconds": round(prep_s, 3), "warm_started_from_index": warm_from,
+               "index_hash": index.index_hash, "losses": stats.losses, "density": stats.density}
+    if stats.sparsity:
+        summary["sparsity"] = stats.sparsity
+    if out_dir is not None and rank == 0:
+        record = {"trained_on_index": index.index_hash, "scheme": info["scheme"],
+                  "num_ads": len(index.ad_ids), "init_model": str(init_model) if init_model else "default",
+                  "warm_started_from_index": warm_from, "config": config.to_dict(),
+                  "train": summary["train"], "data": data_stats,
+                  "sparsity": {k: v for k, v in (stats.sparsity or {}).items() if k != "patterns"},
+                  "layer_patterns": (stats.sparsity or {}).get("patterns", {})}
+        save_trained(model, tokenizer, out_dir, record, masks=sparsity.masks if sparsity is not None else None)
+        summary["model_dir"] = str(out_dir)
+    return model, tokenizer, summary

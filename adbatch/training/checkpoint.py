@@ -1,0 +1,98 @@
+"""Trained-model folders: HF safetensors + ``adbatch_training.json`` binding the model to its index.
+
+A model trained on an index has learned *that* index's target sequences (and, for the ``codes``
+scheme, its special tokens), so decoding it against another index returns plausible-looking but
+wrong ads. The folder therefore records ``trained_on_index`` (= ``AdIndex.index_hash``) and
+:func:`check_index_compat` refuses any other index. With progressive sparsity the final N:M masks
+are saved beside the weights (``nm_masks.safetensors``, uint8 per pruned linear) so the compression
+stage can keep them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from adbatch.artifacts import code_version, write_json_atomic
+
+TRAINING_RECORD = "adbatch_training.json"
+MASKS_FILE = "nm_masks.safetensors"
+
+
+class IndexMismatchError(ValueError):
+    """The model was trained on another index (or on none) than the one it is asked to decode."""
+
+
+def save_trained(model: Any, tokenizer: Any, out_dir: str | Path, record: Mapping[str, Any],
+                 masks: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """Write the model folder atomically: a sibling temp folder renamed over ``out_dir``.
+
+    ``record`` must hold ``trained_on_index``; ``code_version`` is added. ``masks``: layer name ->
+    bool ``[N, K]``.
+    """
+    if "trained_on_index" not in record:
+        raise ValueError("training record needs 'trained_on_index'")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if masks:
+        from safetensors.torch import save_file
+
+        save_file({k: v.to(torch.uint8).cpu().contiguous() for k, v in masks.items()}, str(tmp / MASKS_FILE))
+    write_json_atomic(tmp / TRAINING_RECORD, {**record, "code_version": code_version()})
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def read_training_record(model_dir: str | Path) -> dict[str, Any] | None:
+    """The folder's ``adbatch_training.json``, or None for a model never trained on an index."""
+    path = Path(model_dir) / TRAINING_RECORD
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def load_masks(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Saved N:M masks (layer name -> bool ``[N, K]``); empty when the model is dense."""
+    path = Path(model_dir) / MASKS_FILE
+    if not path.is_file():
+        return {}
+    from safetensors.torch import load_file
+
+    return {k: v.bool() for k, v in load_file(str(path)).items()}
+
+
+def check_index_compat(model_dir: str | Path, index: Any, *, allow_untrained: bool = False) -> dict[str, Any] | None:
+    """Refuse to pair a trained model with an index other than the one it learned.
+
+    ``index``: an ``AdIndex`` (its ``index_hash``) or the hash string itself. A folder without a
+    training record is refused unless ``allow_untrained`` (zero-shot over a ``text`` index).
+    Returns the training record (None for an allowed untrained model).
+    """
+    want = index if isinstance(index, str) else index.index_hash
+    record = read_training_record(model_dir)
+    if record is None:
+        if allow_untrained:
+            return None
+        raise IndexMismatchError(f"{model_dir} has no {TRAINING_RECORD}: it was not trained on index {want[:12]}")
+    have = record.get("trained_on_index")
+    if have != want:
+        raise IndexMismatchError(
+            f"{model_dir} was trained on index {str(have)[:12]}, not on {want[:12]}: retrain (or warm-start) "
+            "on this index before decoding with it")
+    return record

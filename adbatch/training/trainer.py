@@ -1,0 +1,275 @@
+"""The training loop: teach a causal LM the ad index (DSI), optionally with progressive N:M sparsity.
+
+A plain torch loop, so the same function runs in a notebook, in one process on a GPU, and inside
+Ray Train workers (``pipelines/train.py`` passes ``rank``/``world_size`` and torch.distributed is
+already initialised there):
+
+- AdamW (decoupled weight decay, no decay on norms/biases/embeddings), linear warmup then cosine
+  decay to ``min_lr_ratio`` of the peak learning rate, gradient clipping, gradient accumulation;
+- micro-batches bounded by a token budget (``batch_tokens`` = padded batch × length), grouped by
+  length so padding stays small;
+- bf16 autocast on CUDA (weights and optimizer state stay fp32), fp32 on CPU;
+- the LM head is applied only at target positions (the loss is on target tokens only), which
+  avoids materialising ``[B, L, vocab]`` logits for prompt tokens — most of a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.training.data import TrainingExamples, collate, token_budget_batches
+from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig
+
+log = logging.getLogger(__name__)
+
+#: dense bf16 peak of one H200 (NVIDIA spec sheet, no sparsity), the MFU denominator on CUDA
+H200_BF16_PEAK_FLOPS = 989e12
+
+
+@dataclass
+class TrainConfig(ConfigBase):
+    """Knobs of one training run (stored in the checkpoint's adbatch_training.json)."""
+
+    epochs: float = field(default=10.0, metadata={"help": "passes over the examples (fractions allowed)"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.05, metadata={"help": "final LR as a share of the peak (cosine)"})
+    warmup_fraction: float = field(default=0.05, metadata={"help": "share of steps of linear warmup"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW decoupled weight decay (matrices only)"})
+    batch_tokens: int = field(default=16384, metadata={"help": "padded tokens per micro-batch"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 = off)"})
+    indexing: bool = field(default=True, metadata={"help": "train ad text -> target (every ad)"})
+    retrieval: bool = field(default=True, metadata={"help": "train labelled query -> target of a relevant ad"})
+    indexing_repeat: int = field(default=1, metadata={"help": "copies of each indexing example per epoch"})
+    append_eos: bool = field(default=False, metadata={"help": "append EOS to every target"})
+    max_query_tokens: int = field(default=48, metadata={"help": "query truncation inside the prompt"})
+    bf16: bool = field(default=True, metadata={"help": "bf16 autocast on CUDA"})
+    max_steps: int | None = field(default=None, metadata={"help": "cap on optimizer steps (None = from epochs)"})
+    time_budget_s: float | None = field(default=None, metadata={"help": "stop after this many seconds (the schedule is not shortened)"})
+    seed: int = field(default=0, metadata={"help": "seed of shuffling and init noise"})
+    log_every: int = field(default=50, metadata={"help": "log every this many steps"})
+    sparsity: SparsityScheduleConfig = field(default_factory=SparsityScheduleConfig,
+                                             metadata={"help": "progressive N:M sparsity"})
+
+    def validate(self) -> None:
+        positive = {"epochs": self.epochs, "lr": self.lr, "batch_tokens": self.batch_tokens,
+                    "grad_accum": self.grad_accum, "indexing_repeat": self.indexing_repeat,
+                    "log_every": self.log_every, "max_query_tokens": self.max_query_tokens}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"TrainConfig.{name} must be > 0, got {value}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ConfigError(f"TrainConfig.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
+        if not (self.indexing or self.retrieval):
+            raise ConfigError("TrainConfig: at least one of indexing / retrieval must be on")
+
+
+def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR at ``step``: linear warmup over ``warmup`` steps, then cosine."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+
+
+def target_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Mean next-token cross-entropy over target positions.
+
+    ``input_ids``/``attention_mask``/``labels``: int64 ``[B, L]`` (labels -100 where no loss).
+    Returns (scalar loss, number of target tokens). Uses the decoder body + LM head at target
+    positions only when the model exposes them (``get_decoder()`` / ``get_output_embeddings()``),
+    else a plain forward with labels.
+    """
+    core = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    shift_labels = labels[:, 1:]
+    sel = shift_labels != -100
+    n = int(sel.sum())
+    decoder = core.get_decoder() if hasattr(core, "get_decoder") else None
+    head = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
+    if decoder is None or head is None or model is not core:
+        # DDP must see the forward through its own wrapper so gradients are all-reduced
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        return out.loss, n
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, H]
+    h = hidden[:, :-1][sel]  # [n, H]
+    logits = head(h).float()  # [n, V]
+    return nn.functional.cross_entropy(logits, shift_labels[sel]), n
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(non-embedding parameters, embedding rows × width) — the MFU model's two terms."""
+    core = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    emb = core.get_input_embeddings().weight.numel() if hasattr(core, "get_input_embeddings") else 0
+    total = sum(p.numel() for p in core.parameters())
+    return total - emb, emb
+
+
+@dataclass
+class TrainStats:
+    steps: int = 0
+    micro_batches: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    seconds: float = 0.0
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    density: list[tuple[int, float]] = field(default_factory=list)
+    stopped_early: bool = False
+    sparsity: dict[str, Any] = field(default_factory=dict)
+    micro_batches_per_epoch: int = 0
+
+    def summary(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
+        nonemb, emb = count_params(model)
+        tok_s = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        flops = 6.0 * nonemb * self.tokens + 6.0 * emb * self.target_tokens
+        out = {"steps": self.steps, "micro_batches": self.micro_batches, "tokens": self.tokens,
+               "target_tokens": self.target_tokens, "seconds": round(self.seconds, 3),
+               "tokens_per_s": round(tok_s, 1), "stopped_early": self.stopped_early,
+               "epochs_done": round(self.micro_batches / max(1, self.micro_batches_per_epoch), 4),
+               "seconds_per_epoch": round(self.seconds * self.micro_batches_per_epoch / max(1, self.micro_batches), 3),
+               "first_loss": self.losses[0][1] if self.losses else None,
+               "final_loss": self.losses[-1][1] if self.losses else None}
+        if device.type == "cuda" and self.seconds > 0:
+            out["mfu"] = round(flops / self.seconds / H200_BF16_PEAK_FLOPS, 4)
+        if self.sparsity:
+            out["sparsity_density"] = self.sparsity.get("density")
+        return out
+
+
+def train_loop(
+    model: nn.Module,
+    examples: TrainingExamples,
+    config: TrainConfig,
+    *,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+    on_step: Callable[[int, float], None] | None = None,
+    progress: bool = True,
+) -> tuple[TrainStats, ProgressiveSparsity | None]:
+    """Train ``model`` in place on ``examples`` (prompt tokens masked out of the loss).
+
+    Under torch.distributed (``world_size > 1``) pass the DDP-wrapped model; each rank takes every
+    ``world_size``-th micro-batch of the same seeded order. Returns the stats and, when enabled,
+    the sparsity driver (its masks are final and applied to the weights).
+    """
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(config.seed)
+    lengths = examples.lengths
+    if config.indexing_repeat > 1:  # repeat indexing examples within each epoch
+        from adbatch.training.data import ExampleKind
+
+        idx = torch.arange(len(examples))
+        extra = idx[examples.kinds == int(ExampleKind.INDEXING)].repeat(config.indexing_repeat - 1)
+        examples = examples.select(torch.cat([idx, extra]))
+        lengths = examples.lengths
+    per_epoch = len(token_budget_batches(lengths, config.batch_tokens, gen, shuffle=False)) // world_size
+    if per_epoch == 0:
+        raise ValueError(f"{len(examples)} examples give no micro-batch per rank for world_size={world_size}")
+    total_micro = max(1, round(per_epoch * config.epochs))
+    total_steps = math.ceil(total_micro / config.grad_accum)
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+        total_micro = min(total_micro, total_steps * config.grad_accum)
+    warmup = round(config.warmup_fraction * total_steps)
+
+    model.train()
+    opt = make_optimizer(model, config)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total_steps, warmup, config.min_lr_ratio))
+    sparsity = ProgressiveSparsity(model, config.sparsity, total_steps) if config.sparsity.enabled else None
+    autocast = device.type == "cuda" and config.bf16
+    stats = TrainStats(micro_batches_per_epoch=per_epoch)
+
+    def micro_batches():
+        while True:
+            batches = token_budget_batches(lengths, config.batch_tokens, gen, shuffle=True)
+            usable = len(batches) // world_size * world_size
+            yield from batches[rank:usable:world_size]
+
+    batch_iter = micro_batches()
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, desc="train", unit="step")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    loss_acc = torch.zeros((), device=device)
+    for step in range(total_steps):
+        want_stats = sparsity is not None and sparsity.wants_stats(step)
+        if want_stats:
+            sparsity.start_stats()
+        loss_acc.zero_()
+        for _ in range(config.grad_accum):
+            idx = next(batch_iter)
+            batch = collate(examples, idx, pad_id).to(device)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss, n_tgt = target_loss(model, batch.input_ids, batch.attention_mask, batch.labels)
+            (loss / config.grad_accum).backward()
+            loss_acc += loss.detach() / config.grad_accum
+            stats.micro_batches += 1
+            stats.tokens += int(batch.attention_mask.sum())
+            stats.target_tokens += n_tgt
+        if sparsity is not None:
+            sparsity.before_optimizer_step(step)
+        if config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if sparsity is not None:
+            sparsity.after_optimizer_step()
+        stats.steps = step + 1
+        if step % config.log_every == 0 or step == total_steps - 1:
+            value = float(loss_acc)  # one sync per logged step only
+            stats.losses.append((step, value))
+            if sparsity is not None:
+                stats.density.append((step, sparsity.density()))
+            if on_step is not None:
+                on_step(step, value)
+            log.debug("step %d loss %.4f lr %.2e", step, value, sched.get_last_lr()[0])
+            if bar is not None:
+                bar.set_postfix(loss=f"{value:.3f}")
+        if bar is not None:
+            bar.update(1)
+        if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:
+            stats.stopped_early = step + 1 < total_steps
+            if stats.stopped_early:
+                log.warning("time budget %.0f s reached after %d of %d steps", config.time_budget_s, step + 1, total_steps)
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats.seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    if sparsity is not None:
+        if not sparsity.frozen:  # a time budget cut the schedule short: still leave exact masks
+            log.warning("progressive sparsity did not reach its final masks (stopped at step %d)", stats.steps)
+        stats.sparsity = sparsity.summary()
+    model.eval()
+    return stats, sparsity

@@ -1,0 +1,378 @@
+"""Train the ad index into the default model and evaluate generative targeting (one script, one call).
+
+Two subcommands:
+
+``prepare`` (here, CPU, needs ../shared/data and the MiniLM embeddings cached by ``--emb``): builds
+a small *bundle* folder: Home Depot indexes (``text`` and ``codes`` schemes; the 5,000-title subset
+and the full 54,667 catalogue) through the index stage's ``build_index`` over precomputed MiniLM
+embeddings, the ads' titles, the train-split labelled pairs, the test qrels, and the MiniLM+FAISS
+baseline numbers measured here.
+
+``run`` (the device, no Ray; also runs on CPU with ``--smoke``): loads the default model (a GGUF or
+HF folder), then, inside a time budget, in priority order:
+1. zero-shot: the untrained model over the ``text`` index of 5,000 titles;
+2. trained dense, ``text`` scheme, then ``codes`` scheme (5,000 titles);
+3. progressive sparsity (2:4 with a share of layers at 1:4) on the better scheme, evaluated with
+   the masks, then + adaptive INT4 (the compression stage's ``compress_``, masks kept: uniform 2:4
+   magnitude selection over weights whose pruned entries are exactly zero reproduces the masks);
+4. the full 54,667-title catalogue: training throughput (seconds per epoch) and quality as reached.
+Each evaluation runs ``search_targets`` (10 beams, top 10) over held-out test queries and reports
+recall@1/10, success@10, MRR@10, nDCG@10 and queries/s. Writes ``results.json``, ``table.md`` and
+``curves.png`` under ``--out`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+log = logging.getLogger("train_eval")
+
+SCHEMES = ("text", "codes")
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare (CPU, here)
+# ---------------------------------------------------------------------------------------------
+def prepare(args: argparse.Namespace) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from adbatch.corpus import CorpusConfig
+    from adbatch.datasets import HomeDepotConfig, QuerySplit, load_home_depot
+    from adbatch.index import IndexConfig, build_index
+    from adbatch.semantic_ids import IdScheme, RenderConfig
+
+    out = Path(args.bundle)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    for name, size in (("5000", 5000), ("full", None)):
+        emb_file = Path(args.emb) / f"minilm_{name}.npz"
+        if not emb_file.is_file():
+            log.warning("no embeddings %s: skipping catalogue %s", emb_file, name)
+            continue
+        data = load_home_depot(HomeDepotConfig(csv_path=args.csv, catalogue_size=size))
+        npz = np.load(emb_file, allow_pickle=False)
+        pos = {int(a): i for i, a in enumerate(npz["ad_id"])}
+        ids = data.catalogue.column("ad_id").to_pylist()
+        emb = npz["emb"][[pos[a] for a in ids]].astype(np.float32)
+        corpus = work / f"corpus_{name}.parquet"
+        pq.write_table(pa.table({
+            "ad_id": pa.array(ids, pa.int64()), "title": data.catalogue.column("title"),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]),
+        }), corpus)
+        pq.write_table(data.catalogue, out / f"titles_{name}.parquet")
+        pq.write_table(data.labelled_table(QuerySplit.TRAIN), out / f"train_{name}.parquet")
+        qrels = {q: {str(a): g for a, g in grades.items()} for q, grades in data.qrels[QuerySplit.TEST].items()}
+        (out / f"qrels_test_{name}.json").write_text(json.dumps(qrels))
+        for scheme in SCHEMES:
+            cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
+                              render=RenderConfig(scheme=IdScheme(scheme)))
+            t0 = time.perf_counter()
+            manifest = build_index(corpus, out / f"index_{name}_{scheme}", cfg, progress=False)
+            summary[f"index_{name}_{scheme}_s"] = round(time.perf_counter() - t0, 2)
+            summary[f"index_{name}_{scheme}_hash"] = manifest["index_hash"]
+        summary[f"data_{name}"] = data.stats
+    for f in Path(args.emb).glob("minilm_*baseline*.json"):
+        summary[f.stem] = json.loads(f.read_text())
+    (out / "prepare.json").write_text(json.dumps(summary, indent=1))
+    log.info("bundle written to %s: %s", out, summary)
+
+
+# ---------------------------------------------------------------------------------------------
+# run (device)
+# ---------------------------------------------------------------------------------------------
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.t0, self.seconds = time.perf_counter(), seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+
+def load_bundle(bundle: Path, name: str) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    from adbatch.index import load_index
+
+    titles = pq.read_table(bundle / f"titles_{name}.parquet")
+    train = pq.read_table(bundle / f"train_{name}.parquet")
+    qrels = json.loads((bundle / f"qrels_test_{name}.json").read_text())
+    return {
+        "indexes": {s: load_index(bundle / f"index_{name}_{s}") for s in SCHEMES if (bundle / f"index_{name}_{s}").is_dir()},
+        "ad_texts": dict(zip(titles.column("ad_id").to_pylist(), titles.column("title").to_pylist())),
+        "labelled": list(zip(train.column("query").to_pylist(), train.column("ad_id").to_pylist())),
+        "qrels": {q: {int(a): g for a, g in grades.items()} for q, grades in qrels.items()},
+    }
+
+
+def evaluate(model: Any, tok: Any, index: Any, qrels: dict, max_queries: int | None, beams: int) -> dict[str, float]:
+    import torch
+
+    from adbatch.decoding import TargetSearchConfig, VerifyMode, search_targets
+    from adbatch.prompts import encode_targeting_prompt
+    from adbatch.targeting_eval import evaluate_targeting
+
+    ad_ids = index.ad_ids
+    cfg = TargetSearchConfig(num_beams=beams, top_k=10, verify=VerifyMode.OFF, batch_size=64)
+    trie = index.trie
+
+    def rank(batch: list[str]) -> list[list[int]]:
+        prompts = [encode_targeting_prompt(tok, q) for q in batch]
+        with torch.inference_mode():
+            res = search_targets(model, prompts, trie, cfg)
+        return [[ad_ids[r] for r in row if r >= 0] for row in res.rows.tolist()]
+
+    return evaluate_targeting(rank, qrels, batch_size=64, max_queries=max_queries)
+
+
+def load_base(model_src: str | None, smoke: bool, device: str) -> tuple[Any, Any]:
+    import torch
+
+    if smoke:  # a tiny random-init Llama over the real tokenizer: checks the plumbing on CPU
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        from adbatch.models import resolve_model
+
+        tok = AutoTokenizer.from_pretrained(resolve_model(model_src), local_files_only=True)
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                          pad_token_id=tok.pad_token_id)
+        return LlamaForCausalLM(cfg).float(), tok
+    from adbatch.models import load_causal_lm
+
+    return load_causal_lm(model_src, dtype=torch.float32, device="cpu")
+
+
+def fresh_copy(base: tuple[Any, Any]) -> tuple[Any, Any]:
+    import copy
+
+    model, tok = base
+    return copy.deepcopy(model), copy.deepcopy(tok)
+
+
+def int4_compress(model: Any, examples_tokens: Any, device: str) -> dict[str, Any]:
+    """Adaptive INT4 on top of the trained masks (uniform 2:4 magnitude keeps exactly the nonzeros)."""
+    import torch
+
+    from adbatch.compress import (CalibrationConfig, CompressConfig, GroupPolicy, PatternPolicy,
+                                  ScoreMethod, calibrate, compress_)
+    from kernels.nm_int4 import SparsityPattern
+
+    t0 = time.perf_counter()
+    seq = 128
+    n_blocks = min(64, examples_tokens.numel() // seq)
+    blocks = examples_tokens[: n_blocks * seq].long().reshape(n_blocks, seq).to(device)
+    cal = CalibrationConfig(num_texts=n_blocks, seq_len=seq, batch_size=16, use_gradients=False)
+    model.float()
+    stats = calibrate(model, blocks, cal)
+    cfg = CompressConfig(score=ScoreMethod.MAGNITUDE, pattern_policy=PatternPolicy.UNIFORM,
+                         uniform_pattern=SparsityPattern.TWO_FOUR, group_policy=GroupPolicy.ADAPTIVE)
+    model.cpu()
+    recipe = compress_(model, cfg, stats)
+    model.to(device)
+    packed = sum(layer.packed_bytes for layer in recipe.layers)
+    return {"seconds": round(time.perf_counter() - t0, 2), "packed_bytes": packed}
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from adbatch.training import SparsityScheduleConfig, TrainConfig, train_on_index
+    from adbatch.training.checkpoint import read_training_record  # noqa: F401  (import check)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.budget_s)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                               "args": vars(args), "rows": {}, "curves": {}}
+    bundle = Path(args.bundle)
+    prep = json.loads((bundle / "prepare.json").read_text()) if (bundle / "prepare.json").is_file() else {}
+    results["prepare"] = prep
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    t0 = time.perf_counter()
+    base = load_base(args.model, args.smoke, device)
+    results["load_seconds"] = round(time.perf_counter() - t0, 2)
+    small = load_bundle(bundle, "5000")
+    mq = args.max_queries
+
+    def eval_row(name: str, model: Any, tok: Any, index: Any, qrels: dict, extra: dict | None = None) -> dict:
+        model.to(device)
+        if device == "cuda":
+            model.to(torch.bfloat16)
+        model.eval()
+        r = evaluate(model, tok, index, qrels, mq, args.beams)
+        r.update(extra or {})
+        results["rows"][name] = r
+        log.info("%s: %s", name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+        save()
+        return r
+
+    def train(scheme: str, data: dict, cfg: TrainConfig, tag: str) -> tuple[Any, Any, dict]:
+        model, tok = fresh_copy(base)
+        model, tok, summary = train_on_index(data["indexes"][scheme], None, cfg, ad_texts=data["ad_texts"],
+                                             labelled=data["labelled"], model=model, tokenizer=tok,
+                                             device=device, progress=False)
+        results["curves"][tag] = {"losses": summary["losses"], "density": summary["density"]}
+        results.setdefault("train", {})[tag] = summary["train"] | {"data": summary["data"],
+                                                                   "prepare_seconds": summary["prepare_seconds"]}
+        log.info("trained %s: %s", tag, summary["train"])
+        return model, tok, summary
+
+    base_cfg = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, warmup_fraction=0.05,
+                           log_every=10, indexing_repeat=args.indexing_repeat)
+    # 1. zero-shot over the text scheme (labels + titles are plain text the instruct model can read)
+    m, t = fresh_copy(base)
+    eval_row("zero-shot (text ids)", m, t, small["indexes"]["text"], small["qrels"])
+    del m
+    # 2. trained dense, both schemes
+    dense_scores = {}
+    for scheme in SCHEMES:
+        if budget.left() < args.reserve_s:
+            log.warning("budget: skipping dense %s", scheme)
+            continue
+        m, t, s = train(scheme, small, base_cfg, f"dense-{scheme}")
+        r = eval_row(f"trained dense ({scheme} ids)", m, t, small["indexes"][scheme], small["qrels"],
+                     {"train_s": s["train"]["seconds"]})
+        dense_scores[scheme] = r["success@10"]
+        del m
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    # 3. progressive sparsity + INT4 on the better scheme
+    if dense_scores and budget.left() > args.reserve_s:
+        best = max(dense_scores, key=dense_scores.get)
+        sp = SparsityScheduleConfig(enabled=True, final_n=2, one_four_fraction=args.one_four, start_fraction=0.3,
+                                    end_fraction=0.7, rescore_every=args.rescore_every)
+        m, t, s = train(best, small, base_cfg.replace(sparsity=sp), f"sparse-{best}")
+        dens = s["sparsity"]["density"]
+        eval_row(f"trained + progressive 2:4/1:4 ({best} ids)", m, t, small["indexes"][best], small["qrels"],
+                 {"density": dens, "train_s": s["train"]["seconds"]})
+        if budget.left() > args.reserve_s / 2:
+            try:
+                from adbatch.training.data import build_examples
+
+                idx = small["indexes"][best]
+                ex, _ = build_examples(t, idx.ad_ids, idx.sequences(), small["ad_texts"], small["labelled"][:2000])
+                info = int4_compress(m, ex.tokens, device)
+                eval_row(f"trained + progressive 2:4/1:4 + INT4 ({best} ids)", m, t, idx, small["qrels"],
+                         {"density": dens, **{f"int4_{k}": v for k, v in info.items()}})
+            except Exception as exc:  # report, keep the other numbers
+                log.exception("INT4 step failed")
+                results["int4_error"] = repr(exc)
+        del m
+    # 4. full catalogue: throughput of one epoch + quality reached in the remaining budget
+    if (bundle / "titles_full.parquet").is_file() and budget.left() > args.reserve_s:
+        full = load_bundle(bundle, "full")
+        scheme = max(dense_scores, key=dense_scores.get) if dense_scores else "text"
+        if scheme in full["indexes"]:
+            spare = budget.left() - args.reserve_s / 2
+            cfg = base_cfg.replace(epochs=args.full_epochs, time_budget_s=max(10.0, spare * 0.6))
+            m, t, s = train(scheme, full, cfg, f"full-{scheme}")
+            tr = s["train"]
+            results["full_epoch"] = {"train_seconds": tr["seconds"], "epochs_done": tr["epochs_done"],
+                                     "seconds_per_epoch": tr["seconds_per_epoch"], "tokens_per_s": tr["tokens_per_s"],
+                                     "examples_per_epoch": s["data"].get("indexing", 0) + s["data"].get("retrieval", 0),
+                                     "stopped_early": tr["stopped_early"]}
+            eval_row(f"trained dense, full catalogue ({scheme} ids)", m, t, full["indexes"][scheme], full["qrels"],
+                     {"train_s": tr["seconds"], "stopped_early": tr["stopped_early"]})
+            del m
+    results["total_seconds"] = round(time.perf_counter() - budget.t0, 1)
+    save()
+    table = render_table(results)
+    (out / "table.md").write_text(table)
+    plot_curves(results, out / "curves.png")
+    print(table)
+
+
+def render_table(results: dict) -> str:
+    cols = ("recall@1", "recall@10", "success@10", "mrr@10", "ndcg@10", "queries_per_s", "queries")
+    lines = ["| model | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, r in results["rows"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{r.get(c, float('nan')):.3f}" if c != "queries"
+                                                   else str(int(r.get(c, 0))) for c in cols) + " |")
+    for key, base in (results.get("prepare") or {}).items():
+        if key.startswith("minilm") and isinstance(base, dict):
+            for cat, r in (base.items() if "recall@10" not in base else [(key, base)]):
+                if isinstance(r, dict) and "recall@10" in r:
+                    lines.append(f"| MiniLM+FAISS CPU ({cat}) | " + " | ".join(
+                        f"{r.get(c, float('nan')):.3f}" if c != "queries" else str(int(r.get(c, 0))) for c in cols) + " |")
+    lines.append("")
+    for tag, tr in (results.get("train") or {}).items():
+        lines.append(f"- train {tag}: {tr['steps']} steps, {tr['tokens']} tokens in {tr['seconds']:.1f} s = "
+                     f"{tr['tokens_per_s']:.0f} tok/s, MFU {tr.get('mfu', 'n/a')}, loss {tr['first_loss']:.3f} -> "
+                     f"{tr['final_loss']:.3f}" + (f", density {tr['sparsity_density']:.3f}" if tr.get("sparsity_density") else ""))
+    if "full_epoch" in results:
+        lines.append(f"- full catalogue: {json.dumps(results['full_epoch'])}")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for tag, c in results["curves"].items():
+        if c["losses"]:
+            ax[0].plot([s for s, _ in c["losses"]], [v for _, v in c["losses"]], label=tag)
+        if c["density"]:
+            ax[1].plot([s for s, _ in c["density"]], [v for _, v in c["density"]], label=tag)
+    ax[0].set(xlabel="optimizer step", ylabel="target-token loss", yscale="log", title="training loss")
+    ax[1].set(xlabel="optimizer step", ylabel="kept share of prunable weights", title="progressive sparsity")
+    for a in ax:
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare")
+    pp.add_argument("--csv", default="../shared/data/home_depot_relevance/train.csv")
+    pp.add_argument("--emb", default="/tmp/tr", help="folder with minilm_{5000,full}.npz (+ baseline JSON)")
+    pp.add_argument("--work", default="/tmp/tr/work")
+    pp.add_argument("--bundle", required=True)
+    pr = sub.add_parser("run")
+    pr.add_argument("--bundle", required=True)
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--model", default=None, help="GGUF file / HF folder; default: the bundled default model")
+    pr.add_argument("--smoke", action="store_true", help="tiny random model (CPU plumbing check)")
+    pr.add_argument("--budget-s", type=float, default=330.0)
+    pr.add_argument("--reserve-s", type=float, default=60.0, help="don't start a phase with less left")
+    pr.add_argument("--epochs", type=float, default=20.0)
+    pr.add_argument("--full-epochs", type=float, default=3.0)
+    pr.add_argument("--lr", type=float, default=1e-3)
+    pr.add_argument("--batch-tokens", type=int, default=32768)
+    pr.add_argument("--indexing-repeat", type=int, default=1)
+    pr.add_argument("--one-four", type=float, default=0.25)
+    pr.add_argument("--rescore-every", type=int, default=1)
+    pr.add_argument("--beams", type=int, default=10)
+    pr.add_argument("--max-queries", type=int, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    prepare(args) if args.cmd == "prepare" else run(args)
+
+
+if __name__ == "__main__":
+    main()

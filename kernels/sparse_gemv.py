@@ -1,0 +1,564 @@
+"""Triton SparseGemv: ``y[B, N] = x[B, K] @ W.T`` with W in :class:`~kernels.nm_int4.PackedNMInt4`.
+
+One kernel template, specialised by constexprs, reads the packed format directly (no unpacked copy):
+
+- ``NKEEP`` = n of the n:4 pattern (4 = dense INT4, 2 = 2:4, 1 = 1:4).
+- ``USE_DOT`` = False: the *GEMV* path for B <= 4. Each kept value is dequantized once and multiplied
+  with the activation it meets; for sparse patterns the activation is gathered by column
+  ``4 * (kk // n) + pos`` from x (a few hundred bytes per tile, served by L1), so pruned zeros are never
+  materialised.
+- ``USE_DOT`` = True: the *tensor-core* path for larger B. The kept tile is dequantized, scattered into
+  a dense ``[4 * BLOCK_KK / n, BLOCK_N]`` tile in registers (compare-and-select on the 2-bit
+  positions) and fed to ``tl.dot`` with an x tile of ``BLOCK_B`` (>= 16) rows.
+- ``ATOMIC``: split-K over the kept dimension; partial sums are added into a zeroed fp32 buffer.
+
+Grid: ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B))``. Each program walks ``BLOCK_KK`` kept values
+at a time; ``BLOCK_KK`` is a multiple of 32 and every row's group size is a power of two >= 32, so
+each 32-value sub-block of a row has exactly one ``(scale, zero)`` pair (one gathered 4-byte load per
+row and sub-block). Accumulation is fp32; activations are fp16 or bf16.
+
+:func:`nm_int4_linear_triton` is the launcher: it picks a :class:`KernelConfig` per
+(pattern, N, K, dtype, batch bucket, device) -- by timing a small candidate set once and caching the
+winner as JSON under ``$ADBATCH_CACHE/kernels/`` (default ``~/.cache/adbatch``), or by a heuristic when
+``ADBATCH_NM_INT4_AUTOTUNE=0`` or under the interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.nm_int4 import PackedNMInt4, SparsityPattern
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+GEMV_MAX_BATCH = 4  # largest bucket that may use the GEMV (no tensor core) path
+
+
+@triton.jit
+def _dot_acc(acc, xt, w, DOT_F32: tl.constexpr):
+    """acc [BB, BN] fp32 += xt [BB, BK] @ w [BK, BN] (w fp32, rounded to x's dtype for the tensor cores)."""
+    if DOT_F32:
+        return acc + tl.dot(xt.to(tl.float32), w.to(xt.dtype).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(xt, w.to(xt.dtype), acc)
+
+
+@triton.jit
+def _nibble_f32(words, shift):
+    """fp32 value of the 4-bit field at ``shift`` of int32 ``words``: OR-ing the field into the mantissa
+    of 2**23 and subtracting 2**23 is exact and avoids the slow integer-to-float conversion (I2F)."""
+    bits = ((words >> shift) & 0xF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _scale_zero(sz_ptr, gp0, gp_last, gsh, kk_first, n_mask):
+    """(scale, zero*scale) fp32 for rows (last axis) at kept offsets ``kk_first`` (any shape broadcasting
+    against the rows). sz_ptr is scale_zero viewed as int32: low half = scale, high half = zero."""
+    gidx = tl.minimum(gp0 + (kk_first >> gsh), gp_last)  # clamp keeps the padding inside the row
+    v = tl.load(sz_ptr + gidx, mask=n_mask, other=0)
+    s = (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    z = ((v >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return s, z * s
+
+
+@triton.jit
+def _store_out(out_ptr, bias_ptr, acc, offs_b, b_mask, offs_n, n_mask, stride_ob, pid_k, ATOMIC: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if ATOMIC:
+            bias = tl.where(pid_k == 0, bias, 0.0)
+        acc += bias[None, :]
+    out_ptrs = out_ptr + offs_b[:, None] * stride_ob + offs_n[None, :]
+    mask = b_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _x_group(x_row, g, K):
+    """The 4 activations (fp32) of column group ``g`` (any shape) of one x row; 0 past K."""
+    c = 4 * g
+    x0 = tl.load(x_row + c, mask=c < K, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + c + 1, mask=c + 1 < K, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + c + 2, mask=c + 2 < K, other=0.0).to(tl.float32)
+    x3 = tl.load(x_row + c + 3, mask=c + 3 < K, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _pick(b0, b1, x0, x1, x2, x3):
+    """x[pos] for pos = 2*b1 + b0, by selects (no gather)."""
+    return tl.where(b1, tl.where(b0, x3, x2), tl.where(b0, x1, x0))
+
+
+@triton.jit(do_not_specialize=["B"])
+def _nm_int4_gemv_kernel(
+    x_ptr,  # [B, K] fp16/bf16, stride (stride_xb, 1)
+    qw_ptr,  # int32 [KP/8, N]
+    qp_ptr,  # int32 [KP/16, N] (unused when NKEEP == 4)
+    sz_ptr,  # int32 [G] (= fp16 [G, 2] scale_zero)
+    gptr_ptr,  # int32 [N+1]
+    gshift_ptr,  # int32 [N]
+    bias_ptr,  # [N] or dummy
+    out_ptr,  # [B, N]: x dtype, or fp32 when ATOMIC
+    B,
+    N,
+    K,
+    KP,
+    stride_xb,
+    stride_ob,
+    kk_per_split,
+    NKEEP: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # 1, 2 or 4 activation rows, one fp32 accumulator tile each
+    BLOCK_N: tl.constexpr,
+    BLOCK_KK: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """GEMV path. Every tensor in the loop has the 2-D shape of the loaded word tile
+    ``[BLOCK_KK/8, BLOCK_N]`` (the 8 nibbles of a word are unrolled, position words are loaded once per
+    value word), so unpacking needs no layout shuffles; products accumulate elementwise and the one
+    cross-thread reduction happens after the loop."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    W: tl.constexpr = BLOCK_KK // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    gp0 = tl.load(gptr_ptr + offs_n, mask=n_mask, other=0)[None, :]
+    gp_last = tl.load(gptr_ptr + offs_n + 1, mask=n_mask, other=1)[None, :] - 1
+    gsh = tl.load(gshift_ptr + offs_n, mask=n_mask, other=5)[None, :]
+    w_idx = tl.arange(0, W)[:, None]  # [W, 1]
+    pos_base = 16 * (w_idx % 2)  # bit offset of this word's 8 positions inside its position word
+    row0 = pid_b * BLOCK_B
+    # rows past B re-read row B-1 (their results are masked at the store): no per-row load masks
+    x0 = x_ptr + row0 * stride_xb
+    x1 = x_ptr + tl.minimum(row0 + 1, B - 1) * stride_xb
+    x2 = x_ptr + tl.minimum(row0 + 2, B - 1) * stride_xb
+    x3 = x_ptr + tl.minimum(row0 + 3, B - 1) * stride_xb
+    acc0 = tl.zeros([W, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([W, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([W, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([W, BLOCK_N], dtype=tl.float32)
+    tile_off = w_idx * N + offs_n[None, :]
+    nm2 = n_mask[None, :]
+
+    k_lo = pid_k * kk_per_split
+    k_hi = tl.minimum(k_lo + kk_per_split, KP)
+    for kk0 in range(k_lo, k_hi, BLOCK_KK):
+        words = tl.load(qw_ptr + (kk0 // 8) * N + tile_off, mask=nm2, other=0)
+        kk_w = kk0 + 8 * w_idx  # [W, 1] kept index of nibble 0 of each word
+        s, zs = _scale_zero(sz_ptr, gp0, gp_last, gsh, kk_w, nm2)
+        if NKEEP != 4:
+            # row w of the tile reads position word w // 2 (a repeated, L1-served load keeps the layout)
+            pw = tl.load(qp_ptr + (kk0 // 16) * N + (w_idx // 2) * N + offs_n[None, :], mask=nm2, other=0)
+        for j in tl.static_range(8):
+            w = _nibble_f32(words, 4 * j) * s - zs
+            if NKEEP == 4:
+                col = kk_w + j  # [W, 1]; every row of the tile shares it
+                ok = col < K
+                acc0 += tl.load(x0 + col, mask=ok, other=0.0).to(tl.float32) * w
+                if BLOCK_B > 1:
+                    acc1 += tl.load(x1 + col, mask=ok, other=0.0).to(tl.float32) * w
+                if BLOCK_B > 2:
+                    acc2 += tl.load(x2 + col, mask=ok, other=0.0).to(tl.float32) * w
+                    acc3 += tl.load(x3 + col, mask=ok, other=0.0).to(tl.float32) * w
+            else:
+                if j % NKEEP == 0:
+                    # the 4 activations of this column group, shared by every row of the tile
+                    g = (kk_w + j) // NKEEP
+                    a0, a1, a2, a3 = _x_group(x0, g, K)
+                    if BLOCK_B > 1:
+                        c0, c1, c2, c3 = _x_group(x1, g, K)
+                    if BLOCK_B > 2:
+                        d0, d1, d2, d3 = _x_group(x2, g, K)
+                        e0, e1, e2, e3 = _x_group(x3, g, K)
+                pbits = pw >> (pos_base + 2 * j)
+                b0 = (pbits & 1) != 0
+                b1 = (pbits & 2) != 0
+                acc0 += _pick(b0, b1, a0, a1, a2, a3) * w
+                if BLOCK_B > 1:
+                    acc1 += _pick(b0, b1, c0, c1, c2, c3) * w
+                if BLOCK_B > 2:
+                    acc2 += _pick(b0, b1, d0, d1, d2, d3) * w
+                    acc3 += _pick(b0, b1, e0, e1, e2, e3) * w
+
+    offs_b = row0 + tl.arange(0, BLOCK_B)
+    r0 = tl.sum(acc0, axis=0)
+    if BLOCK_B == 1:
+        acc = r0[None, :]
+    else:
+        sel = tl.arange(0, BLOCK_B)[:, None]
+        acc = tl.where(sel == 0, r0[None, :], tl.sum(acc1, axis=0)[None, :])
+        if BLOCK_B > 2:
+            acc = tl.where(sel == 2, tl.sum(acc2, axis=0)[None, :], acc)
+            acc = tl.where(sel == 3, tl.sum(acc3, axis=0)[None, :], acc)
+    _store_out(out_ptr, bias_ptr, acc, offs_b, offs_b < B, offs_n, n_mask, stride_ob, pid_k, ATOMIC, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["B"])
+def _nm_int4_dot_kernel(
+    x_ptr,  # [B, K] fp16/bf16, stride (stride_xb, 1)
+    qw_ptr,  # int32 [KP/8, N]
+    qp_ptr,  # int32 [KP/16, N] (unused when NKEEP == 4)
+    sz_ptr,  # int32 [G] (= fp16 [G, 2] scale_zero)
+    gptr_ptr,  # int32 [N+1]
+    gshift_ptr,  # int32 [N]
+    bias_ptr,  # [N] or dummy
+    out_ptr,  # [B, N]: x dtype, or fp32 when ATOMIC
+    B,
+    N,
+    K,
+    KP,
+    stride_xb,
+    stride_ob,
+    kk_per_split,
+    NKEEP: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KK: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,  # interpreter only: numpy has no bf16 matmul
+):
+    """Tensor-core path: dequantize + densify a [4*BLOCK_KK/n, BLOCK_N] tile, tl.dot with x."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = offs_b < B
+    gp0 = tl.load(gptr_ptr + offs_n, mask=n_mask, other=0)[None, :]
+    gp_last = tl.load(gptr_ptr + offs_n + 1, mask=n_mask, other=1)[None, :] - 1
+    gsh = tl.load(gshift_ptr + offs_n, mask=n_mask, other=5)[None, :]
+
+    SB: tl.constexpr = BLOCK_KK // 32  # 32-value sub-blocks: one (scale, zero) per row each
+    BLOCK_G: tl.constexpr = BLOCK_KK // NKEEP  # column groups of 4 covered by a tile
+    nib_shift = tl.arange(0, 8) * 4
+    pos_shift = tl.arange(0, 16) * 2
+    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+
+    k_lo = pid_k * kk_per_split
+    k_hi = tl.minimum(k_lo + kk_per_split, KP)
+    for kk0 in range(k_lo, k_hi, BLOCK_KK):
+        w_rows = kk0 // 8 + tl.arange(0, BLOCK_KK // 8)
+        words = tl.load(qw_ptr + w_rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        q = _nibble_f32(words[:, None, :], nib_shift[None, :, None])
+        q = tl.reshape(q, [SB, 32, BLOCK_N])
+        s, zs = _scale_zero(sz_ptr, gp0, gp_last, gsh, (kk0 + tl.arange(0, SB) * 32)[:, None], n_mask[None, :])
+        w = q * s[:, None, :] - zs[:, None, :]
+        w = tl.reshape(w, [BLOCK_KK, BLOCK_N])
+        if NKEEP == 4:
+            offs_k = kk0 + tl.arange(0, BLOCK_KK)
+            xt = tl.load(
+                x_ptr + offs_b[:, None] * stride_xb + offs_k[None, :],
+                mask=b_mask[:, None] & (offs_k < K)[None, :],
+                other=0.0,
+            )
+            acc = _dot_acc(acc, xt, w, DOT_F32)
+        else:
+            p_rows = kk0 // 16 + tl.arange(0, BLOCK_KK // 16)
+            pwords = tl.load(qp_ptr + p_rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+            pos = tl.reshape((pwords[:, None, :] >> pos_shift[None, :, None]) & 3, [BLOCK_KK, BLOCK_N])
+            # scatter the kept tile into its dense [4 * BLOCK_G, BLOCK_N] tile (zeros where pruned)
+            wg = tl.reshape(w, [BLOCK_G, NKEEP, BLOCK_N])
+            pg = tl.reshape(pos, [BLOCK_G, NKEEP, BLOCK_N])
+            slot = tl.arange(0, 4)
+            d = tl.where(pg[:, :, None, :] == slot[None, None, :, None], wg[:, :, None, :], 0.0)
+            if NKEEP == 1:
+                dense = tl.reshape(d, [BLOCK_G * 4, BLOCK_N])
+            else:
+                dense = tl.reshape(tl.sum(d, axis=1), [BLOCK_G * 4, BLOCK_N])
+            offs_k = (kk0 // NKEEP) * 4 + tl.arange(0, BLOCK_G * 4)
+            xt = tl.load(
+                x_ptr + offs_b[:, None] * stride_xb + offs_k[None, :],
+                mask=b_mask[:, None] & (offs_k < K)[None, :],
+                other=0.0,
+            )
+            acc = _dot_acc(acc, xt, dense, DOT_F32)
+    _store_out(out_ptr, bias_ptr, acc, offs_b, b_mask, offs_n, n_mask, stride_ob, pid_k, ATOMIC, HAS_BIAS)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the GEMV or tensor-core kernel (see the module docstring)."""
+
+    block_b: int
+    block_n: int
+    block_kk: int
+    split_k: int
+    use_dot: bool
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def validate(self, pattern: SparsityPattern) -> None:
+        if self.block_kk not in (32, 64, 128):
+            raise ValueError(f"block_kk={self.block_kk} must be 32, 64 or 128")
+        if not self.use_dot and self.block_b > GEMV_MAX_BATCH:
+            raise ValueError(f"the GEMV path takes block_b <= {GEMV_MAX_BATCH}: {self}")
+        if self.use_dot and (self.block_b < 16 or 4 * self.block_kk // pattern.n < 16 or self.block_n < 16):
+            raise ValueError(f"tl.dot needs block_b, block_n and the dense K tile >= 16: {self}")
+        for name in ("block_b", "block_n"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two")
+        if self.split_k < 1:
+            raise ValueError(f"split_k={self.split_k} must be >= 1")
+
+
+def batch_bucket(batch: int) -> int:
+    """Smallest bucket in BATCH_BUCKETS holding ``batch`` (64 for anything larger)."""
+    for b in BATCH_BUCKETS:
+        if batch <= b:
+            return b
+    return BATCH_BUCKETS[-1]
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _pow2_floor(v: float) -> int:
+    return 1 << max(0, int(v).bit_length() - 1) if v >= 1 else 1
+
+
+def _split_for(p: PackedNMInt4, block_n: int, block_kk: int, n_bblocks: int, num_sms: int, waves: float = 4.0) -> int:
+    """Split-K so the grid has about ``waves`` programs per SM, keeping >= 4 K steps per program."""
+    programs = triton.cdiv(p.out_features, block_n) * n_bblocks
+    steps = p.padded_kept // block_kk
+    want = _pow2_floor(waves * num_sms / programs) if programs < waves * num_sms else 1
+    return max(1, min(want, _pow2_floor(steps / 4), 32))
+
+
+def heuristic_config(p: PackedNMInt4, batch: int, num_sms: int) -> KernelConfig:
+    """A reasonable config without timing (interpreter, or autotuning disabled)."""
+    bucket = batch_bucket(batch)
+    use_dot = bucket > GEMV_MAX_BATCH
+    block_b = max(16, bucket) if use_dot else bucket
+    block_kk = {4: 128, 2: 64, 1: 32}[p.pattern.n] if use_dot else 64
+    block_n = 64
+    n_bblocks = triton.cdiv(batch, block_b)
+    split = _split_for(p, block_n, block_kk, n_bblocks, num_sms)
+    return KernelConfig(block_b, block_n, block_kk, split, use_dot)
+
+
+def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelConfig]:
+    """The small set of configs the autotuner times for this (shape, batch bucket).
+
+    Tiles are sized so each thread holds at most ~128 fp32 tile elements (no register spills); each
+    tile shape is tried with the heuristic split-K (about 4 programs per SM) and without split.
+    """
+    bucket = batch_bucket(batch)
+    n = p.pattern.n
+    out: list[KernelConfig] = []
+    if bucket <= GEMV_MAX_BATCH:
+        for block_n, block_kk, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8)):
+            out += _with_splits(p, batch, KernelConfig(bucket, block_n, block_kk, 1, False, warps), num_sms)
+    block_b = max(16, bucket)
+    kk128 = 128 * n // 4  # kept values whose dense tile is 128 columns wide
+    for block_n, block_kk, warps in ((32, kk128, 4), (64, kk128, 4), (128, kk128, 8), (64, 2 * kk128, 8)):
+        block_kk = min(128, max(32, block_kk))
+        out += _with_splits(p, batch, KernelConfig(block_b, block_n, block_kk, 1, True, warps), num_sms)
+    return list(dict.fromkeys(out))
+
+
+def _with_splits(p: PackedNMInt4, batch: int, cfg: KernelConfig, num_sms: int) -> list[KernelConfig]:
+    s = _split_for(p, cfg.block_n, cfg.block_kk, triton.cdiv(batch, cfg.block_b), num_sms)
+    return [dataclasses.replace(cfg, split_k=v) for v in sorted({1, s})]
+
+
+# ---- launcher ---------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_inputs(x: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x: dtype {x.dtype} not supported by the Triton kernel; expected float16 or bfloat16")
+    if x.dim() < 1 or x.shape[-1] != p.in_features:
+        raise ValueError(f"x: expected [..., {p.in_features}] (in_features), got {tuple(x.shape)}")
+    if x.device != p.device:
+        raise ValueError(f"x is on {x.device} but the packed weight is on {p.device}")
+    if not (x.is_cuda or _interpreting()):
+        raise ValueError("nm_int4_linear_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    if bias is not None and (bias.shape != (p.out_features,) or bias.device != x.device):
+        raise ValueError(f"bias: expected [{p.out_features}] on {x.device}, got {tuple(bias.shape)} on {bias.device}")
+    if p.padded_kept % 128 or p.out_features >= 2**31 // max(1, p.padded_kept // 8):
+        raise ValueError(f"packed weight of shape {p.out_features}x{p.in_features} exceeds the int32 indexing of the kernel")
+
+
+def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: KernelConfig) -> torch.Tensor:
+    """Run the kernel once with ``cfg``. x2: [B, K] fp16/bf16 with unit inner stride. Returns [B, N]."""
+    cfg.validate(p.pattern)
+    batch = x2.shape[0]
+    n_out = p.out_features
+    steps = p.padded_kept // cfg.block_kk
+    split = max(1, min(cfg.split_k, steps))
+    kk_per_split = triton.cdiv(steps, split) * cfg.block_kk
+    split = triton.cdiv(p.padded_kept, kk_per_split)
+    atomic = split > 1
+    if atomic:
+        out = torch.zeros(batch, n_out, device=x2.device, dtype=torch.float32)
+    else:
+        out = torch.empty(batch, n_out, device=x2.device, dtype=x2.dtype)
+    grid = (triton.cdiv(n_out, cfg.block_n), split, triton.cdiv(batch, cfg.block_b))
+    args = (
+        x2,
+        p.qweight,
+        p.qpos if p.pattern.is_sparse else p.qweight,
+        p.scale_zero.view(torch.int32).reshape(-1),
+        p.group_ptr,
+        p.group_shift,
+        bias if bias is not None else out,
+        out,
+        batch,
+        n_out,
+        p.in_features,
+        p.padded_kept,
+        x2.stride(0),
+        out.stride(0),
+        kk_per_split,
+    )
+    meta = dict(
+        NKEEP=p.pattern.n,
+        BLOCK_B=cfg.block_b,
+        BLOCK_N=cfg.block_n,
+        BLOCK_KK=cfg.block_kk,
+        ATOMIC=atomic,
+        HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.use_dot:
+        _nm_int4_dot_kernel[grid](*args, DOT_F32=_interpreting() and x2.dtype == torch.bfloat16, **meta)
+    else:
+        _nm_int4_gemv_kernel[grid](*args, **meta)
+    return out.to(x2.dtype) if atomic else out
+
+
+class _TuneCache:
+    """Chosen configs per key, persisted as JSON per device name (one file, rewritten atomically)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mem: dict[str, dict[str, KernelConfig]] = {}
+
+    @staticmethod
+    def path(device_name: str) -> Path:
+        root = Path(os.environ.get("ADBATCH_CACHE", Path.home() / ".cache" / "adbatch"))
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name)
+        return root / "kernels" / f"nm_int4_tune_{safe}_triton{triton.__version__}.json"
+
+    def _load(self, device_name: str) -> dict[str, KernelConfig]:
+        if device_name not in self._mem:
+            table: dict[str, KernelConfig] = {}
+            path = self.path(device_name)
+            if path.is_file():
+                try:
+                    raw = json.loads(path.read_text())
+                    table = {k: KernelConfig(**v["config"]) for k, v in raw.items()}
+                except (ValueError, TypeError, KeyError) as e:
+                    log.warning("ignoring unreadable kernel tuning cache %s: %s", path, e)
+            self._mem[device_name] = table
+        return self._mem[device_name]
+
+    def get(self, device_name: str, key: str) -> KernelConfig | None:
+        with self._lock:
+            return self._load(device_name).get(key)
+
+    def put(self, device_name: str, key: str, cfg: KernelConfig, micros: float) -> None:
+        with self._lock:
+            table = self._load(device_name)
+            table[key] = cfg
+            path = self.path(device_name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            raw = json.loads(path.read_text()) if path.is_file() else {}
+            raw[key] = {"config": dataclasses.asdict(cfg), "us": round(micros, 3)}
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(raw, indent=1, sort_keys=True))
+            tmp.replace(path)
+
+
+_CACHE = _TuneCache()
+
+
+def tune_key(p: PackedNMInt4, batch: int, dtype: torch.dtype) -> str:
+    return f"{p.pattern.value}|N{p.out_features}|K{p.in_features}|{str(dtype).removeprefix('torch.')}|B{batch_bucket(batch)}"
+
+
+def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tuple[KernelConfig, float]:
+    """Time every candidate on these inputs (median, CUDA events) and return the fastest."""
+    num_sms = _num_sms(x2.device)
+    best: tuple[float, KernelConfig] | None = None
+    for cfg in candidate_configs(p, x2.shape[0], num_sms):
+        try:
+            ms = triton.testing.do_bench(lambda: launch(x2, p, bias, cfg), warmup=5, rep=20, return_mode="median")
+        except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:  # type: ignore[attr-defined]
+            log.debug("config %s rejected: %s", cfg, e)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    if best is None:
+        raise RuntimeError(f"no kernel config compiled for {tune_key(p, x2.shape[0], x2.dtype)}")
+    return best[1], best[0] * 1e3
+
+
+def select_config(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> KernelConfig:
+    """Cached tuned config, tuning on a miss (CUDA, ``ADBATCH_NM_INT4_AUTOTUNE`` != 0), else heuristic."""
+    batch = x2.shape[0]
+    if not x2.is_cuda or os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1") == "0":
+        return heuristic_config(p, batch, _num_sms(x2.device))
+    dev = torch.cuda.get_device_name(x2.device)
+    key = tune_key(p, batch, x2.dtype)
+    cfg = _CACHE.get(dev, key)
+    if cfg is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kernel config for {key} not tuned yet: run once before CUDA-graph capture")
+        cfg, micros = autotune(x2, p, bias)
+        log.info("tuned %s on %s: %s (%.2f us)", key, dev, cfg, micros)
+        _CACHE.put(dev, key, cfg, micros)
+    return cfg
+
+
+def nm_int4_linear_triton(
+    x: torch.Tensor,
+    p: PackedNMInt4,
+    bias: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """``x @ dequantize(p).T + bias`` with the Triton kernel.
+
+    Args:
+        x: fp16/bf16 [..., K] on CUDA (CPU tensors only under ``TRITON_INTERPRET=1``). Any number of
+            rows works; batch sizes 1..64 are tuned, larger ones run the 64-row tile repeatedly.
+        p: packed weight on x's device. bias: [N] or None.
+        config: force a :class:`KernelConfig` (tests, benchmarks); default: tuned/cached.
+    Returns: [..., N] in x's dtype.
+    """
+    _check_inputs(x, p, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, p.in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] == 0:
+        return x.new_empty(*lead, p.out_features)
+    cfg = config if config is not None else select_config(x2, p, bias)
+    return launch(x2, p, bias, cfg).reshape(*lead, p.out_features)

@@ -1,0 +1,160 @@
+"""The compression job: calibrate once, then mask + quantize + pack every layer as parallel Ray tasks.
+
+``adbatch compress [--model M] [--calib PATH] --out DIR [--ablations true]``. Each layer's weight and
+statistics are ``ray.put`` once and shared by the two per-layer passes (importance, then
+quantize+pack); the tasks run the same library functions as the sequential path, so the result is
+bit-identical (tests/test_compress_ray.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.compress.recipe import CalibrationConfig, CompressConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CompressJobConfig", "RayLayerExecutor", "run_compress"]
+
+
+@dataclasses.dataclass
+class CompressJobConfig(ConfigBase):
+    model: str | None = dataclasses.field(default=None, metadata={
+        "help": "local HF folder or GGUF file; None = the default SmolLM2-135M-Instruct"})
+    calib: Path | None = dataclasses.field(default=None, metadata={
+        "help": "calibration texts (.txt lines or Parquet); None = sample examples/slogan_ads.parquet"})
+    out: Path = dataclasses.field(default=Path("compressed"), metadata={"help": "output directory"})
+    ablations: bool = dataclasses.field(default=False, metadata={
+        "help": "also run the ablation variants (report.md table + PNGs)"})
+    compress: CompressConfig = dataclasses.field(default_factory=CompressConfig)
+    calibration: CalibrationConfig = dataclasses.field(default_factory=CalibrationConfig)
+    eval_texts: int = dataclasses.field(default=128, metadata={
+        "help": "held-out ad descriptions (never used for calibration) for perplexity"})
+    eval_seq_len: int = dataclasses.field(default=256, metadata={"help": "tokens per perplexity block"})
+    num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
+    use_ray: bool = dataclasses.field(default=True, metadata={
+        "help": "run per-layer work as Ray tasks (false = the in-process loop; same result)"})
+
+    def validate(self) -> None:
+        if self.eval_texts < 1:
+            raise ConfigError(f"CompressJobConfig.eval_texts must be >= 1, got {self.eval_texts}")
+        if self.eval_seq_len < 2:
+            raise ConfigError(f"CompressJobConfig.eval_seq_len must be >= 2, got {self.eval_seq_len}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"CompressJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
+
+
+def _run_layer(fn: Callable[[Any, Any], Any], item: Any, arg: Any) -> Any:
+    return fn(item, arg)
+
+
+class RayLayerExecutor:
+    """:class:`adbatch.compress.linear.LayerExecutor` on Ray: one task per layer and pass."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self._ray = ray
+        self._task = ray.remote(num_cpus=1)(_run_layer)
+
+    def put(self, items):
+        return [self._ray.put(x) for x in items]
+
+    def map(self, fn, handles, args, desc: str = "layers"):
+        from tqdm.auto import tqdm
+
+        ray = self._ray
+        refs = [self._task.remote(fn, h, a) for h, a in zip(handles, args)]
+        pending = list(refs)
+        with tqdm(total=len(refs), desc=desc, unit="layer", leave=False) as bar:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=min(len(pending), 8), timeout=1.0)
+                bar.update(len(done))
+        return ray.get(refs)
+
+
+def run_compress(config: CompressJobConfig) -> dict[str, Any]:
+    """Load, calibrate, compress (Ray), evaluate, save; returns a summary dict (printed by the CLI)."""
+    import torch
+
+    from adbatch.artifacts import StageTimer, sha256_file
+    from adbatch.compress.calibration import (
+        EXAMPLE_CORPUS, calibrate, example_corpus_split, load_calibration_texts, token_blocks,
+    )
+    from adbatch.compress.checkpoint import save_compressed
+    from adbatch.compress.linear import SequentialExecutor, compress_, densify_
+    from adbatch.compress.report import EvalSets, evaluate, plot_layers, run_ablations, size_report, write_report
+    from adbatch.models import load_causal_lm, resolve_model
+
+    timer = StageTimer()
+    t_start = time.perf_counter()
+    out = Path(config.out)
+    calib_cfg = config.calibration
+    if config.calib is not None:
+        calib_cfg = calib_cfg.replace(path=config.calib)
+    if config.use_ray:
+        from pipelines.ray_runtime import init_ray
+
+        with timer.phase("ray_init"):
+            init_ray(config.num_cpus)
+        executor = RayLayerExecutor()
+    else:
+        executor = SequentialExecutor()
+    with timer.phase("load"):
+        model, tok = load_causal_lm(config.model, dtype=torch.float32, device="cpu")
+    with timer.phase("calibrate"):
+        texts = load_calibration_texts(calib_cfg)
+        stats = calibrate(model, token_blocks(tok, texts, calib_cfg.seq_len), calib_cfg, config.compress.skip_modules)
+    # held-out ads come from the other end of the same seeded permutation: disjoint from calibration
+    _, held = example_corpus_split(calib_cfg.num_texts, config.eval_texts, calib_cfg.seed)
+    sets = EvalSets.build(tok, held, config.eval_seq_len)
+    with timer.phase("eval_dense"):
+        dense_q = evaluate(model, sets)
+    ablations = None
+    if config.ablations:
+        with timer.phase("ablations"):
+            ablations = run_ablations(model, stats, sets, config.compress, executor)
+    with timer.phase("compress"):
+        recipe = compress_(model, config.compress, stats, executor)
+    with timer.phase("eval_compressed"):
+        # a dequantized copy holds exactly the packed values (tests/test_compress_checkpoint.py checks
+        # it against the CompressedLinear forward) and evaluates ~2x faster than unpacking per call
+        evaluated = copy.deepcopy(model)
+        densify_(evaluated)
+        comp_q = evaluate(evaluated, sets)
+        del evaluated
+    quality = {**comp_q, **{f"dense_{k}": v for k, v in dense_q.items()}}
+    sizes = size_report(recipe)
+    src = resolve_model(config.model)
+    inputs = {"model_config": sha256_file(src / "config.json")}
+    if calib_cfg.path is None:
+        inputs["calibration_corpus"] = sha256_file(EXAMPLE_CORPUS)
+    else:
+        inputs["calibration_corpus"] = sha256_file(calib_cfg.path)
+    with timer.phase("save"):
+        manifest = save_compressed(model, tok, recipe, out, extra_manifest={
+            "job_config": config.to_dict(), "source_inputs": inputs, "quality": quality, "sizes": sizes})
+    with timer.phase("report"):
+        plots = plot_layers(recipe, out)
+        info = {"model": config.model or "default (SmolLM2-135M-Instruct)", "eval_tokens": sets.info()}
+        report = write_report(out, recipe, quality, sizes, info, ablations, plots)
+    total = time.perf_counter() - t_start
+    result = {
+        "out": str(out),
+        "report": str(report),
+        "quality": quality,
+        "sizes": sizes,
+        "summary": recipe.summary(),
+        "calibration": recipe.calibration,
+        "timings_s": {k: round(v, 2) for k, v in timer.seconds.items()} | {"total": round(total, 2)},
+        "shards": sorted(manifest["shards"]),
+    }
+    if ablations is not None:
+        result["ablations"] = ablations
+    return result

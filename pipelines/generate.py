@@ -1,0 +1,479 @@
+"""The generate stage on Ray Data: validated requests -> actor pool -> atomic Parquet partitions.
+
+``adbatch generate --task targets|creatives --requests PATH --index DIR [--model M | --compressed DIR]
+--out DIR``. Plan:
+
+1. Validate the requests in the driver, before any model loads (:mod:`adbatch.requests`): a bad
+   file or column raises; bad rows go to ``rejected.parquet``.
+2. Partition deterministically: the accepted rows sorted by ``request_id``, cut into fixed-size
+   chunks of ``partition_size``; chunk ``i`` is ``_work/requests/part-i.parquet``. The same input
+   and config always give the same partitions, which is what makes resuming exact.
+3. ``ray.data.read_parquet(<pending chunks>)`` -> ``map_batches(GeneratorActor, compute=actor pool
+   of concurrency, num_gpus=1 when the cluster has GPUs else CPU actors)``; the actor wraps
+   :class:`adbatch.generation.TargetGenerator` / :class:`CreativeGenerator` (loaded once).
+   Actors restart and their tasks retry when a worker dies (``max_restarts`` /
+   ``max_task_retries``), so a lost actor loses no request.
+4. The driver streams the answers, and once every request of a partition is answered it writes
+   ``<task>/part-i.parquet`` atomically (temp + rename), then the partition's completion record
+   ``_progress/part-i.json`` (with the part file's sha256). A re-run skips partitions whose record
+   and file agree, so after a crash only the missing partitions run and nothing is duplicated.
+5. ``manifest.json``: counts in / out / rejected, model and index hashes, config, timings,
+   throughput and batch latency.
+
+``executor=local`` runs the same plan in-process without Ray (a machine without Ray, or a debugger).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from adbatch.artifacts import (MANIFEST_NAME, StageTimer, build_manifest, sha256_file, sha256_json,
+                               sha256_paths, write_json_atomic, write_parquet_atomic)
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.decoding import CreativeConfig, TargetSearchConfig
+from adbatch.generation import (CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
+                                TargetGenerator, answer_schema, answers_to_output,
+                                generator_fingerprint)
+from adbatch.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig,
+                              validate_requests)
+
+log = logging.getLogger(__name__)
+
+WORK_DIR = "_work"
+PROGRESS_DIR = "_progress"
+RUN_RECORD = "run.json"
+REJECTED_FILE = "rejected.parquet"
+#: environment variable naming a flag file: a generation actor that finds it deletes it and
+#: exits hard on its second batch (fault-injection tests of actor loss)
+FAULT_KILL_ENV = "ADBATCH_FAULT_KILL_ONCE"
+
+
+class Executor(str, enum.Enum):
+    """What runs the generators."""
+
+    RAY = "ray"  #: Ray Data actor pool (local Ray, or the cluster at RAY_ADDRESS)
+    LOCAL = "local"  #: in this process, no Ray (same partitions, same outputs)
+
+
+@dataclasses.dataclass
+class GenerateJobConfig(ConfigBase):
+    """``adbatch generate``: what to generate, from what, with which model, and where to."""
+
+    task: GenerateTask = dataclasses.field(
+        default=GenerateTask.TARGETS, metadata={"help": "targets (query -> ads) | creatives (ad -> headline)"})
+    requests: Path | None = dataclasses.field(
+        default=None, metadata={"help": "request Parquet file or folder (see docs/generate.md)"})
+    index: Path | None = dataclasses.field(
+        default=None, metadata={"help": "index folder (adbatch index); required for targets"})
+    model: str | None = dataclasses.field(
+        default=None, metadata={"help": "HF folder or GGUF; None = the default model (dense)"})
+    compressed: Path | None = dataclasses.field(
+        default=None, metadata={"help": "compressed checkpoint folder (adbatch compress); replaces --model"})
+    out: Path | None = dataclasses.field(default=None, metadata={"help": "output folder"})
+    targets: TargetSearchConfig = dataclasses.field(default_factory=TargetSearchConfig)
+    creatives: CreativeConfig = dataclasses.field(default_factory=CreativeConfig)
+    validation: RequestValidationConfig = dataclasses.field(default_factory=RequestValidationConfig)
+    concurrency: int = dataclasses.field(default=1, metadata={"help": "generation actors (one model each)"})
+    batch_size: int = dataclasses.field(
+        default=8, metadata={"help": "requests per model call (halved on out-of-memory)"})
+    partition_size: int = dataclasses.field(
+        default=256, metadata={"help": "requests per output partition (the unit of resume)"})
+    device: DeviceChoice = dataclasses.field(default=DeviceChoice.AUTO, metadata={"help": "auto | cpu | cuda"})
+    executor: Executor = dataclasses.field(default=Executor.RAY, metadata={"help": "ray | local"})
+    num_cpus: int | None = dataclasses.field(
+        default=None, metadata={"help": "CPUs of a local Ray (ignored when joining RAY_ADDRESS)"})
+    max_query_tokens: int = dataclasses.field(default=48, metadata={"help": "query tokens in the prompt"})
+    overwrite: bool = dataclasses.field(
+        default=False, metadata={"help": "replace an --out folder that holds a different run"})
+    progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
+
+    def validate(self) -> None:
+        if self.requests is None:
+            raise ConfigError("GenerateJobConfig.requests: required (request Parquet file or folder)")
+        if self.out is None:
+            raise ConfigError("GenerateJobConfig.out: required (output folder)")
+        if self.task is GenerateTask.TARGETS and self.index is None:
+            raise ConfigError("GenerateJobConfig.index: required for task targets")
+        if self.model is not None and self.compressed is not None:
+            raise ConfigError("GenerateJobConfig: give --model or --compressed, not both")
+        for name in ("concurrency", "batch_size", "partition_size", "max_query_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"GenerateJobConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"GenerateJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
+
+    # --- derived pieces -------------------------------------------------------------------------
+    @property
+    def spec(self) -> ModelSpec:
+        return ModelSpec(model=self.model, compressed=str(self.compressed) if self.compressed else None)
+
+    @property
+    def decoding(self) -> ConfigBase:
+        return self.targets if self.task is GenerateTask.TARGETS else self.creatives
+
+    def generate_config(self, num_threads: int = 0) -> GenerateConfig:
+        return GenerateConfig(batch_size=self.batch_size, device=self.device, num_threads=num_threads,
+                              max_query_tokens=self.max_query_tokens)
+
+
+def build_generator(task: GenerateTask, spec: ModelSpec, index: str | None, decoding: dict[str, Any],
+                    gen: dict[str, Any]) -> TargetGenerator | CreativeGenerator:
+    """The core generator from plain (serializable) arguments: what an actor receives."""
+    cfg = GenerateConfig.from_dict(gen)
+    if task is GenerateTask.TARGETS:
+        return TargetGenerator(spec, index, TargetSearchConfig.from_dict(decoding), cfg)
+    return CreativeGenerator(spec, CreativeConfig.from_dict(decoding), cfg)
+
+
+class GeneratorActor:
+    """Ray Data callable class: loads the generator once in ``__init__``; ``__call__`` maps a batch."""
+
+    def __init__(self, task: str, spec: dict[str, Any], index: str | None, decoding: dict[str, Any],
+                 gen: dict[str, Any]) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.generator = build_generator(GenerateTask(task), ModelSpec(**spec), index, decoding, gen)
+        self.calls = 0
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        self.calls += 1
+        _maybe_inject_fault(self.calls)
+        return self.generator(batch)
+
+
+def _maybe_inject_fault(calls: int) -> None:
+    """Test hook: die hard (as a crashed worker does) once, on the second batch, if flagged."""
+    flag = os.environ.get(FAULT_KILL_ENV)
+    if not flag or calls < 2:
+        return
+    try:
+        os.unlink(flag)  # only one actor can win the unlink, so only one dies
+    except FileNotFoundError:
+        return
+    log.error("fault injection: generation actor pid %d exits now", os.getpid())
+    os._exit(17)
+
+
+# --- partitions and their records -------------------------------------------------------------
+@dataclasses.dataclass
+class Layout:
+    """Paths inside an output folder."""
+
+    out: Path
+    task: GenerateTask
+
+    @property
+    def parts_dir(self) -> Path:
+        return self.out / self.task.value
+
+    @property
+    def work_dir(self) -> Path:
+        return self.out / WORK_DIR / "requests"
+
+    @property
+    def progress_dir(self) -> Path:
+        return self.out / PROGRESS_DIR
+
+    def part_name(self, i: int) -> str:
+        return f"part-{i:05d}"
+
+    def part_file(self, i: int) -> Path:
+        return self.parts_dir / f"{self.part_name(i)}.parquet"
+
+    def work_file(self, i: int) -> Path:
+        return self.work_dir / f"{self.part_name(i)}.parquet"
+
+    def record_file(self, i: int) -> Path:
+        return self.progress_dir / f"{self.part_name(i)}.json"
+
+    def rejected_file(self, i: int) -> Path:
+        return self.progress_dir / f"{self.part_name(i)}.rejected.parquet"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def partition_done(layout: Layout, i: int) -> dict[str, Any] | None:
+    """The completion record of partition ``i`` if it and the files it names agree, else None."""
+    rec = _read_json(layout.record_file(i))
+    if rec is None:
+        return None
+    part = layout.part_file(i)
+    if not part.is_file() or sha256_file(part) != rec.get("sha256"):
+        log.warning("partition %d: record present but %s is missing or differs; redoing it", i, part)
+        return None
+    if sha256_file(layout.work_file(i)) != rec.get("requests_sha256"):
+        return None
+    return rec
+
+
+def _prepare_out(config: GenerateJobConfig, run_identity: dict[str, Any], layout: Layout) -> None:
+    """Claim ``out`` for this run, or resume it when it holds this same run."""
+    run_file = layout.progress_dir / RUN_RECORD
+    existing = _read_json(run_file)
+    if existing is not None and existing.get("run_key") != run_identity["run_key"]:
+        if not config.overwrite:
+            diff = sorted(k for k in run_identity if existing.get(k) != run_identity[k])
+            raise ConfigError(
+                f"{config.out} holds another generate run (differs in {diff}); use a new --out "
+                f"or --overwrite true to replace it")
+        log.warning("overwriting %s (a different run)", config.out)
+    if existing is None or existing.get("run_key") != run_identity["run_key"]:
+        for d in (layout.parts_dir, layout.out / WORK_DIR, layout.progress_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        (layout.out / MANIFEST_NAME).unlink(missing_ok=True)
+        layout.progress_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_file, run_identity)
+    layout.parts_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _write_work_partitions(accepted: pa.Table, layout: Layout, size: int) -> list[int]:
+    """Cut the sorted accepted rows into chunk files (skipping chunks already written identically)."""
+    counts = []
+    for i, start in enumerate(range(0, accepted.num_rows, size)):
+        chunk = accepted.slice(start, size)
+        chunk = chunk.append_column("partition", pa.array([i] * chunk.num_rows, pa.int64()))
+        path = layout.work_file(i)
+        if not path.is_file() or pq.read_table(path) != chunk:
+            write_parquet_atomic(chunk, path)
+        counts.append(chunk.num_rows)
+    return counts
+
+
+def _commit_partition(layout: Layout, task: GenerateTask, i: int, answers: pa.Table) -> dict[str, Any]:
+    """Write partition ``i``'s output and rejected rows atomically, then its completion record."""
+    out_table, rejected = answers_to_output(task, answers.drop_columns(
+        [c for c in ("partition", "batch_seconds") if c in answers.column_names]))
+    write_parquet_atomic(out_table, layout.part_file(i))
+    write_parquet_atomic(rejected, layout.rejected_file(i))
+    rec = {
+        "partition": i,
+        "requests": answers.num_rows,
+        "answered": answers.num_rows - rejected.num_rows,
+        "rejected": rejected.num_rows,
+        "output_rows": out_table.num_rows,
+        "sha256": sha256_file(layout.part_file(i)),
+        "requests_sha256": sha256_file(layout.work_file(i)),
+        "batch_seconds": sorted(set(answers.column("batch_seconds").to_pylist()))
+        if "batch_seconds" in answers.column_names else [],
+        "committed_unix": time.time(),
+    }
+    # the record is written last: its presence means the partition is complete
+    write_json_atomic(layout.record_file(i), rec)
+    return rec
+
+
+class _PartitionCollector:
+    """Gathers streamed answers per partition and commits each partition once it is complete."""
+
+    def __init__(self, layout: Layout, task: GenerateTask, expected: dict[int, int]) -> None:
+        self.layout, self.task, self.expected = layout, task, expected
+        self.pending: dict[int, list[pa.Table]] = {}
+        self.seen: dict[int, set[str]] = {}
+        self.records: dict[int, dict[str, Any]] = {}
+        self.duplicates = 0
+
+    def add(self, batch: pa.Table) -> None:
+        for i in sorted(set(batch.column("partition").to_pylist())):
+            import pyarrow.compute as pc
+
+            part = batch.filter(pc.equal(batch.column("partition"), i))
+            seen = self.seen.setdefault(i, set())
+            ids = part.column("request_id").to_pylist()
+            keep = [rid not in seen for rid in ids]
+            if not all(keep):
+                # a retried task may re-emit answers; the first copy wins, later ones are counted
+                self.duplicates += keep.count(False)
+                part = part.filter(pa.array(keep))
+            seen.update(part.column("request_id").to_pylist())
+            self.pending.setdefault(i, []).append(part)
+            if len(seen) == self.expected[i]:
+                answers = pa.concat_tables(self.pending.pop(i)).sort_by("request_id")
+                self.records[i] = _commit_partition(self.layout, self.task, i, answers)
+                log.info("partition %d committed (%d requests)", i, answers.num_rows)
+
+    def check_complete(self) -> None:
+        missing = sorted(set(self.expected) - set(self.records))
+        if missing:
+            raise RuntimeError(f"generation finished but partitions {missing[:10]} are incomplete "
+                               f"({len(missing)} in all); re-run to resume them")
+
+
+def _iter_local(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> Iterator[pa.Table]:
+    from tqdm.auto import tqdm
+
+    gen = build_generator(config.task, config.spec, str(config.index) if config.index else None,
+                          config.decoding.to_dict(), config.generate_config().to_dict())
+    total = sum(pq.read_metadata(layout.work_file(i)).num_rows for i in pending)
+    with tqdm(total=total, desc=f"generate {config.task.value}", unit="req",
+              disable=not config.progress) as bar:
+        for i in pending:
+            table = pq.read_table(layout.work_file(i))
+            for start in range(0, table.num_rows, config.batch_size):
+                batch = table.slice(start, config.batch_size)
+                yield gen(batch)
+                bar.update(batch.num_rows)
+
+
+def _actor_resources(config: GenerateJobConfig) -> tuple[dict[str, Any], int]:
+    """(map_batches resource arguments, torch threads per actor) for this cluster."""
+    import ray
+
+    res = ray.cluster_resources()
+    gpus, cpus = float(res.get("GPU", 0)), float(res.get("CPU", 1))
+    if gpus >= 1:
+        return {"num_gpus": 1, "num_cpus": 1}, max(1, int(cpus // max(gpus, 1)))
+    # Ray Data's file listing task needs one whole CPU; actors that took every CPU would starve
+    # it and the pipeline would never start, so the actors share what is left.
+    per_actor = max(0.05, (cpus - 1.0) / config.concurrency) if cpus > 1 else 0.5 / config.concurrency
+    return {"num_cpus": round(per_actor, 3)}, max(1, int(cpus // config.concurrency))
+
+
+def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> Iterator[pa.Table]:
+    import ray
+
+    from pipelines.ray_runtime import init_ray
+
+    init_ray(config.num_cpus)
+    resources, threads = _actor_resources(config)
+    ctx = ray.data.DataContext.get_current()
+    # partitions then complete in input order, so the driver holds few incomplete ones at a time
+    ctx.execution_options.preserve_order = True
+    runtime_env = None
+    if os.environ.get(FAULT_KILL_ENV):
+        runtime_env = {"env_vars": {FAULT_KILL_ENV: os.environ[FAULT_KILL_ENV]}}
+    log.info("generate on Ray: %d actor(s), %s each, %d torch thread(s)", config.concurrency,
+             resources, threads)
+    ds = ray.data.read_parquet([str(layout.work_file(i)) for i in pending], num_cpus=0.1)
+    ds = ds.map_batches(
+        GeneratorActor,
+        fn_constructor_args=(config.task.value, dataclasses.asdict(config.spec),
+                             str(config.index) if config.index else None, config.decoding.to_dict(),
+                             config.generate_config(num_threads=threads).to_dict()),
+        batch_size=config.batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=config.concurrency),
+        # a dead actor is restarted and its in-flight batch retried: no request is lost
+        max_restarts=-1,
+        max_task_retries=-1,
+        runtime_env=runtime_env,
+        **resources,
+    )
+    yield from ds.iter_batches(batch_format="pyarrow", batch_size=None)
+
+
+def _latency(batch_seconds: Iterable[float]) -> dict[str, float]:
+    vals = sorted(batch_seconds)
+    if not vals:
+        return {}
+    q = statistics.quantiles(vals, n=20) if len(vals) > 1 else [vals[0]] * 19
+    return {"batch_latency_p50_s": round(statistics.median(vals), 4),
+            "batch_latency_p95_s": round(q[18], 4), "batches": len(vals)}
+
+
+def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
+    """Run (or resume) one generate job; returns the run summary (also in ``out/manifest.json``)."""
+    timer = StageTimer()
+    layout = Layout(Path(config.out), config.task)
+    t_start = time.perf_counter()
+    with timer.phase("validate"):
+        validated = validate_requests(config.requests, config.task, config.validation)
+        # fail on a missing model / index now, before the pool spins up
+        model_id = config.spec.identity()
+        index_hash = None
+        if config.task is GenerateTask.TARGETS:
+            from adbatch.artifacts import read_manifest
+
+            index_hash = read_manifest(config.index).get("index_hash")
+            if not index_hash:
+                raise ConfigError(f"GenerateJobConfig.index: {config.index} is not an index folder")
+    log.info("requests: %d rows in, %d accepted, %d rejected", validated.rows_in,
+             validated.accepted.num_rows, validated.rejected.num_rows)
+    identity = {
+        "task": config.task.value,
+        "requests_sha256": sha256_paths(validated.files),
+        "model_sha256": model_id["sha256"],
+        "index_hash": index_hash,
+        "decoding": generator_fingerprint(config.task, config.decoding, config.generate_config()),
+        "partition_size": config.partition_size,
+        "validation": config.validation.to_dict(),
+    }
+    identity["run_key"] = sha256_json(identity)
+    _prepare_out(config, identity, layout)
+    counts_per_part = _write_work_partitions(validated.accepted, layout, config.partition_size)
+    expected = dict(enumerate(counts_per_part))
+    done = {i: rec for i in expected if (rec := partition_done(layout, i)) is not None}
+    pending = [i for i in expected if i not in done]
+    log.info("%d partition(s): %d already complete, %d to run", len(expected), len(done), len(pending))
+
+    collector = _PartitionCollector(layout, config.task, {i: expected[i] for i in pending})
+    with timer.phase("generate"):
+        if pending:
+            it = _iter_local(config, layout, pending) if config.executor is Executor.LOCAL \
+                else _iter_ray(config, layout, pending)
+            for batch in it:
+                collector.add(batch)
+        collector.check_complete()
+    records = {**done, **collector.records}
+
+    with timer.phase("finalize"):
+        rejected_parts = [validated.rejected] + [
+            pq.read_table(layout.rejected_file(i)) for i in sorted(records)]
+        rejected = pa.concat_tables([t.cast(REJECTED_SCHEMA) for t in rejected_parts])
+        write_parquet_atomic(rejected, layout.out / REJECTED_FILE)
+    gen_seconds = timer.seconds.get("generate", 0.0)
+    run_requests = sum(collector.records[i]["requests"] for i in collector.records)
+    batch_secs = [s for i in collector.records for s in collector.records[i]["batch_seconds"]]
+    counts = {
+        "rows_in": validated.rows_in,
+        "accepted": validated.accepted.num_rows,
+        "rejected_validation": validated.rejected.num_rows,
+        "rejected_generation": sum(r["rejected"] for r in records.values()),
+        "answered": sum(r["answered"] for r in records.values()),
+        "output_rows": sum(r["output_rows"] for r in records.values()),
+        "partitions": len(expected),
+        "partitions_skipped": len(done),
+        "partitions_run": len(collector.records),
+        "duplicate_answers_dropped": collector.duplicates,
+    }
+    counts["rejected"] = counts["rejected_validation"] + counts["rejected_generation"]
+    throughput = {
+        "requests_run": run_requests,
+        "requests_per_s": round(run_requests / gen_seconds, 4) if gen_seconds > 0 and run_requests else 0.0,
+        **_latency(batch_secs),
+    }
+    timings = {**timer.seconds, "total": time.perf_counter() - t_start}
+    outputs = {f"{config.task.value}/{layout.part_name(i)}.parquet": records[i]["sha256"]
+               for i in sorted(records)}
+    outputs[REJECTED_FILE] = sha256_file(layout.out / REJECTED_FILE)
+    manifest = build_manifest(
+        stage="generate", config=config,
+        inputs={"requests": identity["requests_sha256"], "model": model_id["sha256"],
+                **({"index": index_hash} if index_hash else {})},
+        outputs=outputs, counts=counts, timings=timings,
+        extra={"model": model_id, "index_hash": index_hash, "run_key": identity["run_key"],
+               "throughput": throughput, "executor": config.executor.value,
+               "task": config.task.value},
+    )
+    write_json_atomic(layout.out / MANIFEST_NAME, manifest)
+    log.info("generate done: %s answered, %s rejected, %.2f req/s -> %s", counts["answered"],
+             counts["rejected"], throughput["requests_per_s"], layout.parts_dir)
+    return {"out": str(layout.out), "outputs": str(layout.parts_dir),
+            "rejected": str(layout.out / REJECTED_FILE), "counts": counts,
+            "throughput": throughput, "timings_s": manifest["timings_s"]}

@@ -1,0 +1,180 @@
+"""Ray composition of the index stage: embedding on an actor pool, hierarchical k-means as a
+fan-out of Ray tasks, then the library's :func:`adbatch.index.write_index`.
+
+Clustering: each cluster larger than the leaf size is one task running
+:func:`adbatch.clustering.split_node` on exactly its own rows' embeddings. A task returns
+``1 + k`` objects: the small child row lists (fetched by the driver, which decides what to split
+next) and one embedding block per child, which stays in the object store and is handed by
+reference to that child's task; the full matrix is put once, for the root task only.
+Results equal the sequential :func:`adbatch.clustering.build_hierarchy` (same per-node seeds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from adbatch.artifacts import StageTimer
+from adbatch.clustering import Child, ClusterConfig, Hierarchy, HierarchyBuilder, split_node
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.corpus import read_corpus
+from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
+from adbatch.index import IndexConfig, write_index
+from pipelines.ray_runtime import init_ray
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class IndexJobConfig(ConfigBase):
+    """``adbatch index``: where the corpus is, where the index goes, and how to build it."""
+
+    ads: str = dataclasses.field(
+        default="", metadata={"help": "ad corpus: a Parquet file, a folder of parts, or a glob"})
+    out: str = dataclasses.field(default="", metadata={"help": "output directory of the index"})
+    index: IndexConfig = dataclasses.field(default_factory=IndexConfig)
+    num_cpus: int | None = dataclasses.field(
+        default=None, metadata={"help": "CPUs for a local Ray (ignored when joining RAY_ADDRESS)"})
+    progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
+
+    def validate(self) -> None:
+        if not self.ads:
+            raise ConfigError("IndexJobConfig.ads: required (the corpus Parquet path or glob)")
+        if not self.out:
+            raise ConfigError("IndexJobConfig.out: required (the output directory)")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError("IndexJobConfig.num_cpus: must be >= 1")
+
+
+def _remote_split():
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def split_task(emb: np.ndarray, rows: np.ndarray, path: tuple[int, ...], cfg: dict,
+                   width: int) -> list:
+        children, child_embs, fallback = split_node(emb, rows, tuple(path),
+                                                    ClusterConfig.from_dict(cfg))
+        meta = {"children": [(c.path, c.rows) for c in children], "fallback": fallback}
+        empty = np.zeros((0, emb.shape[1]), dtype=np.float32)
+        return [meta] + child_embs + [empty] * (width - len(child_embs))
+
+    return split_task
+
+
+def cluster_on_ray(emb: np.ndarray, config: ClusterConfig, progress: bool = True) -> Hierarchy:
+    """Hierarchical k-means with one Ray task per split; equal to ``build_hierarchy``.
+
+    Args:
+        emb: ``float32 [N, D]``.
+    """
+    import ray
+    from tqdm.auto import tqdm
+
+    emb = np.ascontiguousarray(emb, dtype=np.float32)
+    n = emb.shape[0]
+    builder = HierarchyBuilder(n, config)
+    cfg = config.to_dict()
+    split_task = _remote_split()
+    pending: dict[Any, list] = {}  # meta ref -> child embedding refs
+
+    def submit(emb_ref: Any, child: Child) -> None:
+        width = min(config.branching, child.rows.shape[0])
+        refs = split_task.options(num_returns=1 + width).remote(
+            emb_ref, child.rows, child.path, cfg, width)
+        pending[refs[0]] = refs[1:]
+
+    with tqdm(total=n, desc="cluster", unit="ad", disable=not progress) as bar:
+        root = Child((), np.arange(n, dtype=np.int64))
+        if builder.is_leaf(n):
+            builder.add_leaf(root)
+            bar.update(n)
+        else:
+            submit(ray.put(emb), root)
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            child_refs = pending.pop(done[0])
+            meta = ray.get(done[0])
+            builder.add_split(meta["fallback"])
+            for j, (path, rows) in enumerate(meta["children"]):
+                child = Child(tuple(path), rows)
+                if builder.is_leaf(rows.shape[0]):
+                    builder.add_leaf(child)
+                    bar.update(int(rows.shape[0]))
+                else:
+                    submit(child_refs[j], child)
+    return builder.finish()
+
+
+def _embed_actor():
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class EmbedActor:
+        """Loads the sentence encoder once; embeds one shard of texts per call."""
+
+        def __init__(self, cfg: dict) -> None:
+            self.cfg = EmbeddingConfig.from_dict(cfg)
+            self.model = load_embedder(self.cfg)
+
+        def embed(self, texts: list[str]) -> np.ndarray:
+            return embed_texts(texts, self.cfg, model=self.model)
+
+    return EmbedActor
+
+
+def embed_on_ray(texts: list[str], config: EmbeddingConfig, num_actors: int,
+                 progress: bool = True) -> np.ndarray:
+    """MiniLM embeddings of ``texts`` over shards of ``config.shard_size`` on an actor pool.
+
+    Returns:
+        ``float32 [len(texts), D]`` in input order.
+    """
+    from ray.util import ActorPool
+    from tqdm.auto import tqdm
+
+    shards = [texts[i:i + config.shard_size] for i in range(0, len(texts), config.shard_size)]
+    actor_cls = _embed_actor()
+    actors = [actor_cls.remote(config.to_dict()) for _ in range(max(1, min(num_actors, len(shards))))]
+    pool = ActorPool(actors)
+    out: list[np.ndarray] = []
+    with tqdm(total=len(texts), desc="embed", unit="ad", disable=not progress) as bar:
+        for block in pool.map(lambda a, shard: a.embed.remote(shard), shards):
+            out.append(block)
+            bar.update(block.shape[0])
+    return np.concatenate(out, axis=0)
+
+
+def run_index(config: IndexJobConfig) -> dict[str, Any]:
+    """Build the index of ``config.ads`` into ``config.out`` on Ray; return a summary."""
+    import ray
+
+    cfg = config.index
+    init_ray(config.num_cpus)
+    num_workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    timer = StageTimer()
+    with timer.phase("read"):
+        corpus = read_corpus(config.ads, cfg.columns)
+    if corpus.num_ads == 0:
+        raise ValueError(f"{config.ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
+                         f"{corpus.rejected_counts()})")
+    with timer.phase("embed"):
+        if corpus.embeddings is not None:
+            emb = corpus.embeddings
+        else:
+            emb = embed_on_ray(corpus.embedding_inputs(), cfg.embedding, num_workers,
+                               progress=config.progress)
+    with timer.phase("cluster"):
+        hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
+    manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer,
+                           extra={"runner": "ray", "ray_cpus": num_workers})
+    return {
+        "out": str(config.out),
+        "index_hash": manifest["index_hash"],
+        "scheme": manifest["scheme"],
+        "counts": manifest["counts"],
+        "timings_s": manifest["timings_s"],
+    }

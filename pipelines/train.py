@@ -1,0 +1,152 @@
+"""The train job: the library training loop inside Ray Train's ``TorchTrainer``.
+
+``adbatch train --index DIR --out MODEL_DIR [--queries PAIRS.parquet] [--ads CORPUS.parquet]
+[--init-model M] [--num-workers N --use-gpu true] [--train.epochs ...]``.
+
+Every worker runs :func:`adbatch.training.train_on_index` with its rank and world size (Ray Train has
+initialised torch.distributed; with several workers the model is DDP-wrapped and each rank takes its
+share of the micro-batches); rank 0 writes the model folder (HF safetensors +
+``adbatch_training.json`` with the index hash). The same code runs on one CPU worker (tests, the
+CPU refresh under ``train.time_budget_s``), one GPU, or many. Inputs:
+
+- ``index``: an index folder (``adbatch index``); its ``ad_codes.token_ids`` are the targets.
+- ``ads``: the corpus the index was built from (``ad_id`` + ``text`` via :mod:`adbatch.corpus`),
+  giving each ad's title for the indexing examples; optional for the ``text`` scheme (the index's
+  own ``text`` column is used) and required for ``codes``.
+- ``queries``: Parquet with ``query`` (string) and ``ad_id`` columns, the labelled *train-split*
+  pairs for retrieval examples (none = indexing only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.training.trainer import TrainConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TrainJobConfig", "run_train", "read_labelled_queries", "read_ad_texts"]
+
+
+@dataclasses.dataclass
+class TrainJobConfig(ConfigBase):
+    index: Path = dataclasses.field(default=Path("index"), metadata={"help": "index folder (adbatch index)"})
+    out: Path = dataclasses.field(default=Path("model"), metadata={"help": "output model folder"})
+    init_model: str | None = dataclasses.field(default=None, metadata={
+        "help": "HF folder / GGUF / None = the default model; a folder trained on an earlier index = warm start"})
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    ads: Path | None = dataclasses.field(default=None, metadata={
+        "help": "corpus Parquet (ad_id, text) for the ads' titles; required for the codes scheme"})
+    queries: Path | None = dataclasses.field(default=None, metadata={
+        "help": "Parquet of labelled train-split pairs (query, ad_id); None = indexing examples only"})
+    num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
+    use_gpu: bool = dataclasses.field(default=False, metadata={"help": "one GPU per worker"})
+    num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
+
+    def validate(self) -> None:
+        if self.num_workers < 1:
+            raise ConfigError(f"TrainJobConfig.num_workers must be >= 1, got {self.num_workers}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"TrainJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
+
+
+def read_labelled_queries(path: str | Path) -> list[tuple[str, Any]]:
+    """(query, ad_id) pairs from a Parquet with ``query`` and ``ad_id`` columns (nulls rejected)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    missing = [c for c in ("query", "ad_id") if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: labelled queries need column(s) {missing}; found {table.column_names}")
+    queries, ads = table.column("query").to_pylist(), table.column("ad_id").to_pylist()
+    bad = next((i for i, (q, a) in enumerate(zip(queries, ads)) if q is None or a is None or not str(q).strip()), None)
+    if bad is not None:
+        raise ValueError(f"{path}: row {bad} has an empty query or a null ad_id")
+    return list(zip(queries, ads))
+
+
+def read_ad_texts(path: str | Path) -> dict[Any, str]:
+    """ad_id -> text of the valid rows of a corpus (the corpus contract of :mod:`adbatch.corpus`)."""
+    from adbatch.corpus import read_corpus
+
+    corpus = read_corpus(path)
+    table = corpus.table
+    return dict(zip(table.column("ad_id").to_pylist(), table.column("text").to_pylist()))
+
+
+def _worker(job_dict: dict[str, Any]) -> None:
+    """Ray Train worker body: load inputs, train on this rank's share, report the summary."""
+    import ray.train
+    import ray.train.torch
+
+    from adbatch.index import load_index
+    from adbatch.training import train_on_index
+
+    job = TrainJobConfig.from_dict(job_dict)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    index = load_index(job.index)
+    ad_texts = read_ad_texts(job.ads) if job.ads is not None else None
+    labelled = read_labelled_queries(job.queries) if job.queries is not None else []
+    _, _, summary = train_on_index(index, job.out, job.train, ad_texts=ad_texts, labelled=labelled,
+                                   init_model=job.init_model, device=str(device), rank=rank,
+                                   world_size=world, progress=rank == 0)
+    flat = {f"train_{k}": v for k, v in summary["train"].items() if v is not None}
+    flat.update({"scheme": summary["scheme"], "index_hash": summary["index_hash"],
+                 "examples_indexing": summary["data"].get("indexing", 0),
+                 "examples_retrieval": summary["data"].get("retrieval", 0),
+                 "labelled_not_in_index": summary["data"].get("labelled_not_in_index", 0),
+                 "prepare_seconds": summary["prepare_seconds"]})
+    if "sparsity" in summary:
+        flat["sparsity_density"] = summary["sparsity"]["density"]
+    ray.train.report(flat)
+
+
+def run_train(config: TrainJobConfig) -> dict[str, Any]:
+    """Train ``config.index`` into a model with Ray Train; returns rank 0's summary + the folder."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipelines.ray_runtime import init_ray
+
+    if not Path(config.index).is_dir():
+        raise FileNotFoundError(f"index folder not found: {config.index}")
+    t0 = time.perf_counter()
+    init_ray(num_cpus=config.num_cpus)
+    job = config.replace(index=Path(config.index).resolve(), out=Path(config.out).resolve(),
+                         ads=Path(config.ads).resolve() if config.ads else None,
+                         queries=Path(config.queries).resolve() if config.queries else None)
+    storage = Path(tempfile.mkdtemp(prefix="adbatch-train-"))
+    trainer = TorchTrainer(
+        _worker, train_loop_config=job.to_dict(),
+        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
+        run_config=RunConfig(name="adbatch-train", storage_path=str(storage)),
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise RuntimeError(f"training failed: {result.error}") from result.error
+    # rank 0's record in the model folder is the source of truth (Ray's reported metrics are a
+    # convenience whose retention differs across Ray Train versions)
+    from adbatch.training.checkpoint import read_training_record
+
+    record = read_training_record(job.out)
+    if record is None:
+        raise RuntimeError(f"training finished but {job.out} has no training record")
+    out = {f"train_{k}": v for k, v in record["train"].items() if v is not None}
+    out.update({"scheme": record["scheme"], "index_hash": record["trained_on_index"],
+                "examples_indexing": record["data"].get("indexing", 0),
+                "examples_retrieval": record["data"].get("retrieval", 0),
+                "labelled_not_in_index": record["data"].get("labelled_not_in_index", 0)})
+    if record.get("sparsity"):
+        out["sparsity_density"] = record["sparsity"].get("density")
+    out["model_dir"] = str(job.out)
+    out["wall_seconds"] = round(time.perf_counter() - t0, 3)
+    out["num_workers"] = config.num_workers
+    return out

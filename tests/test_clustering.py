@@ -1,0 +1,180 @@
+"""Hierarchical k-means: code invariants, determinism, degenerate inputs, and rendering."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from adbatch.clustering import ClusterConfig, build_hierarchy, split_labels, split_node
+from adbatch.config import ConfigError
+from adbatch.semantic_ids import IdScheme, RenderConfig, render_ids
+from adbatch.trie import Trie
+
+
+def mixture(n: int, d: int = 16, centers: int = 30, seed: int = 0, spread: float = 0.3):
+    rng = np.random.default_rng(seed)
+    mu = rng.normal(size=(centers, d)).astype(np.float32)
+    return (mu[rng.integers(0, centers, n)] + spread * rng.normal(size=(n, d))).astype(np.float32)
+
+
+def check_codes(h, n: int, cfg: ClusterConfig):
+    codes = [tuple(c) for c in h.codes()]
+    assert len(codes) == n and len(set(codes)) == n  # unique
+    # prefix-free: no code is a proper prefix of another
+    prefixes = {c[:i] for c in codes for i in range(1, len(c))}
+    assert not prefixes & set(codes)
+    # leaves: positions 0..size-1, size <= leaf_size; branch indices < branching
+    leaves: dict[tuple, list[int]] = {}
+    for c in codes:
+        leaves.setdefault(c[:-1], []).append(c[-1])
+        assert all(0 <= x < cfg.branching for x in c[:-1])
+    for pos in leaves.values():
+        assert sorted(pos) == list(range(len(pos))) and len(pos) <= cfg.leaf_size
+    assert h.num_leaves == len(leaves)
+    return codes
+
+
+@pytest.mark.parametrize("n,k,c", [(1, 10, 100), (100, 10, 100), (101, 10, 100), (3000, 10, 100),
+                                   (2000, 4, 30), (500, 2, 7)])
+def test_codes_are_unique_prefix_free_and_leaves_small(n, k, c):
+    cfg = ClusterConfig(branching=k, leaf_size=c)
+    h = build_hierarchy(mixture(n), cfg)
+    check_codes(h, n, cfg)
+    if n <= c:
+        assert h.num_splits == 0 and h.codes() == [[i] for i in range(n)]
+
+
+def test_deterministic_for_fixed_seed_and_seed_matters():
+    x = mixture(4000, seed=1)
+    a = build_hierarchy(x, ClusterConfig(seed=3))
+    b = build_hierarchy(x.copy(), ClusterConfig(seed=3))
+    assert np.array_equal(a.code_flat, b.code_flat) and np.array_equal(a.code_len, b.code_len)
+    c = build_hierarchy(x, ClusterConfig(seed=4))
+    assert not (np.array_equal(a.code_len, c.code_len) and np.array_equal(a.code_flat, c.code_flat))
+
+
+def test_clusters_follow_the_mixture():
+    # well separated blobs: ads of one blob share their top-level cluster
+    rng = np.random.default_rng(0)
+    mu = rng.normal(size=(10, 32)).astype(np.float32) * 10
+    lab = np.repeat(np.arange(10), 150)
+    x = mu[lab] + 0.01 * rng.normal(size=(1500, 32)).astype(np.float32)
+    h = build_hierarchy(x, ClusterConfig())
+    top = h.padded()[:, 0]
+    for j in range(10):
+        assert np.unique(top[lab == j]).shape[0] == 1
+    assert np.unique(top).shape[0] == 10
+
+
+def test_identical_embeddings_split_deterministically():
+    x = np.ones((1050, 8), dtype=np.float32)
+    cfg = ClusterConfig()
+    h = build_hierarchy(x, cfg)
+    check_codes(h, 1050, cfg)
+    assert h.fallback_splits == h.num_splits == 11  # root + 10 chunks of 105
+    # fallback = consecutive chunks in row order
+    top = h.padded()[:, 0]
+    assert np.array_equal(top, np.repeat(np.arange(10), 105))
+
+
+def test_fewer_ads_than_branching_but_more_than_leaf():
+    cfg = ClusterConfig(branching=10, leaf_size=2)
+    x = mixture(6, seed=2)
+    h = build_hierarchy(x, cfg)
+    check_codes(h, 6, cfg)
+    labels, _ = split_labels(x, cfg, ())
+    assert 2 <= labels.max() + 1 <= 6
+
+
+def test_one_giant_cluster_terminates():
+    # 2000 identical points + 20 outliers: k-means puts the giant mass in one cluster again and
+    # again; recursion must still end with leaves <= c
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.zeros((2000, 8), np.float32),
+                        rng.normal(size=(20, 8)).astype(np.float32) * 5])
+    cfg = ClusterConfig(leaf_size=50)
+    h = build_hierarchy(x, cfg)
+    check_codes(h, 2020, cfg)
+    assert h.max_depth <= 6
+
+
+def test_split_node_keeps_rows_and_embeddings_aligned():
+    x = mixture(500, seed=5)
+    rows = np.arange(1000, 1500, dtype=np.int64)
+    children, embs, fallback = split_node(x, rows, (2, 1), ClusterConfig())
+    assert not fallback
+    assert sorted(np.concatenate([ch.rows for ch in children]).tolist()) == rows.tolist()
+    for j, (ch, e) in enumerate(zip(children, embs)):
+        assert ch.path == (2, 1, j)
+        assert np.array_equal(e, x[ch.rows - 1000])
+        assert (np.diff(ch.rows) > 0).all()
+
+
+@pytest.mark.parametrize("kwargs", [dict(branching=1), dict(leaf_size=0), dict(niter=0)])
+def test_config_validation(kwargs):
+    with pytest.raises(ConfigError):
+        ClusterConfig(**kwargs)
+
+
+def test_codes_scheme_tokens_and_trie(default_tokenizer):
+    n = 3000
+    h = build_hierarchy(mixture(n, seed=7), ClusterConfig())
+    r = render_ids(h, [f"ad {i}" for i in range(n)], default_tokenizer,
+                   RenderConfig(scheme=IdScheme.CODES))
+    base = len(default_tokenizer)
+    assert r.base_vocab_size == base and r.eos_token_id is None
+    seqs = r.sequences()
+    for code, seq, text in zip(h.codes()[:50], seqs[:50], r.texts[:50]):
+        assert len(seq) == len(code)
+        assert text == "".join(f"<ad_L{lvl}_{i}>" for lvl, i in enumerate(code))
+        assert [r.special_tokens[t - base] for t in seq] == [f"<ad_L{lvl}_{i}>"
+                                                            for lvl, i in enumerate(code)]
+    # adding the special tokens in order gives exactly the ids used
+    tok = copy.deepcopy(default_tokenizer)
+    tok.add_tokens(r.special_tokens, special_tokens=True)
+    ids = tok.convert_tokens_to_ids(r.special_tokens)
+    assert ids == list(range(base, base + len(r.special_tokens)))
+    trie = Trie.from_flat(r.token_flat, r.token_len)
+    assert trie.num_rows == n and int((trie.terminal_ptr[1:] - trie.terminal_ptr[:-1]).max()) == 1
+    assert trie.nbytes() / n <= 64  # the codes target
+
+
+def test_text_scheme_labels_prefixes_and_eos(default_tokenizer):
+    # three topics of made-up product titles; every ad's sequence = labels + own text + EOS
+    rng = np.random.default_rng(0)
+    words = {0: ["drill", "cordless", "battery"], 1: ["paint", "gallon", "primer"],
+             2: ["faucet", "chrome", "kitchen"]}
+    lab = rng.integers(0, 3, 600)
+    texts = [f"{' '.join(rng.choice(words[t], 2))} model {i}" for i, t in enumerate(lab)]
+    mu = np.eye(3, 8, dtype=np.float32) * 5
+    x = mu[lab] + 0.05 * rng.normal(size=(600, 8)).astype(np.float32)
+    h = build_hierarchy(x, ClusterConfig(branching=3, leaf_size=100))
+    r = render_ids(h, texts, default_tokenizer, RenderConfig(label_terms=2))
+    eos = default_tokenizer.eos_token_id
+    seqs = r.sequences()
+    assert all(s[-1] == eos and eos not in s[:-1] for s in seqs)
+    top_labels = r.clusters.filter(
+        np.array([len(p) == 1 for p in r.clusters.column("path").to_pylist()])
+    ).column("label").to_pylist()
+    assert len(top_labels) == 3 and len(set(top_labels)) == 3
+    # each top-level label is made of its topic's words
+    for label in top_labels:
+        assert any(set(label.split()) <= set(ws) for ws in words.values()), label
+    # ads sharing a cluster path share the token prefix of its labels
+    padded = h.padded()
+    by_top: dict[int, list[list[int]]] = {}
+    for i, s in enumerate(seqs):
+        by_top.setdefault(int(padded[i, 0]), []).append(s)
+    for group in by_top.values():
+        first = default_tokenizer(r.texts[seqs.index(group[0])].split(" >")[0] + " >",
+                                  add_special_tokens=False)["input_ids"]
+        assert all(s[:len(first)] == first for s in group)
+    # the trie maps every sequence back to exactly its ads
+    trie = Trie.from_flat(r.token_flat, r.token_len)
+    for i in range(0, 600, 37):
+        node = trie.walk(__import__("torch").tensor([seqs[i]]))
+        rows = trie.rows_at(int(node[0])).tolist()
+        assert i in rows and all(seqs[j] == seqs[i] for j in rows)
+    assert r.texts[0].endswith(default_tokenizer.eos_token)

@@ -1,0 +1,141 @@
+"""Corpus input contract: schema errors up front, row problems rejected with a reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from adbatch.config import ConfigError
+from adbatch.corpus import (
+    REJECTED_SCHEMA, CorpusConfig, CorpusSchemaError, RejectReason, read_corpus,
+    resolve_corpus_paths,
+)
+
+
+def _write(path, **cols):
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+def _emb(rows: list[list[float] | None], fixed: int | None = None) -> pa.Array:
+    if fixed is None:
+        return pa.array(rows, pa.list_(pa.float32()))
+    flat = pa.array([x for r in rows for x in r], pa.float32())
+    return pa.FixedSizeListArray.from_arrays(flat, fixed)
+
+
+def test_example_corpus_reads_clean(example_ads):
+    cfg = CorpusConfig(description="description", category="industry")
+    c = read_corpus(example_ads, cfg)
+    assert c.num_ads == 5346 and c.rejected.num_rows == 0
+    assert c.table.column_names == ["ad_id", "text", "description", "category", "source_file",
+                                    "source_row"]
+    assert c.table.column("ad_id").type == pa.string()
+    first = c.embedding_inputs()[0]
+    assert first.startswith("computer hardware. Taking Care of Small Business Technology. The latest")
+    assert len(c.input_hash) == 64
+
+
+@pytest.mark.parametrize("cols,cfg,match", [
+    (dict(ad_id=[1, 2], name=["a", "b"]), CorpusConfig(), "'title'"),
+    (dict(id=[1, 2], title=["a", "b"]), CorpusConfig(), "'ad_id'"),
+    (dict(ad_id=[1.0, 2.0], title=["a", "b"]), CorpusConfig(), "ad_id.*string or integer"),
+    (dict(ad_id=[1, 2], title=[1, 2]), CorpusConfig(), "'title'.*must be string"),
+    (dict(ad_id=[1, 2], title=["a", "b"], cat=[1, 2]), CorpusConfig(category="cat"), "'cat'"),
+    (dict(ad_id=[1, 2], title=["a", "b"], v=["x", "y"]), CorpusConfig(embedding="v"),
+     "'v'.*list of float32"),
+    (dict(ad_id=[1, 2], title=["a", "b"], v=pa.array([[1], [2]], pa.list_(pa.int32()))),
+     CorpusConfig(embedding="v"), "'v'.*list of float32"),
+])
+def test_schema_errors_name_the_column(tmp_path, cols, cfg, match):
+    path = _write(tmp_path / "c.parquet", **cols)
+    with pytest.raises(CorpusSchemaError, match=match):
+        read_corpus(path, cfg)
+
+
+def test_fixed_size_embedding_dim_mismatch_is_schema_error(tmp_path):
+    path = _write(tmp_path / "c.parquet", ad_id=[1, 2], title=["a", "b"],
+                  emb=_emb([[1, 2, 3], [4, 5, 6]], fixed=3))
+    with pytest.raises(CorpusSchemaError, match="embedding_dim=4"):
+        read_corpus(path, CorpusConfig(embedding="emb", embedding_dim=4))
+
+
+def test_mixed_id_types_across_parts(tmp_path):
+    _write(tmp_path / "a.parquet", ad_id=[1, 2], title=["a", "b"])
+    _write(tmp_path / "b.parquet", ad_id=["x"], title=["c"])
+    with pytest.raises(CorpusSchemaError, match="ad_id.*other files"):
+        read_corpus(tmp_path)
+
+
+def test_config_rejects_double_mapping():
+    with pytest.raises(ConfigError, match="mapped twice"):
+        CorpusConfig(text="title", description="title")
+
+
+def test_folder_glob_and_file(tmp_path):
+    (tmp_path / "parts").mkdir()
+    _write(tmp_path / "parts" / "p1.parquet", ad_id=[1, 2], title=["a", "b"])
+    _write(tmp_path / "parts" / "p0.parquet", ad_id=[3], title=["c"])
+    assert [p.name for p in resolve_corpus_paths(tmp_path / "parts")] == ["p0.parquet",
+                                                                          "p1.parquet"]
+    assert len(resolve_corpus_paths(str(tmp_path / "parts" / "p*.parquet"))) == 2
+    c = read_corpus(tmp_path / "parts")
+    assert c.table.column("ad_id").to_pylist() == [3, 1, 2]
+    assert c.table.column("ad_id").type == pa.int64()
+    with pytest.raises(FileNotFoundError):
+        resolve_corpus_paths(tmp_path / "nothing*.parquet")
+
+
+def test_row_problems_are_rejected_with_reasons(tmp_path):
+    d = 3
+    good = [0.1, 0.2, 0.3]
+    path = _write(
+        tmp_path / "c.parquet",
+        ad_id=pa.array(["a", "b", "c", None, "a", "e", "f", "g", "h", "i", "j"]),
+        title=pa.array(["ok", None, "   ", "x", "dup", "x" * 50, "ok2", "ok3", "ok4", "ok5", "ok6"]),
+        emb=_emb([good, good, good, good, good, good, [0.1, 0.2], None, [np.nan, 0.0, 0.0],
+                  [np.inf, 0.0, 0.0], good]),
+    )
+    c = read_corpus(path, CorpusConfig(embedding="emb", max_text_chars=20))
+    assert c.table.column("ad_id").to_pylist() == ["a", "j"]
+    assert c.embeddings.shape == (2, d) and np.allclose(c.embeddings, [good, good])
+    rej = {r["ad_id"]: r["reason"] for r in c.rejected.to_pylist()}
+    assert rej == {
+        "b": RejectReason.EMPTY_TEXT.value, "c": RejectReason.EMPTY_TEXT.value,
+        None: RejectReason.NULL_AD_ID.value, "e": RejectReason.TEXT_TOO_LONG.value,
+        "f": RejectReason.BAD_EMBEDDING_LENGTH.value, "g": RejectReason.NULL_EMBEDDING.value,
+        "h": RejectReason.NON_FINITE_EMBEDDING.value, "i": RejectReason.NON_FINITE_EMBEDDING.value,
+    } | {"a": RejectReason.DUPLICATE_AD_ID.value}
+    assert c.rejected.schema == REJECTED_SCHEMA
+    dup = [r for r in c.rejected.to_pylist() if r["reason"] == "duplicate_ad_id"][0]
+    assert dup["source_row"] == 4 and "row 0" in dup["detail"]
+    assert c.rejected_counts() == {"bad_embedding_length": 1, "duplicate_ad_id": 1,
+                                   "empty_text": 2, "non_finite_embedding": 2,
+                                   "null_ad_id": 1, "null_embedding": 1, "text_too_long": 1}
+    assert c.num_input_rows == 11
+    assert c.num_ads + c.rejected.num_rows == c.num_input_rows
+
+
+def test_duplicate_keeps_first_valid_occurrence(tmp_path):
+    # the first "a" is invalid (blank text), so the second one is the one kept
+    path = _write(tmp_path / "c.parquet", ad_id=[7, 7, 7], title=["", "kept", "dropped"])
+    c = read_corpus(path)
+    assert c.table.column("text").to_pylist() == ["kept"]
+    assert sorted(c.rejected.column("reason").to_pylist()) == ["duplicate_ad_id", "empty_text"]
+
+
+def test_embedding_dim_inferred_from_most_common_length(tmp_path):
+    rows = [[1.0, 0.0]] * 5 + [[1.0, 0.0, 0.0]]
+    path = _write(tmp_path / "c.parquet", ad_id=list(range(6)), title=["t"] * 6, emb=_emb(rows))
+    c = read_corpus(path, CorpusConfig(embedding="emb"))
+    assert c.embeddings.shape == (5, 2)
+    assert c.rejected.column("detail").to_pylist() == ["length 3 != 2"]
+
+
+def test_optional_fields_join_for_embedding(tmp_path):
+    path = _write(tmp_path / "c.parquet", ad_id=[1, 2], title=["Drill", "Saw"],
+                  desc=pa.array(["cordless", None]), cat=pa.array([None, "tools"]))
+    c = read_corpus(path, CorpusConfig(description="desc", category="cat"))
+    assert c.embedding_inputs() == ["Drill. cordless", "tools. Saw"]

@@ -1,0 +1,236 @@
+"""The index stage end to end: artifact contract, rejected rows, determinism, Ray == sequential,
+the CLI, and one run on a real Home Depot slice with MiniLM embeddings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from adbatch.clustering import ClusterConfig, build_hierarchy
+from adbatch.corpus import CorpusConfig
+from adbatch.index import IndexConfig, build_index, load_index
+from adbatch.semantic_ids import IdScheme, RenderConfig
+
+WORDS = ["drill", "saw", "paint", "primer", "faucet", "sink", "lamp", "bulb", "rug", "tile",
+         "hammer", "glue", "hose", "mower", "fence", "door"]
+
+
+def synthetic_corpus(path, n: int = 1200, d: int = 16, seed: int = 0, bad_rows: bool = False):
+    """A corpus with its own embeddings: topic blobs, titles drawn from each topic's words."""
+    rng = np.random.default_rng(seed)
+    topics = rng.integers(0, 8, n)
+    mu = rng.normal(size=(8, d)).astype(np.float32) * 3
+    emb = (mu[topics] + 0.5 * rng.normal(size=(n, d))).astype(np.float32)
+    titles = [f"{WORDS[2 * t]} {WORDS[2 * t + 1]} {rng.choice(WORDS)} item {i}"
+              for i, t in enumerate(topics)]
+    ids = [f"ad-{i:05d}" for i in range(n)]
+    emb_rows: list = [list(map(float, e)) for e in emb]
+    if bad_rows:
+        titles[3] = ""                     # empty text
+        ids[5] = ids[4]                    # duplicate id
+        emb_rows[7] = emb_rows[7][:-1]     # short vector
+        emb_rows[9][0] = float("nan")      # NaN
+    table = pa.table({"ad_id": ids, "title": titles,
+                      "vec": pa.array(emb_rows, pa.list_(pa.float32()))})
+    pq.write_table(table, path)
+    return path
+
+
+def cfg_for(scheme: IdScheme = IdScheme.TEXT, **cluster) -> IndexConfig:
+    return IndexConfig(columns=CorpusConfig(embedding="vec"),
+                       cluster=ClusterConfig(**({"leaf_size": 50} | cluster)),
+                       render=RenderConfig(scheme=scheme))
+
+
+def assert_index_contract(ix, n_ads: int):
+    t = ix.ad_codes
+    assert t.column_names == ["ad_id", "code", "token_ids", "text"]
+    assert t.schema.field("code").type == pa.list_(pa.int32())
+    assert t.schema.field("token_ids").type == pa.list_(pa.int32())
+    assert t.num_rows == n_ads == len(ix.ad_ids) == ix.trie.num_rows
+    codes = [tuple(c) for c in t.column("code").to_pylist()]
+    assert len(set(codes)) == n_ads
+    seqs = ix.sequences()
+    width = max(map(len, seqs))
+    padded = torch.full((n_ads, width), -1, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        padded[i, :len(s)] = torch.tensor(s)
+    ends = ix.trie.walk(padded)
+    assert (ends > 0).all()
+    for row, node in enumerate(ends.tolist()):
+        rows = ix.trie.rows_at(node).tolist()
+        assert row in rows and all(seqs[r] == seqs[row] for r in rows)
+    m = ix.manifest
+    for key in ("scheme", "tokenizer", "base_vocab_size", "special_tokens", "index_hash",
+                "inputs", "config", "counts", "timings_s", "code_version"):
+        assert key in m, key
+    assert len(ix.index_hash) == 64
+
+
+@pytest.mark.parametrize("scheme", [IdScheme.TEXT, IdScheme.CODES])
+def test_build_index_contract(tmp_path, scheme, default_tokenizer):
+    ads = synthetic_corpus(tmp_path / "ads.parquet")
+    manifest = build_index(ads, tmp_path / "idx", cfg_for(scheme), progress=False)
+    ix = load_index(tmp_path / "idx")
+    assert_index_contract(ix, 1200)
+    assert ix.scheme is scheme and manifest["scheme"] == scheme.value
+    assert ix.base_vocab_size == len(default_tokenizer)
+    assert ix.ad_ids[:2] == ["ad-00000", "ad-00001"]
+    if scheme is IdScheme.CODES:
+        flat = [t for s in ix.sequences() for t in s]
+        assert min(flat) >= ix.base_vocab_size
+        assert max(flat) < ix.base_vocab_size + len(ix.special_tokens)
+        assert ix.eos_token_id is None
+        assert ix.trie.nbytes() / ix.num_ads <= 64
+    else:
+        eos = default_tokenizer.eos_token_id
+        assert ix.eos_token_id == eos and all(s[-1] == eos for s in ix.sequences())
+        # the rendered text contains the ad's own title after its cluster labels
+        row = ix.ad_codes.slice(0, 1).to_pylist()[0]
+        assert row["text"].endswith("item 0" + default_tokenizer.eos_token)
+        assert ix.trie.nbytes() / ix.num_ads <= 1024
+        clusters = pq.read_table(tmp_path / "idx" / "clusters.parquet")
+        assert clusters.num_rows == manifest["counts"]["clusters"] > 8
+    assert pq.read_table(tmp_path / "idx" / "rejected.parquet").num_rows == 0
+
+
+def test_rejected_rows_are_written_and_counted(tmp_path):
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=300, bad_rows=True)
+    manifest = build_index(ads, tmp_path / "idx", cfg_for(), progress=False)
+    rej = pq.read_table(tmp_path / "idx" / "rejected.parquet").to_pylist()
+    got = sorted((r["source_row"], r["reason"]) for r in rej)
+    assert got == [(3, "empty_text"), (5, "duplicate_ad_id"), (7, "bad_embedding_length"),
+                   (9, "non_finite_embedding")]
+    c = manifest["counts"]
+    assert c["rejected"] == 4 and c["ads_indexed"] == 296 and c["input_rows"] == 300
+    assert c["rejected_duplicate_ad_id"] == 1
+    ix = load_index(tmp_path / "idx")
+    assert "ad-00003" not in ix.ad_ids and ix.ad_ids.count("ad-00004") == 1
+    assert_index_contract(ix, 296)
+
+
+def test_deterministic_rebuild_and_tamper_detection(tmp_path):
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=800, seed=3)
+    a = build_index(ads, tmp_path / "a", cfg_for(), progress=False)
+    b = build_index(ads, tmp_path / "b", cfg_for(), progress=False)
+    assert a["index_hash"] == b["index_hash"] and a["outputs"] == b["outputs"]
+    c = build_index(ads, tmp_path / "c", cfg_for(seed=1), progress=False)
+    assert c["index_hash"] != a["index_hash"]
+    # a damaged file is caught on load
+    codes = pq.read_table(tmp_path / "a" / "ad_codes.parquet")
+    pq.write_table(codes.slice(1), tmp_path / "a" / "ad_codes.parquet")
+    with pytest.raises(ValueError, match="sha256"):
+        load_index(tmp_path / "a")
+
+
+def test_empty_corpus_after_rejection_fails_clearly(tmp_path):
+    path = tmp_path / "ads.parquet"
+    pq.write_table(pa.table({"ad_id": [1, 2], "title": ["", None]}), path)
+    with pytest.raises(ValueError, match="no valid ads"):
+        build_index(path, tmp_path / "idx", IndexConfig(), progress=False)
+
+
+@pytest.mark.shareddata
+@pytest.mark.slow
+def test_home_depot_slice_with_minilm(tmp_path, home_depot_csv):
+    """A real slice: 400 distinct Home Depot titles, embedded with MiniLM, text scheme."""
+    import csv
+
+    titles: dict[int, str] = {}
+    with open(home_depot_csv, encoding="latin-1", newline="") as fh:
+        for row in csv.DictReader(fh):
+            titles.setdefault(int(row["product_uid"]), row["product_title"])
+            if len(titles) >= 400:
+                break
+    ads = tmp_path / "hd.parquet"
+    pq.write_table(pa.table({"ad_id": list(titles), "title": list(titles.values())}), ads)
+    cfg = IndexConfig(cluster=ClusterConfig(branching=5, leaf_size=40))
+    manifest = build_index(ads, tmp_path / "idx", cfg, progress=False)
+    ix = load_index(tmp_path / "idx")
+    assert_index_contract(ix, 400)
+    assert ix.ad_codes.schema.field("ad_id").type == pa.int64()
+    assert manifest["counts"]["splits"] >= 1 + 5 - 1
+    labels = pq.read_table(tmp_path / "idx" / "clusters.parquet").column("label").to_pylist()
+    assert all(lab and not lab.startswith("group") for lab in labels[:5])
+    # MiniLM groups near-identical products: titles sharing a leaf share more words than random
+    leaf = [tuple(c[:-1]) for c in ix.ad_codes.column("code").to_pylist()]
+    words = [set(t.lower().split()) for t in titles.values()]
+
+    def overlap(pairs):
+        return np.mean([len(words[i] & words[j]) / len(words[i] | words[j]) for i, j in pairs])
+
+    same = [(i, j) for i in range(400) for j in range(i + 1, 400) if leaf[i] == leaf[j]][:2000]
+    rng = np.random.default_rng(0)
+    rand = [tuple(rng.choice(400, 2, replace=False)) for _ in range(2000)]
+    assert overlap(same) > 1.5 * overlap(rand)
+
+
+# --------------------------------------------------------------------------- Ray (one start)
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    from pipelines.ray_runtime import init_ray
+
+    started = not ray.is_initialized()
+    init_ray(num_cpus=2)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def test_ray_clustering_equals_sequential(ray_local):
+    from pipelines.index import cluster_on_ray
+
+    rng = np.random.default_rng(11)
+    mu = rng.normal(size=(40, 24)).astype(np.float32)
+    x = (mu[rng.integers(0, 40, 6000)] + 0.4 * rng.normal(size=(6000, 24))).astype(np.float32)
+    x[:300] = x[0]  # a block of identical vectors exercises the fallback path too
+    cfg = ClusterConfig(seed=5)
+    seq = build_hierarchy(x, cfg)
+    par = cluster_on_ray(x, cfg, progress=False)
+    assert np.array_equal(seq.code_len, par.code_len)
+    assert np.array_equal(seq.code_flat, par.code_flat)
+    assert (seq.num_splits, seq.num_leaves, seq.fallback_splits) == \
+        (par.num_splits, par.num_leaves, par.fallback_splits)
+    assert seq.num_splits > 20
+
+
+def test_cli_index_on_ray_matches_sequential(ray_local, tmp_path, capsys):
+    from jobs.cli import main
+
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=700, seed=4)
+    rc = main(["index", "--ads", str(ads), "--out", str(tmp_path / "ray"),
+               "--index.columns.embedding", "vec", "--index.cluster.leaf-size", "50",
+               "--progress", "false"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["counts"]["ads_indexed"] == 700
+    seq = build_index(ads, tmp_path / "seq", cfg_for(), progress=False)
+    assert summary["index_hash"] == seq["index_hash"]
+    ix = load_index(tmp_path / "ray")
+    assert ix.manifest["runner"] == "ray"
+    assert_index_contract(ix, 700)
+
+
+@pytest.mark.slow
+def test_ray_minilm_embedding_on_example_slice(ray_local, tmp_path, example_ads):
+    """Embedding actors on Ray (2 shards) over 120 real slogan ads; example column mapping."""
+    from pipelines.index import IndexJobConfig, run_index
+
+    sl = pq.read_table(example_ads).slice(0, 120)
+    pq.write_table(sl, tmp_path / "ex.parquet")
+    cfg = IndexJobConfig(
+        ads=str(tmp_path / "ex.parquet"), out=str(tmp_path / "idx"), progress=False,
+        index=IndexConfig.from_dict({
+            "columns": {"text": "title", "description": "description", "category": "industry"},
+            "embedding": {"shard_size": 60}, "cluster": {"leaf_size": 20}}))
+    summary = run_index(cfg)
+    assert summary["counts"]["ads_indexed"] == 120 and summary["counts"]["splits"] >= 1
+    ix = load_index(tmp_path / "idx")
+    assert_index_contract(ix, 120)
+    assert ix.ad_ids == sl.column("ad_id").to_pylist()

@@ -1,0 +1,160 @@
+"""Packed N:M INT4 format: exact round trip, dequantization semantics, safetensors, sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels.nm_int4 import (
+    KK_ALIGN,
+    PackedNMInt4,
+    SparsityPattern,
+    dequantize_nm_int4,
+    kept_per_row,
+    nm_int4_linear,
+    nm_int4_linear_reference,
+    pack_nm_int4,
+    random_packed,
+    unpack_nm_int4,
+)
+
+PATTERNS = list(SparsityPattern)
+SHAPES = [(8, 64), (13, 200), (32, 1024), (5, 516)]  # N x K; Kk not a multiple of the 128 alignment too
+
+
+def _raw(n_out: int, k_in: int, pattern: SparsityPattern, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    p = random_packed(n_out, k_in, pattern, generator=g)
+    return p, unpack_nm_int4(p)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pack_unpack_round_trip_exact(pattern, shape):
+    n_out, k_in = shape
+    g = torch.Generator().manual_seed(1)
+    kk = kept_per_row(pattern, k_in)
+    q = torch.randint(0, 16, (n_out, kk), generator=g, dtype=torch.uint8)
+    pos = None
+    if pattern.is_sparse:
+        keys = torch.rand(n_out, k_in // 4, 4, generator=g)
+        pos = keys.argsort(-1)[..., : pattern.n].sort(-1).values.reshape(n_out, kk).to(torch.uint8)
+    gs = torch.tensor([32, 64, 128, 256], dtype=torch.int32)[torch.randint(0, 4, (n_out,), generator=g)]
+    gcount = int(((kk + gs - 1) // gs).sum())
+    scale = torch.rand(gcount, generator=g).half() + 0.01
+    zero = (torch.rand(gcount, generator=g) * 15).half()
+    p = pack_nm_int4(q, pos, scale, zero, gs, pattern, k_in)
+    q2, pos2, s2, z2, gs2 = unpack_nm_int4(p)
+    assert torch.equal(q2, q)
+    assert (pos2 is None) == (pos is None)
+    if pos is not None:
+        assert torch.equal(pos2, pos)
+    assert torch.equal(s2, scale) and torch.equal(z2, zero) and torch.equal(gs2, gs)
+    # layout: Kk padded to the kernel alignment; padding holds q = 0
+    assert p.qweight.shape == (-(-kk // KK_ALIGN) * KK_ALIGN // 8, n_out)
+    first_word = p.qweight[0, 0].item() & 0xFFFFFFFF
+    assert first_word & 0xF == q[0, 0].item() and (first_word >> 4) & 0xF == q[0, 1].item()
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dequantize_scatters_kept_values(pattern, shape):
+    n_out, k_in = shape
+    p, (q, pos, scale, zero, gs) = _raw(n_out, k_in, pattern, seed=2)
+    w = dequantize_nm_int4(p)
+    assert w.shape == (n_out, k_in) and w.dtype == torch.float32
+    expect = torch.zeros(n_out, k_in)
+    kk = q.shape[1]
+    g0 = 0
+    for r in range(n_out):  # slow scalar-ish construction on purpose: an independent oracle
+        for k in range(kk):
+            grp = g0 + k // int(gs[r])
+            col = k if pos is None else 4 * (k // pattern.n) + int(pos[r, k])
+            expect[r, col] = (float(q[r, k]) - float(zero[grp])) * float(scale[grp])
+        g0 += -(-kk // int(gs[r]))
+    assert torch.equal(w, expect)
+    nonzero_per_group = (w.reshape(n_out, -1, 4) != 0).sum(-1)
+    assert int(nonzero_per_group.max()) <= pattern.n
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_reference_linear_matches_dense(pattern):
+    p, _ = _raw(24, 96, pattern, seed=3)
+    x = torch.randn(3, 5, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(24)
+    y = nm_int4_linear_reference(x, p, bias)
+    w = dequantize_nm_int4(p, torch.float64)
+    expect = x @ w.t() + bias.double()
+    assert y.shape == (3, 5, 24)
+    assert torch.allclose(y, expect, rtol=1e-5, atol=1e-5)
+    # CPU tensors dispatch to the reference
+    assert torch.equal(nm_int4_linear(x.float(), p, bias), nm_int4_linear_reference(x.float(), p, bias))
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_safetensors_round_trip(pattern, tmp_path):
+    p, _ = _raw(16, 260, pattern, seed=5)
+    path = tmp_path / "w.safetensors"
+    save_file(p.state_dict(), str(path), metadata={k: str(v) for k, v in p.metadata().items()})
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    p2 = PackedNMInt4.from_state_dict(load_file(str(path)), meta)
+    for k, v in p.state_dict().items():
+        assert torch.equal(v, p2.state_dict()[k]), k
+    assert p2.pattern == pattern and p2.in_features == 260 and p2.nbytes() == p.nbytes()
+    assert torch.equal(dequantize_nm_int4(p2), dequantize_nm_int4(p))
+
+
+@pytest.mark.parametrize("pattern,max_ratio", [(SparsityPattern.TWO_FOUR, 0.30), (SparsityPattern.ONE_FOUR, 0.30)])
+def test_sizes_vs_dense_and_csr(pattern, max_ratio):
+    n_out, k_in = 512, 2048
+    p = random_packed(n_out, k_in, pattern, group_sizes=(128,), generator=torch.Generator().manual_seed(6))
+    nnz = n_out * kept_per_row(pattern, k_in)
+    csr = nnz * (4 + 2) + (n_out + 1) * 4  # int32 column + fp16 value, int32 row pointer
+    dense_fp16 = n_out * k_in * 2
+    assert p.nbytes() <= max_ratio * csr
+    bits_per_weight = 8 * p.nbytes() / (n_out * k_in)
+    expect_bits = {SparsityPattern.TWO_FOUR: 3.0 + 16 / 128, SparsityPattern.ONE_FOUR: 1.5 + 8 / 128}[pattern]
+    assert 0 <= bits_per_weight - expect_bits < 0.04  # group_ptr + group_shift: 64 bits a row
+    assert p.nbytes() < dense_fp16 / 4.5
+
+
+def test_dense_int4_size():
+    p = random_packed(256, 1024, SparsityPattern.DENSE, group_sizes=(128,))
+    assert 0 <= 8 * p.nbytes() / (256 * 1024) - (4 + 32 / 128) < 0.07
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(group=48), "group_size"),
+        (dict(q_max=16), "q: expected uint8"),
+        (dict(pos_desc=True), "ascending"),
+        (dict(k_in=66), "multiple of 4"),
+    ],
+)
+def test_pack_rejects_bad_input(kwargs, match):
+    pattern = SparsityPattern.TWO_FOUR
+    n_out, k_in = 4, kwargs.get("k_in", 64)
+    kk = k_in // 2
+    q = torch.zeros(n_out, kk, dtype=torch.uint8)
+    if "q_max" in kwargs:
+        q[0, 0] = kwargs["q_max"]
+    pos = torch.tensor([0, 1], dtype=torch.uint8).repeat(n_out, kk // 2)
+    if kwargs.get("pos_desc"):
+        pos[0, :2] = torch.tensor([3, 1])
+    gs = torch.full((n_out,), kwargs.get("group", 32), dtype=torch.int32)
+    g = n_out * -(-kk // 32)
+    with pytest.raises(ValueError, match=match):
+        pack_nm_int4(q, pos, torch.ones(g).half(), torch.zeros(g).half(), gs, pattern, k_in)
+
+
+def test_validate_rejects_wrong_shapes():
+    p = random_packed(8, 64, SparsityPattern.TWO_FOUR)
+    with pytest.raises(ValueError, match="qweight"):
+        PackedNMInt4(**{**p.__dict__, "qweight": p.qweight[:, :4]})
+    with pytest.raises(ValueError, match="kept"):
+        PackedNMInt4(**{**p.__dict__, "kept": 16})

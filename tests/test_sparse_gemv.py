@@ -1,0 +1,136 @@
+"""Triton SparseGemv vs the torch reference, on CPU tensors under the Triton interpreter."""
+
+from __future__ import annotations
+
+import os
+
+# The interpreter is chosen when @triton.jit runs, i.e. when kernels.sparse_gemv is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.nm_int4 import SparsityPattern, nm_int4_linear_reference, random_packed  # noqa: E402
+from kernels import sparse_gemv as sg  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or type(sg._nm_int4_gemv_kernel).__name__ != "InterpretedFunction",
+    reason="needs the Triton interpreter (TRITON_INTERPRET=1 before kernels.sparse_gemv is imported)",
+)
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # rel. Frobenius error; output rounding dominates
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all()
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _check(p, batch: int, dtype, cfg, seed: int, bias: bool = True, lead: tuple[int, ...] = ()) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*lead, batch, p.in_features, generator=g) + 0.1).to(dtype)  # never zero
+    b = torch.randn(p.out_features, generator=g).to(dtype) if bias else None
+    ref = nm_int4_linear_reference(x.double(), p, None if b is None else b.double())
+    y = sg.nm_int4_linear_triton(x, p, b, config=cfg)
+    assert y.shape == (*lead, batch, p.out_features) and y.dtype == dtype
+    err = _rel_err(y, ref)
+    assert err < TOL[dtype], f"{p.pattern.value} B={batch} {dtype} {cfg}: rel err {err:.2e}"
+
+
+# N, K chosen so N is not a multiple of BLOCK_N and Kk not a multiple of BLOCK_KK / 128 alignment
+SHAPES = [(40, 264), (19, 136)]
+
+
+@pytest.mark.parametrize("pattern", list(SparsityPattern))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_gemv_path(pattern, dtype, batch):
+    p = random_packed(*SHAPES[0], pattern, generator=torch.Generator().manual_seed(11))
+    block_b = 1 if batch == 1 else 4
+    for cfg in (
+        sg.KernelConfig(block_b, 64, 64, 1, False),
+        sg.KernelConfig(block_b, 16, 128, 2, False),  # split-K (atomic fp32 partials)
+    ):
+        _check(p, batch, dtype, cfg, seed=batch)
+
+
+@pytest.mark.parametrize("pattern", list(SparsityPattern))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [5, 17])
+def test_dot_path(pattern, dtype, batch):
+    p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
+    kk = 32 if pattern is SparsityPattern.ONE_FOUR else 64
+    for cfg in (
+        sg.KernelConfig(16, 16, kk, 1, True),  # B=17: two batch tiles
+        sg.KernelConfig(32, 32, 32, 3, True),  # split-K over 3 programs
+    ):
+        _check(p, batch, dtype, cfg, seed=batch, bias=cfg.split_k > 1)
+
+
+@pytest.mark.parametrize("batch", [1, 6, 64])
+def test_dispatcher_heuristic(batch, monkeypatch):
+    """Default dispatch (no forced config) on CPU: heuristic config, leading dims kept."""
+    p = random_packed(24, 128, SparsityPattern.TWO_FOUR, generator=torch.Generator().manual_seed(13))
+    cfg = sg.select_config(torch.zeros(batch, 128, dtype=torch.float16), p, None)
+    assert cfg == sg.heuristic_config(p, batch, 4)
+    assert cfg.use_dot == (batch > sg.GEMV_MAX_BATCH)
+    if batch == 6:  # [2, 3, K]: leading dims flatten to 6 rows
+        _check(p, 3, torch.float16, None, seed=14, lead=(2,))
+    else:
+        _check(p, batch, torch.float16, None, seed=14)
+
+
+def test_batch_larger_than_largest_bucket():
+    p = random_packed(16, 64, SparsityPattern.ONE_FOUR, generator=torch.Generator().manual_seed(15))
+    _check(p, 70, torch.float16, sg.KernelConfig(64, 16, 32, 1, True), seed=16, bias=False)
+
+
+def test_buckets_and_candidates_valid():
+    assert [sg.batch_bucket(b) for b in (1, 2, 3, 5, 9, 16, 33, 64, 200)] == [1, 2, 4, 8, 16, 16, 64, 64, 64]
+    for pattern in SparsityPattern:
+        p = random_packed(4096 // 64, 512, pattern)
+        for batch in (1, 2, 4, 8, 16, 32, 64):
+            cands = sg.candidate_configs(p, batch, 132)
+            assert cands and len(cands) == len(set(cands))
+            for c in cands:
+                c.validate(pattern)
+                assert c.block_b >= min(batch, c.block_b)
+            assert any(c.use_dot for c in cands) and (batch > 4 or any(not c.use_dot for c in cands))
+
+
+def test_tune_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADBATCH_CACHE", str(tmp_path))
+    cache = sg._TuneCache()
+    cfg = sg.KernelConfig(16, 64, 64, 4, True, 8, 3)
+    cache.put("NVIDIA H200", "2:4|N4096|K4096|float16|B16", cfg, 12.5)
+    fresh = sg._TuneCache()
+    assert fresh.get("NVIDIA H200", "2:4|N4096|K4096|float16|B16") == cfg
+    assert fresh.get("NVIDIA H200", "2:4|N4096|K4096|float16|B32") is None
+    assert sg._TuneCache.path("NVIDIA H200").parent == tmp_path / "kernels"
+
+
+def test_tune_key_buckets():
+    p = random_packed(8, 64, SparsityPattern.DENSE)
+    assert sg.tune_key(p, 3, torch.bfloat16) == "4:4|N8|K64|bfloat16|B4"
+    assert sg.tune_key(p, 3, torch.bfloat16) == sg.tune_key(p, 4, torch.bfloat16)
+
+
+def test_rejects_unsupported():
+    p = random_packed(8, 64, SparsityPattern.TWO_FOUR)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        sg.nm_int4_linear_triton(torch.randn(2, 64), p)
+    with pytest.raises(ValueError, match="in_features"):
+        sg.nm_int4_linear_triton(torch.randn(2, 60).half(), p)
+    with pytest.raises(ValueError, match="bias"):
+        sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, torch.randn(9).half())
+    with pytest.raises(ValueError, match="power of two"):
+        sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, config=sg.KernelConfig(3, 16, 64, 1, False))
+    with pytest.raises(ValueError, match="tl.dot"):
+        sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, config=sg.KernelConfig(4, 16, 64, 1, True))
+
+
+def test_rejects_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    p = random_packed(8, 64, SparsityPattern.DENSE)
+    with pytest.raises(ValueError, match="CUDA"):
+        sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p)

@@ -1,0 +1,233 @@
+"""Training on tiny random-init Llamas (CPU): data, loss going down, code tokens, progressive
+sparsity, checkpoints bound to their index, and the Ray Train path."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import make_tiny_llama
+from adbatch.training import (IndexMismatchError, SparsityScheduleConfig, TrainConfig,
+                              check_index_compat, load_masks, read_training_record, train_on_index)
+from adbatch.training.data import ExampleKind, build_examples, collate, token_budget_batches
+from adbatch.training.sparsity import ProgressiveSparsity, prunable_linears
+from adbatch.training.trainer import lr_lambda
+
+TITLES = [
+    "Simpson Strong-Tie 12-Gauge Angle", "BEHR Premium Textured DeckOver 1-gal. Tugboat",
+    "Delta Vero 1-Handle Shower Faucet Trim Kit in Chrome", "Whirlpool 1.9 cu. ft. Convection Microwave",
+    "Hampton Bay 3-Light Brushed Nickel Ceiling Fixture", "Husky 52 in. 10-Drawer Mobile Workbench",
+    "Rheem Performance 40 Gal. Electric Water Heater", "RIDGID 18-Volt Cordless Drill Kit",
+]
+QUERIES = [("angle bracket", 0), ("deck over", 1), ("shower faucet", 2), ("microwave", 3)]
+
+
+def fake_index(tokenizer, scheme: str, titles=TITLES, salt: str = ""):
+    """An AdIndex stand-in with the documented attributes (ad_codes.token_ids, manifest, hash)."""
+    import pyarrow as pa
+
+    base = len(tokenizer)
+    ad_ids = list(range(100, 100 + len(titles)))
+    if scheme == "text":
+        tokens = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in titles]
+        special = []
+    else:  # two levels of 2-4 clusters; code token i has id base + i
+        special = [f"<c{d}_{j}>" for d in range(2) for j in range(4)]
+        tokens = [[base + (r % 2), base + 4 + r // 2] for r in range(len(titles))]
+    table = pa.table({"ad_id": ad_ids, "token_ids": tokens, "text": titles})
+    digest = hashlib.sha256((scheme + salt + repr(tokens)).encode()).hexdigest()
+    manifest = {"scheme": scheme, "base_vocab_size": base, "special_tokens": special}
+    return SimpleNamespace(ad_codes=table, ad_ids=ad_ids, manifest=manifest, scheme=scheme, index_hash=digest)
+
+
+@pytest.fixture(scope="module")
+def tok(default_tokenizer):
+    return default_tokenizer
+
+
+def tiny(tok, seed=0):
+    return make_tiny_llama(vocab_size=len(tok), hidden=64, layers=2, seed=seed).float()
+
+
+def test_examples_and_batches(tok):
+    idx = fake_index(tok, "text")
+    ex, stats = build_examples(tok, idx.ad_ids, idx.ad_codes.column("token_ids").to_pylist(),
+                               dict(zip(idx.ad_ids, TITLES)), [(q, 100 + r) for q, r in QUERIES] + [("x", 999)])
+    assert stats["indexing"] == 8 and stats["retrieval"] == 4 and stats["labelled_not_in_index"] == 1
+    assert len(ex) == 12 and int((ex.kinds == int(ExampleKind.RETRIEVAL)).sum()) == 4
+    # the target of example 0 is exactly the index's token_ids of row 0, after the prompt
+    e0 = ex.tokens[ex.offsets[0] + ex.prompt_lens[0]:ex.offsets[1]].tolist()
+    assert e0 == idx.ad_codes.column("token_ids").to_pylist()[0]
+    gen = torch.Generator().manual_seed(0)
+    batches = token_budget_batches(ex.lengths, 200, gen)
+    assert sorted(torch.cat(batches).tolist()) == list(range(12))
+    assert all(len(b) * int(ex.lengths[b].max()) <= 200 or len(b) == 1 for b in batches)
+    b = collate(ex, torch.tensor([0, 9]), pad_id=tok.pad_token_id)
+    assert b.input_ids.shape[0] == 2
+    n_target = int((ex.lengths[[0, 9]] - ex.prompt_lens[[0, 9]].long()).sum())
+    assert int((b.labels != -100).sum()) == n_target
+    sub = ex.select(torch.tensor([9, 0]))
+    assert sub.tokens[: int(sub.lengths[0])].tolist() == ex.tokens[ex.offsets[9]:ex.offsets[10]].tolist()
+
+
+def test_lr_schedule():
+    assert lr_lambda(0, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_lambda(9, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_lambda(10, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_lambda(100, 100, 10, 0.1) == pytest.approx(0.1)
+    mid = lr_lambda(55, 100, 10, 0.0)
+    assert mid == pytest.approx(0.5, abs=1e-9)
+
+
+@pytest.mark.parametrize("scheme", ["text", "codes"])
+def test_loss_decreases_and_checkpoint_binds_index(tok, tmp_path, scheme):
+    idx = fake_index(tok, scheme)
+    cfg = TrainConfig(epochs=15, lr=1e-2, batch_tokens=256, warmup_fraction=0.1, log_every=5, seed=0)
+    model, tok2, summary = train_on_index(
+        idx, tmp_path / "model", cfg, ad_texts=dict(zip(idx.ad_ids, TITLES)),
+        labelled=[(q, 100 + r) for q, r in QUERIES], model=tiny(tok), tokenizer=tok.__class__.from_pretrained(tok.name_or_path),
+        device="cpu", progress=False)
+    first, final = summary["train"]["first_loss"], summary["train"]["final_loss"]
+    assert final < 0.4 * first, (first, final)
+    if scheme == "codes":
+        base = idx.manifest["base_vocab_size"]
+        assert tok2.convert_tokens_to_ids(idx.manifest["special_tokens"]) == list(range(base, base + 8))
+        assert model.get_input_embeddings().weight.shape[0] == base + 8
+        # tokens <c0_2>, <c0_3> belong to no ad: they fall back to the vocabulary mean
+        assert summary["embedding_init"] == {"code_tokens": 8, "from_ads": 6, "fallback": 2}
+    rec = check_index_compat(tmp_path / "model", idx)
+    assert rec["trained_on_index"] == idx.index_hash and rec["scheme"] == scheme
+    other = fake_index(tok, scheme, salt="changed")
+    with pytest.raises(IndexMismatchError, match="trained on index"):
+        check_index_compat(tmp_path / "model", other)
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
+def test_code_embedding_init_is_member_mean(tok):
+    from adbatch.training.vocab import add_index_tokens, init_code_embeddings
+
+    idx = fake_index(tok, "codes")
+    model, t = tiny(tok), tok.__class__.from_pretrained(tok.name_or_path)
+    base = len(t)
+    before = model.get_input_embeddings().weight[:base].detach().clone()
+    assert add_index_tokens(t, idx.manifest["special_tokens"], base)
+    targets = idx.ad_codes.column("token_ids").to_pylist()
+    init_code_embeddings(model, t, targets, TITLES, base, 8)
+    emb = model.get_input_embeddings().weight.detach()
+    # token <c0_1> (id base+1) is in the targets of the odd rows
+    members = [r for r in range(8) if base + 1 in targets[r]]
+    want = torch.stack([before[t(TITLES[r], add_special_tokens=False)["input_ids"]].mean(0) for r in members]).mean(0)
+    torch.testing.assert_close(emb[base + 1], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(emb[:base], before)  # base rows untouched
+    with pytest.raises(ValueError, match="base_vocab_size"):
+        add_index_tokens(t, ["<other>"], base)
+
+
+def test_untrained_model_refused(tmp_path):
+    (tmp_path / "m").mkdir()
+    with pytest.raises(IndexMismatchError, match="no adbatch_training.json"):
+        check_index_compat(tmp_path / "m", "ab" * 32)
+    assert check_index_compat(tmp_path / "m", "ab" * 32, allow_untrained=True) is None
+
+
+def test_schedule_levels():
+    model = make_tiny_llama(vocab_size=64, hidden=32, intermediate=64)
+    ps = ProgressiveSparsity(model, SparsityScheduleConfig(enabled=True, start_fraction=0.2, end_fraction=0.8), 100)
+    ns = [ps.n_at(s, 2) for s in range(100)]
+    assert ns[:20] == [4] * 20 and ns[80:] == [2] * 20
+    assert all(a >= b for a, b in zip(ns, ns[1:])) and set(ns) == {4, 3, 2}
+    n1 = [ps.n_at(s, 1) for s in range(100)]
+    assert set(n1) == {4, 3, 2, 1} and n1[79] == 1
+
+
+def test_progressive_sparsity_hits_target(tok, tmp_path):
+    idx = fake_index(tok, "text")
+    sp = SparsityScheduleConfig(enabled=True, final_n=2, one_four_fraction=0.5, start_fraction=0.2,
+                                end_fraction=0.6, rescore_every=2)
+    cfg = TrainConfig(epochs=30, lr=3e-3, batch_tokens=1024, log_every=2, sparsity=sp)
+    model, _, summary = train_on_index(idx, tmp_path / "sparse", cfg, ad_texts=dict(zip(idx.ad_ids, TITLES)),
+                                       labelled=[(q, 100 + r) for q, r in QUERIES], model=tiny(tok),
+                                       tokenizer=tok, device="cpu", progress=False)
+    layers = prunable_linears(model)
+    masks = load_masks(tmp_path / "sparse")
+    assert set(masks) == set(layers) == set(summary["sparsity"]["patterns"])
+    n_per_layer = {}
+    for name, mod in layers.items():
+        w = mod.weight.detach().reshape(mod.out_features, -1, 4)
+        m = masks[name].reshape(mod.out_features, -1, 4)
+        per_group = m.sum(-1)
+        assert per_group.min() == per_group.max(), name  # exactly n in every group
+        n_per_layer[name] = int(per_group[0, 0])
+        assert torch.all(w[~m] == 0), name  # masked weights stay zero
+        assert summary["sparsity"]["patterns"][name] == f"{n_per_layer[name]}:4"
+    assert sorted(n_per_layer.values()).count(1) == round(0.5 * len(layers))
+    assert set(n_per_layer.values()) == {1, 2}
+    want = sum(layers[n].weight.numel() * k / 4 for n, k in n_per_layer.items()) / sum(
+        m.weight.numel() for m in layers.values())
+    assert summary["sparsity"]["density"] == pytest.approx(want)
+    # density went down in steps over the run and the loss still fell
+    dens = [d for _, d in summary["density"]]
+    assert dens[0] == 1.0 and all(a >= b - 1e-12 for a, b in zip(dens, dens[1:]))
+    assert summary["train"]["final_loss"] < summary["train"]["first_loss"]
+    rec = read_training_record(tmp_path / "sparse")
+    assert rec["sparsity"]["frozen"] is True and rec["layer_patterns"] == summary["sparsity"]["patterns"]
+
+
+def _tiny_corpus(tmp_path, n=24):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    titles = [f"{TITLES[i % len(TITLES)]} model {i}" for i in range(n)]
+    emb = rng.standard_normal((n, 8)).astype(np.float32)
+    path = tmp_path / "ads.parquet"
+    pq.write_table(pa.table({"ad_id": pa.array(range(1000, 1000 + n), pa.int64()), "title": titles,
+                             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), 8)}), path)
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": ["angle bracket", "deck over"], "ad_id": pa.array([1000, 1001], pa.int64())}), queries)
+    return path, queries, titles
+
+
+@pytest.mark.slow
+def test_ray_train_one_worker_and_warm_start(tmp_path, tok):
+    pytest.importorskip("ray")
+    from adbatch.clustering import ClusterConfig
+    from adbatch.corpus import CorpusConfig
+    from adbatch.index import IndexConfig, build_index, load_index
+    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from pipelines.train import TrainJobConfig, run_train
+
+    ads, queries, titles = _tiny_corpus(tmp_path)
+    cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
+                      cluster=ClusterConfig(branching=2, leaf_size=6), render=RenderConfig(scheme=IdScheme.CODES))
+    build_index(ads, tmp_path / "index", cfg, progress=False)
+    index = load_index(tmp_path / "index")
+    init = tmp_path / "init"
+    tiny(tok).save_pretrained(init)
+    tok.save_pretrained(init)
+    job = TrainJobConfig(index=tmp_path / "index", out=tmp_path / "model", init_model=str(init), ads=ads,
+                         queries=queries, num_workers=1, use_gpu=False, num_cpus=1,
+                         train=TrainConfig(epochs=3, lr=3e-3, batch_tokens=2048, log_every=1))
+    out = run_train(job)
+    assert out["index_hash"] == index.index_hash and out["scheme"] == "codes"
+    assert out["examples_indexing"] == 24 and out["examples_retrieval"] == 2
+    assert out["train_final_loss"] < out["train_first_loss"]
+    rec = check_index_compat(tmp_path / "model", index)
+    assert rec["num_ads"] == 24
+    # warm start on a changed index (one more ad): the new record names both indexes
+    ads2, _, _ = _tiny_corpus(tmp_path / "v2" if (tmp_path / "v2").mkdir() is None else tmp_path, n=25)
+    build_index(ads2, tmp_path / "index2", cfg, progress=False)
+    index2 = load_index(tmp_path / "index2")
+    if index2.special_tokens == index.special_tokens:
+        _, _, summary = train_on_index(index2, tmp_path / "model2", TrainConfig(epochs=1, batch_tokens=2048),
+                                       ad_texts=dict(zip(range(1000, 1025), titles + ["extra"])),
+                                       init_model=tmp_path / "model", device="cpu", progress=False)
+        assert summary["warm_started_from_index"] == index.index_hash
+        assert check_index_compat(tmp_path / "model2", index2)["warm_started_from_index"] == index.index_hash
+        with pytest.raises(IndexMismatchError):
+            check_index_compat(tmp_path / "model2", index)
