@@ -225,7 +225,7 @@ class _AdaptiveBatcher:
                     out.append(fail(chunk[0], f"out of memory at batch size 1: {exc}"[:300]))
                     i += 1
                     continue
-                self.batch_size = max(1, len(chunk) // 2)
+                self.batch_size = max(1, min(self.batch_size, len(chunk)) // 2)
                 log.warning("out of memory at batch size %d; halving to %d and retrying",
                             len(chunk), self.batch_size)
                 continue

@@ -367,6 +367,23 @@ def decode_bench(batches: list[int], timer: Timer, smoke: bool, context: int = 1
     return out
 
 
+def profile_launches() -> dict:
+    """One launch each of the heuristic GEMV (B=1) and tensor-core (B=16) configs at 4096x14336, for ncu."""
+    from kernels import sparse_gemv as sg
+    from kernels.nm_int4 import SparsityPattern, random_packed
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for pat in (SparsityPattern.TWO_FOUR, SparsityPattern.DENSE):
+        p = random_packed(4096, 14336, pat, group_sizes=GROUP_SIZES, device="cuda")
+        for b in (1, 16):
+            x = torch.randn(b, 14336, device="cuda").half()
+            cfg = sg.heuristic_config(p, b, sms)
+            sg.launch(x, p, None, cfg)
+            print(f"profiled {pat.value} B={b} {cfg}", flush=True)
+    torch.cuda.synchronize()
+    return {}
+
+
 # ---- report -----------------------------------------------------------------------------------
 def table(rows: list[dict], env: dict, copy_gbs: float) -> str:
     lines = [
@@ -413,11 +430,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--no-precompile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="launch a few kernels once each (run under ncu)")
     ap.add_argument("--time-budget", type=float, default=540.0, help="skip remaining work after this many s")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        return profile_launches()
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("ADBATCH_CACHE", "/tmp/adbatch-bench-cache")

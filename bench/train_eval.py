@@ -14,7 +14,9 @@ HF folder), then, inside a time budget, in priority order:
 2. trained dense, ``text`` scheme, then ``codes`` scheme (5,000 titles);
 3. progressive sparsity (2:4 with a share of layers at 1:4) on the better scheme, evaluated with
    the masks, then + adaptive INT4 (the compression stage's ``compress_``, masks kept: uniform 2:4
-   magnitude selection over weights whose pruned entries are exactly zero reproduces the masks);
+   magnitude selection over weights whose pruned entries are exactly zero reproduces the masks; a
+   1:4 layer is stored as 2:4 with one zero kept per group, so its bytes are 2:4's, its values
+   exact); quality is evaluated on the dequantized INT4 values (``densify_``);
 4. the full 54,667-title catalogue: training throughput (seconds per epoch) and quality as reached.
 Each evaluation runs ``search_targets`` (10 beams, top 10) over held-out test queries and reports
 recall@1/10, success@10, MRR@10, nDCG@10 and queries/s. Writes ``results.json``, ``table.md`` and
@@ -57,11 +59,13 @@ def prepare(args: argparse.Namespace) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
-    for name, size in (("5000", 5000), ("full", None)):
-        emb_file = Path(args.emb) / f"minilm_{name}.npz"
+    plans = [("5000", 5000, Path(args.emb) / "minilm_5000.npz", SCHEMES),
+             ("full", None, Path(args.full_emb), tuple(args.full_schemes.split(",")))]
+    for name, size, emb_file, schemes in plans:
         if not emb_file.is_file():
             log.warning("no embeddings %s: skipping catalogue %s", emb_file, name)
             continue
+        summary[f"embeddings_{name}"] = emb_file.name
         data = load_home_depot(HomeDepotConfig(csv_path=args.csv, catalogue_size=size))
         npz = np.load(emb_file, allow_pickle=False)
         pos = {int(a): i for i, a in enumerate(npz["ad_id"])}
@@ -76,7 +80,7 @@ def prepare(args: argparse.Namespace) -> None:
         pq.write_table(data.labelled_table(QuerySplit.TRAIN), out / f"train_{name}.parquet")
         qrels = {q: {str(a): g for a, g in grades.items()} for q, grades in data.qrels[QuerySplit.TEST].items()}
         (out / f"qrels_test_{name}.json").write_text(json.dumps(qrels))
-        for scheme in SCHEMES:
+        for scheme in schemes:
             cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
                               render=RenderConfig(scheme=IdScheme(scheme)))
             t0 = time.perf_counter()
@@ -182,8 +186,14 @@ def int4_compress(model: Any, examples_tokens: Any, device: str) -> dict[str, An
                          uniform_pattern=SparsityPattern.TWO_FOUR, group_policy=GroupPolicy.ADAPTIVE)
     model.cpu()
     recipe = compress_(model, cfg, stats)
-    model.to(device)
     packed = sum(layer.packed_bytes for layer in recipe.layers)
+    # Quality is measured on the exact INT4 values dequantized into nn.Linear (densify_): the
+    # packed kernel's speed is the kernels/decoding benches' business, and the GEMV kernel is not
+    # meant for the prefill shapes of a 64-query batch.
+    from adbatch.compress.linear import densify_
+
+    densify_(model)
+    model.to(device)
     return {"seconds": round(time.perf_counter() - t0, 2), "packed_bytes": packed}
 
 
@@ -279,8 +289,9 @@ def run(args: argparse.Namespace) -> None:
     # 4. full catalogue: throughput of one epoch + quality reached in the remaining budget
     if (bundle / "titles_full.parquet").is_file() and budget.left() > args.reserve_s:
         full = load_bundle(bundle, "full")
-        scheme = max(dense_scores, key=dense_scores.get) if dense_scores else "text"
-        if scheme in full["indexes"]:
+        ranked = sorted(dense_scores, key=dense_scores.get, reverse=True) + list(SCHEMES)
+        scheme = next((s for s in ranked if s in full["indexes"]), None)
+        if scheme is not None:
             spare = budget.left() - args.reserve_s / 2
             cfg = base_cfg.replace(epochs=args.full_epochs, time_budget_s=max(10.0, spare * 0.6))
             m, t, s = train(scheme, full, cfg, f"full-{scheme}")
@@ -349,7 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare")
     pp.add_argument("--csv", default="../shared/data/home_depot_relevance/train.csv")
-    pp.add_argument("--emb", default="/tmp/tr", help="folder with minilm_{5000,full}.npz (+ baseline JSON)")
+    pp.add_argument("--emb", default="/tmp/tr", help="folder with minilm_5000.npz (+ baseline JSON)")
+    pp.add_argument("--full-emb", default="/tmp/tr/tfidf_full.npz", help="embeddings (npz ad_id, emb) clustering the full catalogue")
+    pp.add_argument("--full-schemes", default="codes", help="schemes of the full-catalogue index")
     pp.add_argument("--work", default="/tmp/tr/work")
     pp.add_argument("--bundle", required=True)
     pr = sub.add_parser("run")

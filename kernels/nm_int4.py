@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 
 import torch
@@ -137,6 +138,11 @@ class PackedNMInt4:
     @property
     def padded_kept(self) -> int:
         return padded_kept(self.kept)
+
+    @functools.cached_property
+    def scale_zero_words(self) -> torch.Tensor:
+        """``scale_zero`` viewed as int32 [G] (low half scale, high half zero): what the kernels read."""
+        return self.scale_zero.view(torch.int32).reshape(-1)
 
     @property
     def num_groups(self) -> int:

@@ -1,13 +1,13 @@
 """Triton SparseGemv: ``y[B, N] = x[B, K] @ W.T`` with W in :class:`~kernels.nm_int4.PackedNMInt4`.
 
-One kernel template, specialised by constexprs, reads the packed format directly (no unpacked copy):
+Two kernels, specialised by constexprs, read the packed format directly (no unpacked copy):
 
 - ``NKEEP`` = n of the n:4 pattern (4 = dense INT4, 2 = 2:4, 1 = 1:4).
-- ``USE_DOT`` = False: the *GEMV* path for B <= 4. Each kept value is dequantized once and multiplied
-  with the activation it meets; for sparse patterns the activation is gathered by column
-  ``4 * (kk // n) + pos`` from x (a few hundred bytes per tile, served by L1), so pruned zeros are never
-  materialised.
-- ``USE_DOT`` = True: the *tensor-core* path for larger B. The kept tile is dequantized, scattered into
+- ``USE_DOT`` = False: the *GEMV* path for B <= 4 (:func:`_nm_int4_gemv_kernel`). Each kept value is
+  dequantized once and multiplied with the activation it meets: the 4 activations of its column group
+  are loaded once per tile row and the one at ``pos`` is picked with two bit tests and three selects,
+  so pruned zeros are never materialised and there is no per-value gather.
+- ``USE_DOT`` = True: the *tensor-core* path for larger B (:func:`_nm_int4_dot_kernel`). The kept tile is dequantized, scattered into
   a dense ``[4 * BLOCK_KK / n, BLOCK_N]`` tile in registers (compare-and-select on the 2-bit
   positions) and fed to ``tl.dot`` with an x tile of ``BLOCK_B`` (>= 16) rows.
 - ``ATOMIC``: split-K over the kept dimension; partial sums are added into a zeroed fp32 buffer.
@@ -26,6 +26,7 @@ winner as JSON under ``$ADBATCH_CACHE/kernels/`` (default ``~/.cache/adbatch``),
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -167,6 +168,7 @@ def _nm_int4_gemv_kernel(
         if NKEEP != 4:
             # row w of the tile reads position word w // 2 (a repeated, L1-served load keeps the layout)
             pw = tl.load(qp_ptr + (kk0 // 16) * N + (w_idx // 2) * N + offs_n[None, :], mask=nm2, other=0)
+            pw = pw >> pos_base  # this word's 8 positions now sit in bits 0..15
         for j in tl.static_range(8):
             w = _nibble_f32(words, 4 * j) * s - zs
             if NKEEP == 4:
@@ -188,9 +190,8 @@ def _nm_int4_gemv_kernel(
                     if BLOCK_B > 2:
                         d0, d1, d2, d3 = _x_group(x2, g, K)
                         e0, e1, e2, e3 = _x_group(x3, g, K)
-                pbits = pw >> (pos_base + 2 * j)
-                b0 = (pbits & 1) != 0
-                b1 = (pbits & 2) != 0
+                b0 = (pw & (1 << (2 * j))) != 0
+                b1 = (pw & (2 << (2 * j))) != 0
                 acc0 += _pick(b0, b1, a0, a1, a2, a3) * w
                 if BLOCK_B > 1:
                     acc1 += _pick(b0, b1, c0, c1, c2, c3) * w
@@ -330,6 +331,11 @@ def batch_bucket(batch: int) -> int:
     return BATCH_BUCKETS[-1]
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -353,7 +359,7 @@ def heuristic_config(p: PackedNMInt4, batch: int, num_sms: int) -> KernelConfig:
     bucket = batch_bucket(batch)
     use_dot = bucket > GEMV_MAX_BATCH
     block_b = max(16, bucket) if use_dot else bucket
-    block_kk = {4: 128, 2: 64, 1: 32}[p.pattern.n] if use_dot else 64
+    block_kk = max(32, 128 * p.pattern.n // 4) if use_dot else 64
     block_n = 64
     n_bblocks = triton.cdiv(batch, block_b)
     split = _split_for(p, block_n, block_kk, n_bblocks, num_sms)
@@ -367,22 +373,27 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
     tile shape is tried with the heuristic split-K (about 4 programs per SM) and without split.
     """
     bucket = batch_bucket(batch)
-    n = p.pattern.n
     out: list[KernelConfig] = []
     if bucket <= GEMV_MAX_BATCH:
         for block_n, block_kk, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8)):
             out += _with_splits(p, batch, KernelConfig(bucket, block_n, block_kk, 1, False, warps), num_sms)
-    block_b = max(16, bucket)
-    kk128 = 128 * n // 4  # kept values whose dense tile is 128 columns wide
-    for block_n, block_kk, warps in ((32, kk128, 4), (64, kk128, 4), (128, kk128, 8), (64, 2 * kk128, 8)):
-        block_kk = min(128, max(32, block_kk))
-        out += _with_splits(p, batch, KernelConfig(block_b, block_n, block_kk, 1, True, warps), num_sms)
+    kk128 = 128 * p.pattern.n // 4  # kept values whose dense tile is 128 columns wide
+    # 32- and 64-row buckets also try 16-row tiles: each batch tile re-reads the weights from L2
+    for block_b in sorted({max(16, bucket), 16}):
+        for block_n, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+            if block_b * block_n > 64 * 64:
+                continue
+            cfg = KernelConfig(block_b, block_n, max(32, kk128), 1, True, warps)
+            out += _with_splits(p, batch, cfg, num_sms)
     return list(dict.fromkeys(out))
 
 
 def _with_splits(p: PackedNMInt4, batch: int, cfg: KernelConfig, num_sms: int) -> list[KernelConfig]:
-    s = _split_for(p, cfg.block_n, cfg.block_kk, triton.cdiv(batch, cfg.block_b), num_sms)
-    return [dataclasses.replace(cfg, split_k=v) for v in sorted({1, s})]
+    """No split, and splits giving about 4 and 16 programs per SM (ncu showed grids of ~4 programs
+    per SM leave the SMs at ~22% occupancy with half the issue slots idle)."""
+    n_b = triton.cdiv(batch, cfg.block_b)
+    splits = {1, _split_for(p, cfg.block_n, cfg.block_kk, n_b, num_sms), _split_for(p, cfg.block_n, cfg.block_kk, n_b, num_sms, 16.0)}
+    return [dataclasses.replace(cfg, split_k=v) for v in sorted(splits)]
 
 
 # ---- launcher ---------------------------------------------------------------------------------
@@ -406,8 +417,8 @@ def _check_inputs(x: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -
 
 
 def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: KernelConfig) -> torch.Tensor:
-    """Run the kernel once with ``cfg``. x2: [B, K] fp16/bf16 with unit inner stride. Returns [B, N]."""
-    cfg.validate(p.pattern)
+    """Run the kernel once with ``cfg`` (validated by the caller). x2: [B, K] fp16/bf16 with unit inner
+    stride. Returns [B, N]."""
     batch = x2.shape[0]
     n_out = p.out_features
     steps = p.padded_kept // cfg.block_kk
@@ -424,7 +435,7 @@ def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: Ke
         x2,
         p.qweight,
         p.qpos if p.pattern.is_sparse else p.qweight,
-        p.scale_zero.view(torch.int32).reshape(-1),
+        p.scale_zero_words,
         p.group_ptr,
         p.group_shift,
         bias if bias is not None else out,
@@ -510,7 +521,7 @@ def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tu
     best: tuple[float, KernelConfig] | None = None
     for cfg in candidate_configs(p, x2.shape[0], num_sms):
         try:
-            ms = triton.testing.do_bench(lambda: launch(x2, p, bias, cfg), warmup=5, rep=20, return_mode="median")
+            ms = triton.testing.do_bench(lambda: launch(x2, p, bias, cfg), warmup=3, rep=12, return_mode="median")
         except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:  # type: ignore[attr-defined]
             log.debug("config %s rejected: %s", cfg, e)
             continue
@@ -526,7 +537,7 @@ def select_config(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) 
     batch = x2.shape[0]
     if not x2.is_cuda or os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1") == "0":
         return heuristic_config(p, batch, _num_sms(x2.device))
-    dev = torch.cuda.get_device_name(x2.device)
+    dev = _device_name(x2.device.index if x2.device.index is not None else torch.cuda.current_device())
     key = tune_key(p, batch, x2.dtype)
     cfg = _CACHE.get(dev, key)
     if cfg is None:
@@ -560,5 +571,7 @@ def nm_int4_linear_triton(
         x2 = x2.contiguous()
     if x2.shape[0] == 0:
         return x.new_empty(*lead, p.out_features)
+    if config is not None:
+        config.validate(p.pattern)
     cfg = config if config is not None else select_config(x2, p, bias)
     return launch(x2, p, bias, cfg).reshape(*lead, p.out_features)

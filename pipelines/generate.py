@@ -360,7 +360,9 @@ def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> 
         runtime_env = {"env_vars": {FAULT_KILL_ENV: os.environ[FAULT_KILL_ENV]}}
     log.info("generate on Ray: %d actor(s), %s each, %d torch thread(s)", config.concurrency,
              resources, threads)
-    ds = ray.data.read_parquet([str(layout.work_file(i)) for i in pending], num_cpus=0.1)
+    # one block per partition: answers then arrive (and partitions commit) as each one finishes
+    ds = ray.data.read_parquet([str(layout.work_file(i)) for i in pending], num_cpus=0.1,
+                               override_num_blocks=len(pending))
     ds = ds.map_batches(
         GeneratorActor,
         fn_constructor_args=(config.task.value, dataclasses.asdict(config.spec),

@@ -38,7 +38,7 @@ def _check(p, batch: int, dtype, cfg, seed: int, bias: bool = True, lead: tuple[
 
 
 # N, K chosen so N is not a multiple of BLOCK_N and Kk not a multiple of BLOCK_KK / 128 alignment
-SHAPES = [(40, 264), (19, 136)]
+SHAPES = [(40, 264), (19, 520)]
 
 
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
@@ -59,10 +59,9 @@ def test_gemv_path(pattern, dtype, batch):
 @pytest.mark.parametrize("batch", [5, 17])
 def test_dot_path(pattern, dtype, batch):
     p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
-    kk = 32 if pattern is SparsityPattern.ONE_FOUR else 64
     for cfg in (
-        sg.KernelConfig(16, 16, kk, 1, True),  # B=17: two batch tiles
-        sg.KernelConfig(32, 32, 32, 3, True),  # split-K over 3 programs
+        sg.KernelConfig(16, 16, 32 * pattern.n, 1, True),  # B=17: two batch tiles; 128-column dense tile
+        sg.KernelConfig(32, 32, 128, 3, True),  # split-K over 3 programs
     ):
         _check(p, batch, dtype, cfg, seed=batch, bias=cfg.split_k > 1)
 
@@ -82,7 +81,7 @@ def test_dispatcher_heuristic(batch, monkeypatch):
 
 def test_batch_larger_than_largest_bucket():
     p = random_packed(16, 64, SparsityPattern.ONE_FOUR, generator=torch.Generator().manual_seed(15))
-    _check(p, 70, torch.float16, sg.KernelConfig(64, 16, 32, 1, True), seed=16, bias=False)
+    _check(p, 70, torch.float16, sg.KernelConfig(64, 16, 128, 1, True), seed=16, bias=False)
 
 
 def test_buckets_and_candidates_valid():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -32,8 +33,8 @@ import torch
 
 from adbatch.decoding.config import TargetSearchConfig, VerifyMode
 from adbatch.decoding.cost_model import CostModel, load_or_calibrate
-from adbatch.decoding.kv import (check_supported, forward_hidden, head_logprobs, keep_rows, left_pad,
-                                 model_device, new_cache)
+from adbatch.decoding.kv import (check_supported, forward_hidden, gather_logprobs, head_logits_lse,
+                                 keep_rows, left_pad, model_device, new_cache)
 from adbatch.decoding.tree_verify import TrieAux, final_scores, verify_trees
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,25 @@ def _rows_from_pool(pool_s: torch.Tensor, pool_n: torch.Tensor, aux: TrieAux, k:
     rows = torch.where(valid, rows, -1)
     scores = torch.where(valid, pool_s.gather(1, which), NEG_INF)
     return rows, scores
+
+
+class _PhaseClock:
+    """Accumulates wall time per phase into ``stats['ms_<phase>']`` when profiling (syncs the
+    device at each mark, so off by default)."""
+
+    def __init__(self, stats: dict[str, Any], device: torch.device, on: bool) -> None:
+        self.stats, self.device, self.on = stats, device, on
+        self.t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if not self.on:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        key = f"ms_{phase}"
+        self.stats[key] = self.stats.get(key, 0.0) + 1e3 * (now - self.t)
+        self.t = now
 
 
 def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
@@ -136,10 +156,11 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
     lp_pen = cfg.length_penalty
     max_steps = cfg.max_steps or aux.max_depth
 
+    clock = _PhaseClock(stats, dev, cfg.profile)
     ids, attn, pos = left_pad(prompts, pad_id, dev)
     cache = new_cache()
     hidden = forward_hidden(model, ids, attn, pos, cache)
-    logp = head_logprobs(model, hidden[:, -1], cfg.logprob_chunk)         # [R, V]
+    logits, lse = head_logits_lse(model, hidden[:, -1], cfg.logprob_chunk)  # [R, V], [R]
     next_pos = attn.sum(1)                                                # [R]
     row_slot = torch.arange(Q, device=dev) * B                            # [R] slot of each row
     S = Q * B
@@ -155,6 +176,7 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
     pool_n = torch.full((Q, P), -1, dtype=torch.long, device=dev)
     q_of_slot = torch.arange(S, device=dev) // B
     stats["prefill_rows"] += Q
+    clock.mark("prefill")
 
     for _ in range(max_steps):
         R = row_slot.shape[0]
@@ -163,7 +185,7 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
         csafe = child.clamp(min=0)
         cand = torch.full((S, C), NEG_INF, device=dev)
         if R:
-            cand[row_slot] = s_score[row_slot, None] + logp.gather(1, tok[row_slot].clamp(min=0))
+            cand[row_slot] = s_score[row_slot, None] + gather_logprobs(logits, lse, None, tok[row_slot])
         virt = s_virtual[:, None].expand(S, C)
         cand = torch.where(virt, vraw[(s_vbase[:, None] + csafe).clamp(0, vraw.numel() - 1)], cand)
         cand = torch.where((tok >= 0) & (s_node[:, None] >= 0), cand, NEG_INF)
@@ -209,6 +231,7 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
             break  # only virtual beams left: their candidates are all in the pool
         verify = _choose_verified(pending, host[2], host[3], cfg, cost)
         cont = pending & ~verify
+        clock.mark("select")
 
         new_vbase = s_vbase[parent_slot]
         if verify.any():
@@ -236,6 +259,7 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
             stats["verified_depths"].update(host[6][vs].tolist())
             stats["tree_tokens_max"] = max(stats["tree_tokens_max"], int(host[2][vs].max()))
             stats["tree_tokens_sum"] += int(host[2][vs].sum())
+            clock.mark("verify")
 
         s_node = torch.where(alive, run_c, -1)
         s_score = torch.where(alive, run_s, NEG_INF)
@@ -250,12 +274,15 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
         attn = torch.cat([attn[parents], torch.ones(cs.size, 1, dtype=attn.dtype, device=dev)], 1)
         step_pos = next_pos[parents]
         hidden = forward_hidden(model, run_t[c_slots][:, None], attn, step_pos[:, None], cache)
-        logp = head_logprobs(model, hidden[:, -1], cfg.logprob_chunk)
+        logits, lse = head_logits_lse(model, hidden[:, -1], cfg.logprob_chunk)
         next_pos = step_pos + 1
         row_slot = c_slots
+        clock.mark("decode")
         stats["steps"] += 1
         stats["decode_rows"] += int(cs.size)
-    return _rows_from_pool(pool_s, pool_n, aux, cfg.top_k)
+    out = _rows_from_pool(pool_s, pool_n, aux, cfg.top_k)
+    clock.mark("finish")
+    return out
 
 
 def _new_stats(cfg: TargetSearchConfig) -> dict[str, Any]:

@@ -42,6 +42,8 @@ class TargetSearchConfig(ConfigBase):
     batch_size: int = field(default=64, metadata={"help": "queries searched together"})
     logprob_chunk: int = field(
         default=1024, metadata={"help": "positions per chunk when turning tree hidden states into log-probs"})
+    profile: bool = field(
+        default=False, metadata={"help": "time phases into stats (adds a device sync per phase)"})
 
     def validate(self) -> None:
         if self.num_beams < 1:

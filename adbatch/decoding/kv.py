@@ -115,6 +115,40 @@ def head_logprobs(model: Any, hidden: torch.Tensor, chunk: int = 1024) -> torch.
     return torch.cat(parts, 0)
 
 
+def head_logits_lse(model: Any, hidden: torch.Tensor, chunk: int = 1024
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LM-head logits and their full-vocabulary log-normalizer, without a float32 ``[N, V]`` copy.
+
+    ``log_softmax(logits.float())[i, t] == logits[i, t].float() - lse[i]``; gather the few entries
+    needed with :func:`gather_logprobs`.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states.
+    Returns:
+        ``(logits [N, V]`` in the head's output dtype, ``lse Float32[N])``.
+    """
+    head = model.get_output_embeddings()
+    logits = head(hidden)
+    n = logits.shape[0]
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    for s in range(0, n, chunk):  # bounds the float32 temporary to chunk x V
+        lse[s:s + chunk] = torch.logsumexp(logits[s:s + chunk].float(), dim=-1)
+    return logits, lse
+
+
+def gather_logprobs(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None,
+                    tokens: torch.Tensor) -> torch.Tensor:
+    """Exact log-probs at chosen entries: ``logits[rows, tokens].float() - lse[rows]``.
+
+    ``rows``/``tokens``: Long tensors of one shape (``rows=None``: ``tokens`` is ``[N, C]`` and row
+    ``i`` of it reads row ``i``); negative tokens read token 0 (mask them afterwards).
+    """
+    tok = tokens.clamp(min=0)
+    if rows is None:
+        return logits.gather(1, tok).float() - lse[:, None]
+    return logits[rows, tok].float() - lse[rows]
+
+
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-pad prompts.

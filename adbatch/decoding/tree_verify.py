@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from adbatch.decoding.kv import copy_rows, forward_hidden, head_logprobs, model_dtype
+from adbatch.decoding.kv import copy_rows, forward_hidden, gather_logprobs, head_logits_lse, model_dtype
 
 
 class TrieAux:
@@ -118,13 +118,13 @@ def verify_trees(model: Any, cache: Any, parent_rows: torch.Tensor, prefix_mask:
     sub_cache = copy_rows(cache, parent_rows)
     hidden = forward_hidden(model, fed_tok, mask4, pos, sub_cache)        # [V, F, H]
     del sub_cache
-    lp = head_logprobs(model, hidden.reshape(V * fed_max, -1), chunk)     # [V*F, vocab]
-    vocab = lp.shape[1]
+    logits, lse = head_logits_lse(model, hidden.reshape(V * fed_max, -1), chunk)  # [V*F, vocab]
 
     par_local = torch.where(in_tree & (j[None, :] > 0), aux.parent[ids] - nodes[:, None], 0)
     par_fed = fed_idx.gather(1, par_local)                                # [V, S]
-    flat = (torch.arange(V, device=dev)[:, None] * fed_max + par_fed) * vocab + aux.token[ids].clamp(min=0)
-    edge = torch.where(in_tree & (j[None, :] > 0), lp.view(-1)[flat], 0.0)  # [V, S]
+    src = torch.arange(V, device=dev)[:, None] * fed_max + par_fed         # [V, S] fed row
+    edge = gather_logprobs(logits, lse, src, aux.token[ids])
+    edge = torch.where(in_tree & (j[None, :] > 0), edge, 0.0)              # [V, S]
     # Path sums by pointer chasing over the tree depth (entries at depth d are final after d rounds).
     cum = edge
     for _ in range(max(height_max - 1, 0)):

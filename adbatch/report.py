@@ -1,0 +1,167 @@
+"""Creative-quality metrics and the evaluation report (``report.md`` + PNG plots).
+
+METEOR here is the *exact + stem* variant: nltk's implementation (unigram alignment, F-mean with
+recall weight, fragmentation penalty) with the WordNet synonym stage switched off, because nltk
+downloads WordNet from the internet and our machines have none. Scores are therefore a little lower
+than METEOR with synonyms; the report labels the column ``METEOR (exact+stem)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+_TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
+
+
+def _tokens(text: str) -> list[str]:
+    return _TOKEN.findall(text.lower())
+
+
+class _NoSynonyms:
+    """Stands in for nltk's WordNet reader: no synsets, so only exact and stem matches count."""
+
+    def synsets(self, *args: Any, **kwargs: Any) -> list:
+        return []
+
+
+def meteor_exact_stem(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """Mean sentence METEOR (exact + Porter-stem matches, no synonyms) in [0, 1]."""
+    from nltk.translate.meteor_score import meteor_score
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses vs {len(references)} references")
+    if not hypotheses:
+        return 0.0
+    wn = _NoSynonyms()
+    scores = [meteor_score([_tokens(r)], _tokens(h), wordnet=wn) for h, r in zip(hypotheses, references)]
+    return float(sum(scores) / len(scores))
+
+
+def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """sacrebleu corpus BLEU (13a tokenization, 0-100) against one reference per hypothesis."""
+    import sacrebleu
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses vs {len(references)} references")
+    return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _table(rows: list[dict[str, Any]], cols: list[tuple[str, str]]) -> str:
+    head = "| " + " | ".join(title for _, title in cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
+    body = ["| " + " | ".join(_fmt(r.get(key)) for key, _ in cols) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def _bar_plot(path: Path, labels: list[str], series: dict[str, list[float]], title: str, ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) + 2), 4))
+    width = 0.8 / max(len(series), 1)
+    for j, (name, vals) in enumerate(series.items()):
+        xs = [i + j * width for i in range(len(labels))]
+        ax.bar(xs, vals, width=width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+TARGETING_COLS = [("variant", "variant"), ("scheme", "scheme"), ("verify", "verify"),
+                  ("recall@1", "recall@1"), ("recall@10", "recall@10"), ("mrr@10", "MRR@10"),
+                  ("ndcg@10", "nDCG@10"), ("queries", "queries"), ("queries_per_s", "queries/s"),
+                  ("ms_per_query", "ms/query"), ("note", "note")]
+CREATIVE_COLS = [("variant", "variant"), ("bleu", "BLEU"), ("meteor", "METEOR (exact+stem)"),
+                 ("examples", "examples"), ("requests_per_s", "requests/s"),
+                 ("ms_per_request", "ms/request"), ("note", "note")]
+
+
+def write_report(out: Path, results: dict[str, Any]) -> dict[str, Path]:
+    """Write ``out/report.md`` and its plots from :func:`pipelines.evaluate.run_eval`'s results."""
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    lines = ["# adbatch evaluation report", ""]
+    meta = results.get("meta", {})
+    lines += [f"- created: {meta.get('created')}", f"- machine: {meta.get('machine')}",
+              f"- code version: {meta.get('code_version')}", ""]
+
+    t = results.get("targeting", {})
+    lines += ["## Targeting (Home Depot search relevance)", ""]
+    if t.get("skipped"):
+        lines += [f"Skipped: {t['skipped']}", ""]
+    else:
+        lines += [f"- catalogue: {t.get('catalogue')}", f"- queries: {t.get('query_split')}",
+                  "- relevant = relevance >= 2.67; graded gains for nDCG; unjudged products count "
+                  "as not relevant (judgments are pooled, so absolute recall is a lower bound)",
+                  f"- index: {t.get('index')}", ""]
+        rows = t.get("rows", [])
+        lines += [_table(rows, TARGETING_COLS), ""]
+        ok = [r for r in rows if r.get("recall@10") is not None]
+        if ok:
+            png = out / "targeting_quality.png"
+            _bar_plot(png, [f"{r['variant']}/{r.get('verify') or '-'}" for r in ok],
+                      {m: [float(r[m]) for r in ok] for m in ("recall@1", "recall@10", "mrr@10", "ndcg@10")},
+                      "Targeting quality (Home Depot test queries)", "score")
+            png2 = out / "targeting_throughput.png"
+            _bar_plot(png2, [f"{r['variant']}/{r.get('verify') or '-'}" for r in ok],
+                      {"queries/s": [float(r["queries_per_s"]) for r in ok]},
+                      "Targeting throughput (this machine)", "queries per second")
+            files.update({"targeting_quality": png, "targeting_throughput": png2})
+            lines += [f"![targeting quality]({png.name})", "", f"![targeting throughput]({png2.name})", ""]
+
+    c = results.get("creatives", {})
+    lines += ["## Creatives (slogan test-curated)", ""]
+    if c.get("skipped"):
+        lines += [f"Skipped: {c['skipped']}", ""]
+    else:
+        lines += [f"- data: {c.get('data')}; first {c.get('examples')} rows",
+                  "- BLEU: sacrebleu corpus BLEU, one human reference per ad",
+                  "- METEOR (exact+stem): nltk METEOR without WordNet synonyms (offline), mean "
+                  "over sentences", ""]
+        rows = c.get("rows", [])
+        lines += [_table(rows, CREATIVE_COLS), ""]
+        ok = [r for r in rows if r.get("bleu") is not None]
+        if ok:
+            png = out / "creatives_quality.png"
+            _bar_plot(png, [r["variant"] for r in ok],
+                      {"BLEU/100": [float(r["bleu"]) / 100 for r in ok],
+                       "METEOR": [float(r["meteor"]) for r in ok]},
+                      "Creative quality (slogan test-curated)", "score")
+            files["creatives_quality"] = png
+            lines += [f"![creatives quality]({png.name})", ""]
+        samples = c.get("samples", [])
+        if samples:
+            lines += ["### Samples", "", "| advertiser | reference | " +
+                      " | ".join(s for s in samples[0]["outputs"]) + " |",
+                      "|---|---|" + "|".join("---" for _ in samples[0]["outputs"]) + "|"]
+            for s in samples:
+                cells = [s["advertiser"], s["reference"], *s["outputs"].values()]
+                lines.append("| " + " | ".join(str(x).replace("|", "/") for x in cells) + " |")
+            lines.append("")
+    path = out / "report.md"
+    from adbatch.artifacts import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+    files["report"] = path
+    return files

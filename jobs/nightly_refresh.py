@@ -1,0 +1,349 @@
+"""The nightly refresh: index -> train -> compress -> generate -> eval, skipping unchanged stages.
+
+Run it with ``python jobs/nightly_refresh.py --config examples/refresh.toml`` (in-process Ray), under
+``ray job submit -- python jobs/nightly_refresh.py --config ...`` (joins the cluster through
+``RAY_ADDRESS``), or as ``adbatch refresh --config ...``.
+
+Every stage writes into ``<work>/<stage>`` and, when it succeeds, a stamp ``<work>/_refresh/<stage>.json``
+holding the hash of its config, the hashes of its inputs (the upstream stages' manifests, the ad
+corpus, the request files, the base model) and the hash of its own output manifest. On the next run
+a stage is skipped when all three still match: its inputs and config are unchanged since its last
+successful output, and that output is still there untouched. A changed stage changes its manifest,
+so everything downstream of it runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a script (``python jobs/nightly_refresh.py`` / ray job submit)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from adbatch.artifacts import read_manifest, sha256_file, sha256_json, sha256_paths, write_json_atomic
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.compress import CalibrationConfig, CompressConfig
+from adbatch.decoding import CreativeConfig, TargetSearchConfig
+from adbatch.index import IndexConfig
+from adbatch.training import TrainConfig
+from pipelines.evaluate import EvalJobConfig
+from pipelines.generate import Executor
+from adbatch.requests import GenerateTask, RequestValidationConfig, list_request_files
+
+log = logging.getLogger("adbatch.refresh")
+
+REPO = Path(__file__).resolve().parent.parent
+STAMP_DIR = "_refresh"
+
+
+class Stage(str, enum.Enum):
+    INDEX = "index"
+    TRAIN = "train"
+    COMPRESS = "compress"
+    GENERATE_TARGETS = "generate_targets"
+    GENERATE_CREATIVES = "generate_creatives"
+    EVAL = "eval"
+
+
+class GenerateWith(str, enum.Enum):
+    """Which model the generate stage serves."""
+
+    COMPRESSED = "compressed"  #: the compressed checkpoint (falls back to dense when compress is off)
+    DENSE = "dense"  #: the trained (or base) dense model
+
+
+@dataclasses.dataclass
+class IndexStage(ConfigBase):
+    ads: Path = dataclasses.field(default=Path("examples/slogan_ads.parquet"),
+                                  metadata={"help": "ad corpus Parquet"})
+    config: IndexConfig = dataclasses.field(default_factory=IndexConfig)
+
+
+@dataclasses.dataclass
+class TrainStage(ConfigBase):
+    enabled: bool = dataclasses.field(default=True, metadata={"help": "train the index into the model"})
+    queries: Path | None = dataclasses.field(
+        default=None, metadata={"help": "labelled (query, ad_id) Parquet; None = indexing examples only"})
+    config: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
+
+
+@dataclasses.dataclass
+class CompressStage(ConfigBase):
+    enabled: bool = dataclasses.field(default=True, metadata={"help": "compress the model"})
+    calib: Path | None = dataclasses.field(default=None, metadata={"help": "calibration texts"})
+    compress: CompressConfig = dataclasses.field(default_factory=CompressConfig)
+    calibration: CalibrationConfig = dataclasses.field(default_factory=CalibrationConfig)
+    eval_texts: int = dataclasses.field(default=16, metadata={"help": "held-out texts for perplexity"})
+    eval_seq_len: int = dataclasses.field(default=128, metadata={"help": "tokens per perplexity block"})
+
+
+@dataclasses.dataclass
+class GenerateStage(ConfigBase):
+    targets_requests: Path | None = dataclasses.field(
+        default=Path("examples/requests_targets.parquet"), metadata={"help": "targets requests (None = skip)"})
+    creatives_requests: Path | None = dataclasses.field(
+        default=Path("examples/requests_creatives.parquet"), metadata={"help": "creatives requests (None = skip)"})
+    use: GenerateWith = dataclasses.field(default=GenerateWith.COMPRESSED, metadata={"help": "compressed | dense"})
+    targets: TargetSearchConfig = dataclasses.field(default_factory=TargetSearchConfig)
+    creatives: CreativeConfig = dataclasses.field(default_factory=CreativeConfig)
+    validation: RequestValidationConfig = dataclasses.field(default_factory=RequestValidationConfig)
+    concurrency: int = dataclasses.field(default=1, metadata={"help": "generation actors"})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "requests per model call"})
+    partition_size: int = dataclasses.field(default=64, metadata={"help": "requests per output partition"})
+    executor: Executor = dataclasses.field(default=Executor.RAY, metadata={"help": "ray | local"})
+
+
+@dataclasses.dataclass
+class EvalStage(ConfigBase):
+    enabled: bool = dataclasses.field(default=True, metadata={"help": "write the evaluation report"})
+    config: EvalJobConfig = dataclasses.field(default_factory=EvalJobConfig)
+
+
+@dataclasses.dataclass
+class RefreshConfig(ConfigBase):
+    """``adbatch refresh`` / ``jobs/nightly_refresh.py``: the whole nightly run."""
+
+    work: Path = dataclasses.field(default=Path("runs/refresh"), metadata={"help": "root of every stage's output"})
+    model: str | None = dataclasses.field(default=None, metadata={"help": "base model; None = the default"})
+    num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "CPUs of a local Ray"})
+    force: list[str] = dataclasses.field(default_factory=list, metadata={"help": "stages to run even if unchanged"})
+    index: IndexStage = dataclasses.field(default_factory=IndexStage)
+    train: TrainStage = dataclasses.field(default_factory=TrainStage)
+    compress: CompressStage = dataclasses.field(default_factory=CompressStage)
+    generate: GenerateStage = dataclasses.field(default_factory=GenerateStage)
+    eval: EvalStage = dataclasses.field(default_factory=EvalStage)
+
+    def validate(self) -> None:
+        known = {s.value for s in Stage} | {"all"}
+        bad = [s for s in self.force if s not in known]
+        if bad:
+            raise ConfigError(f"RefreshConfig.force: unknown stage(s) {bad}; known: {sorted(known)}")
+
+
+def _abs(path: Path | str | None) -> Path | None:
+    """Relative paths in the config are relative to the repository (where examples/ lives)."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.is_absolute():
+        return p
+    return p if p.exists() or not (REPO / p).exists() else REPO / p
+
+
+class _Runner:
+    """Runs stages in order, each only when its stamp does not match."""
+
+    def __init__(self, config: RefreshConfig) -> None:
+        self.config = config
+        self.work = Path(config.work)
+        self.summary: dict[str, Any] = {"stages": {}, "work": str(self.work)}
+
+    def stamp_file(self, stage: Stage) -> Path:
+        return self.work / STAMP_DIR / f"{stage.value}.json"
+
+    def run(self, stage: Stage, job_config: ConfigBase, inputs: dict[str, str], output: Path,
+            fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run ``fn`` unless the stamp says the same config + inputs produced ``output``."""
+        config_hash = sha256_json(job_config.to_dict())
+        stamp = _read(self.stamp_file(stage))
+        forced = stage.value in self.config.force or "all" in self.config.force
+        current_out = sha256_file(output) if output.is_file() else None
+        if (not forced and stamp and stamp.get("config_hash") == config_hash
+                and stamp.get("inputs") == inputs and current_out == stamp.get("output_hash")):
+            log.info("stage %s: unchanged since %s, skipped", stage.value,
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(stamp["finished_unix"])))
+            self.summary["stages"][stage.value] = {"status": "skipped", "seconds": 0.0,
+                                                   "output": str(output.parent)}
+            return stamp.get("result", {})
+        log.info("stage %s: running (%s)", stage.value,
+                 "forced" if forced else "no stamp" if not stamp else "inputs or config changed")
+        t0 = time.perf_counter()
+        result = fn()
+        seconds = time.perf_counter() - t0
+        if not output.is_file():
+            raise RuntimeError(f"stage {stage.value} finished without writing {output}")
+        write_json_atomic(self.stamp_file(stage), {
+            "stage": stage.value, "config_hash": config_hash, "inputs": inputs,
+            "output_hash": sha256_file(output), "finished_unix": time.time(),
+            "seconds": round(seconds, 3), "result": result})
+        self.summary["stages"][stage.value] = {"status": "ran", "seconds": round(seconds, 3),
+                                               "output": str(output.parent)}
+        return result
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _model_hash(model: str | None) -> str:
+    from adbatch.generation import ModelSpec
+
+    return ModelSpec(model=model).identity()["sha256"]
+
+
+def run_refresh(config: RefreshConfig) -> dict[str, Any]:
+    """The whole refresh; returns per-stage status/timings and where the outputs and report are."""
+    from pipelines.ray_runtime import init_ray
+
+    t_start = time.perf_counter()
+    runner = _Runner(config)
+    work = runner.work
+    work.mkdir(parents=True, exist_ok=True)
+    init_ray(config.num_cpus)
+
+    # fail on unusable request files before any stage spends time
+    gen = config.generate
+    req_files = {}
+    for task, path in ((GenerateTask.TARGETS, gen.targets_requests), (GenerateTask.CREATIVES, gen.creatives_requests)):
+        if path is not None:
+            from adbatch.requests import check_request_schema
+
+            req_files[task] = check_request_schema(_abs(path), task)
+
+    # --- index
+    from pipelines.index import IndexJobConfig, run_index
+
+    ads = _abs(config.index.ads)
+    index_dir = work / "index"
+    index_job = IndexJobConfig(ads=str(ads), out=str(index_dir), index=config.index.config,
+                               num_cpus=config.num_cpus, progress=False)
+    runner.run(Stage.INDEX, index_job, {"ads": sha256_paths(list_request_files(ads))},
+               index_dir / "manifest.json", lambda: run_index(index_job))
+    index_in = sha256_file(index_dir / "manifest.json")
+
+    # --- train
+    base_hash = _model_hash(config.model)
+    model_dir: str | None = config.model
+    model_in = base_hash
+    if config.train.enabled:
+        from pipelines.train import TrainJobConfig, run_train
+
+        model_out = work / "model"
+        train_job = TrainJobConfig(index=index_dir, out=model_out, init_model=config.model,
+                                   train=config.train.config, ads=ads,
+                                   queries=_abs(config.train.queries), num_workers=config.train.num_workers,
+                                   num_cpus=config.num_cpus)
+        inputs = {"index": index_in, "base_model": base_hash}
+        if train_job.queries:
+            inputs["queries"] = sha256_file(train_job.queries)
+        runner.run(Stage.TRAIN, train_job, inputs, model_out / "adbatch_training.json",
+                   lambda: run_train(train_job))
+        model_dir = str(model_out)
+        model_in = sha256_file(model_out / "adbatch_training.json")
+
+    # --- compress
+    compressed_dir: Path | None = None
+    if config.compress.enabled:
+        from pipelines.compress import CompressJobConfig, run_compress
+
+        compressed_dir = work / "compressed"
+        comp_job = CompressJobConfig(model=model_dir, calib=_abs(config.compress.calib), out=compressed_dir,
+                                     compress=config.compress.compress,
+                                     calibration=config.compress.calibration,
+                                     eval_texts=config.compress.eval_texts,
+                                     eval_seq_len=config.compress.eval_seq_len, num_cpus=config.num_cpus)
+        inputs = {"model": model_in}
+        if comp_job.calib:
+            inputs["calib"] = sha256_file(comp_job.calib)
+        runner.run(Stage.COMPRESS, comp_job, inputs, compressed_dir / "manifest.json",
+                   lambda: run_compress(comp_job))
+        _carry_training_record(model_dir, compressed_dir)
+    use_compressed = compressed_dir is not None and gen.use is GenerateWith.COMPRESSED
+    serve_in = sha256_file(compressed_dir / "manifest.json") if use_compressed else model_in
+
+    # --- generate
+    from pipelines.generate import GenerateJobConfig, run_generate
+
+    outputs: dict[str, str] = {}
+    gen_results: dict[str, Any] = {}
+    for task, stage, path in ((GenerateTask.TARGETS, Stage.GENERATE_TARGETS, gen.targets_requests),
+                              (GenerateTask.CREATIVES, Stage.GENERATE_CREATIVES, gen.creatives_requests)):
+        if path is None:
+            continue
+        out = work / "generate" / task.value
+        job = GenerateJobConfig(
+            task=task, requests=_abs(path), index=index_dir, out=out,
+            model=None if use_compressed else model_dir,
+            compressed=compressed_dir if use_compressed else None,
+            targets=gen.targets, creatives=gen.creatives, validation=gen.validation,
+            concurrency=gen.concurrency, batch_size=gen.batch_size, partition_size=gen.partition_size,
+            executor=gen.executor, num_cpus=config.num_cpus, overwrite=True, progress=False)
+        inputs = {"requests": sha256_paths(req_files[task]), "model": serve_in, "index": index_in}
+        gen_results[task.value] = runner.run(stage, job, inputs, out / "manifest.json",
+                                             lambda job=job: run_generate(job))
+        outputs[task.value] = str(out / task.value)
+
+    # --- eval
+    report = None
+    if config.eval.enabled:
+        from pipelines.evaluate import run_eval
+
+        eval_dir = work / "eval"
+        eval_job = config.eval.config.replace(
+            out=eval_dir, model=config.eval.config.model or config.model,
+            compressed=config.eval.config.compressed or compressed_dir)
+        inputs = {"model": base_hash}
+        if compressed_dir is not None:
+            inputs["compressed"] = sha256_file(compressed_dir / "manifest.json")
+        runner.run(Stage.EVAL, eval_job, inputs, eval_dir / "manifest.json", lambda: run_eval(eval_job))
+        report = str(eval_dir / "report.md")
+
+    summary = runner.summary
+    summary.update({
+        "index": str(index_dir), "model": model_dir, "compressed": str(compressed_dir) if compressed_dir else None,
+        "outputs": outputs, "report": report,
+        "generate": {k: {"counts": v.get("counts"), "throughput": v.get("throughput")}
+                     for k, v in gen_results.items()},
+        "wall_seconds": round(time.perf_counter() - t_start, 3),
+    })
+    write_json_atomic(work / "refresh_summary.json", summary)
+    return summary
+
+
+def _carry_training_record(model_dir: str | None, compressed_dir: Path) -> None:
+    """Make the compressed checkpoint carry the index binding of the model it was made from.
+
+    The compress stage does not copy ``adbatch_training.json``; without it, the generate stage could
+    not check the compressed model against its index. The record is copied verbatim (it is not
+    part of the checkpoint's hashed shards, so the checkpoint still verifies).
+    """
+    if model_dir is None:
+        return
+    src = Path(model_dir) / "adbatch_training.json"
+    dst = compressed_dir / "adbatch_training.json"
+    if src.is_file() and (not dst.is_file() or dst.read_bytes() != src.read_bytes()):
+        write_json_atomic(dst, json.loads(src.read_text()))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Entry point for ``python jobs/nightly_refresh.py`` / ``ray job submit``; returns the summary."""
+    import argparse
+
+    from jobs.config_cli import add_config_arguments, config_from_args
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", metavar="FILE", help="TOML or YAML config; CLI flags override it")
+    parser.add_argument("--log-level", default="INFO")
+    add_config_arguments(parser, RefreshConfig)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(RefreshConfig, args, section="refresh")
+    return run_refresh(config)
+
+
+if __name__ == "__main__":
+    result = main()
+    print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    print(f"\noutputs: {json.dumps(result['outputs'])}\nreport: {result['report']}\n"
+          f"summary: {Path(result['work']) / 'refresh_summary.json'}")

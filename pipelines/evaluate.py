@@ -1,0 +1,262 @@
+"""``adbatch eval``: targeting and creative quality beside speed, written as ``report.md`` + PNGs.
+
+Targeting runs on Home Depot (``../shared/data``; relevant = relevance >= 2.67): a catalogue subset
+(:class:`adbatch.datasets.HomeDepotConfig`), indexed by the index stage (text scheme) unless an index
+is given, queries from one split. Rows: the dense model and the compressed checkpoint, each with
+verification off and auto; an extra (index, model) pair such as a ``codes``-scheme trained model;
+and the MiniLM + FAISS nearest-neighbour baseline on the same catalogue. Creatives run on the slogan
+``test-curated.csv``: BLEU (sacrebleu) and METEOR (exact + stem, see :mod:`adbatch.report`), dense
+vs compressed. Every quality number sits beside the throughput and latency measured with it.
+
+Sample sizes are bounded by config (a 2-core CPU is slow). The models run through the same
+generator classes as the generate stage (no Ray needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from adbatch.artifacts import (StageTimer, build_manifest, code_version, sha256_file, write_json_atomic,
+                               write_parquet_atomic)
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.datasets import HomeDepotConfig, QuerySplit
+from adbatch.decoding import CreativeConfig, TargetSearchConfig, VerifyMode
+from adbatch.generation import CreativeGenerator, GenerateConfig, ModelSpec, TargetGenerator
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@dataclasses.dataclass
+class TargetingEvalConfig(ConfigBase):
+    enabled: bool = dataclasses.field(default=True, metadata={"help": "evaluate targeting"})
+    home_depot: HomeDepotConfig = dataclasses.field(
+        default_factory=lambda: HomeDepotConfig(csv_path=SHARED_DATA / "home_depot_relevance" / "train.csv",
+                                                catalogue_size=1000))
+    split: QuerySplit = dataclasses.field(default=QuerySplit.TEST, metadata={"help": "query split"})
+    max_queries: int = dataclasses.field(default=40, metadata={"help": "queries evaluated (first, sorted)"})
+    index: Path | None = dataclasses.field(
+        default=None, metadata={"help": "index of the Home Depot catalogue; None = build one (text scheme)"})
+    model: str | None = dataclasses.field(default=None, metadata={"help": "dense model; None = the default"})
+    compressed: Path | None = dataclasses.field(default=None, metadata={"help": "compressed checkpoint"})
+    extra_index: Path | None = dataclasses.field(
+        default=None, metadata={"help": "a second index (e.g. codes scheme) with its trained model"})
+    extra_model: str | None = dataclasses.field(default=None, metadata={"help": "the model trained on extra_index"})
+    verify_modes: list[VerifyMode] = dataclasses.field(
+        default_factory=lambda: [VerifyMode.OFF, VerifyMode.AUTO], metadata={"help": "verification modes compared"})
+    search: TargetSearchConfig = dataclasses.field(
+        default_factory=lambda: TargetSearchConfig(num_beams=10, top_k=10))
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "queries per model call"})
+    minilm: bool = dataclasses.field(default=True, metadata={"help": "include the MiniLM + FAISS baseline"})
+
+    def validate(self) -> None:
+        if self.max_queries < 1:
+            raise ConfigError(f"TargetingEvalConfig.max_queries must be >= 1, got {self.max_queries}")
+        if self.batch_size < 1:
+            raise ConfigError(f"TargetingEvalConfig.batch_size must be >= 1, got {self.batch_size}")
+        if (self.extra_index is None) != (self.extra_model is None):
+            raise ConfigError("TargetingEvalConfig: extra_index and extra_model go together")
+
+
+@dataclasses.dataclass
+class CreativesEvalConfig(ConfigBase):
+    enabled: bool = dataclasses.field(default=True, metadata={"help": "evaluate creatives"})
+    csv: Path = dataclasses.field(default=SHARED_DATA / "slogan_gen" / "test-curated.csv",
+                                  metadata={"help": "slogan test-curated.csv"})
+    max_examples: int = dataclasses.field(default=24, metadata={"help": "first N rows evaluated"})
+    model: str | None = dataclasses.field(default=None, metadata={"help": "dense model; None = the default"})
+    compressed: Path | None = dataclasses.field(default=None, metadata={"help": "compressed checkpoint"})
+    creative: CreativeConfig = dataclasses.field(default_factory=lambda: CreativeConfig(max_new_tokens=16))
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "requests per model call"})
+    samples: int = dataclasses.field(default=5, metadata={"help": "example outputs shown in the report"})
+
+    def validate(self) -> None:
+        if self.max_examples < 1:
+            raise ConfigError(f"CreativesEvalConfig.max_examples must be >= 1, got {self.max_examples}")
+        if self.batch_size < 1:
+            raise ConfigError(f"CreativesEvalConfig.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass
+class EvalJobConfig(ConfigBase):
+    """``adbatch eval``: where the report goes and what it compares."""
+
+    out: Path = dataclasses.field(default=Path("runs/eval"), metadata={"help": "report folder"})
+    model: str | None = dataclasses.field(
+        default=None, metadata={"help": "dense model for both tasks unless a task sets its own"})
+    compressed: Path | None = dataclasses.field(
+        default=None, metadata={"help": "compressed checkpoint for both tasks unless a task sets its own"})
+    targeting: TargetingEvalConfig = dataclasses.field(default_factory=TargetingEvalConfig)
+    creatives: CreativesEvalConfig = dataclasses.field(default_factory=CreativesEvalConfig)
+    num_threads: int = dataclasses.field(default=0, metadata={"help": "torch threads (0 = default)"})
+
+
+def _target_ranker(gen: TargetGenerator):
+    def rank(queries: list[str]) -> list[list[str]]:
+        table = pa.table({"request_id": [f"q{i}" for i in range(len(queries))], "query": queries})
+        answers = gen(table)
+        errors = [e for e in answers.column("error").to_pylist() if e]
+        if errors:
+            raise RuntimeError(f"targeting failed: {errors[0]}")
+        return answers.column("ad_ids").to_pylist()
+    return rank
+
+
+def _build_hd_index(catalogue: pa.Table, out: Path) -> Path:
+    from adbatch.index import IndexConfig, build_index
+
+    cat_file = out / "hd_catalogue.parquet"
+    write_parquet_atomic(catalogue.select(["ad_id", "title"]), cat_file)
+    index_dir = out / "hd_index"
+    stamp = index_dir / "manifest.json"
+    if stamp.is_file():
+        from adbatch.artifacts import read_manifest
+
+        if read_manifest(index_dir).get("inputs", {}).get("corpus") == sha256_file(cat_file):
+            return index_dir
+    build_index(cat_file, index_dir, IndexConfig(), progress=False)
+    return index_dir
+
+
+def eval_targeting(cfg: TargetingEvalConfig, out: Path, model: str | None, compressed: Path | None,
+                   num_threads: int) -> dict[str, Any]:
+    from adbatch.datasets import load_home_depot
+    from adbatch.index import load_index
+    from adbatch.targeting_eval import EmbeddingRanker, embed_texts, evaluate_targeting, load_minilm
+
+    if not Path(cfg.home_depot.csv_path).is_file():
+        return {"skipped": f"Home Depot data not found at {cfg.home_depot.csv_path}"}
+    data = load_home_depot(cfg.home_depot)
+    qrels = {q: {str(a): g for a, g in grades.items()} for q, grades in data.qrels[cfg.split].items()}
+    n_q = min(cfg.max_queries, len(qrels))
+    index_dir = cfg.index or _build_hd_index(data.catalogue, out)
+    index = load_index(index_dir)
+    res: dict[str, Any] = {
+        "catalogue": f"{data.catalogue.num_rows} Home Depot products (subset: {cfg.home_depot.relevant_fraction:.0%} "
+                     f"relevant products of sampled queries, rest random; seed {cfg.home_depot.seed})",
+        "query_split": f"{cfg.split.value} split (by query string, fractions {tuple(cfg.home_depot.split_fractions)}), "
+                       f"first {n_q} of {len(qrels)} sorted queries with a relevant product in the catalogue",
+        "index": f"{index_dir} (scheme {index.scheme.value}, {index.num_ads} ads)",
+        "rows": [],
+    }
+    model = cfg.model or model
+    compressed = cfg.compressed or compressed
+    variants: list[tuple[str, Path, ModelSpec, list[VerifyMode]]] = [
+        ("dense", Path(index_dir), ModelSpec(model=model), cfg.verify_modes)]
+    if compressed:
+        variants.append(("compressed", Path(index_dir), ModelSpec(compressed=str(compressed)), cfg.verify_modes))
+    if cfg.extra_index:
+        variants.append(("extra", Path(cfg.extra_index), ModelSpec(model=cfg.extra_model), cfg.verify_modes[:1]))
+    gen_cfg = GenerateConfig(batch_size=cfg.batch_size, num_threads=num_threads)
+    for name, ix_dir, spec, modes in variants:
+        scheme = load_index(ix_dir).scheme.value
+        for mode in modes:
+            row: dict[str, Any] = {"variant": name, "scheme": scheme, "verify": mode.value}
+            try:
+                gen = TargetGenerator(spec, ix_dir, cfg.search.replace(verify=mode), gen_cfg)
+                m = evaluate_targeting(_target_ranker(gen), qrels, ks=(1, 10), batch_size=cfg.batch_size,
+                                       max_queries=n_q)
+            except (ValueError, RuntimeError) as exc:  # e.g. a model trained on another index
+                log.warning("targeting %s/%s not evaluated: %s", name, mode.value, exc)
+                row["note"] = f"not evaluated: {exc}"[:160]
+                res["rows"].append(row)
+                continue
+            row.update({k: m.get(k) for k in ("recall@1", "recall@10", "mrr@10", "ndcg@10")})
+            row.update({"queries": int(m["queries"]), "queries_per_s": m["queries_per_s"],
+                        "ms_per_query": 1000.0 * m["seconds"] / max(m["queries"], 1),
+                        "note": f"model load {gen.load_seconds:.1f}s"})
+            res["rows"].append(row)
+            log.info("targeting %s/%s: %s", name, mode.value, row)
+    if cfg.minilm:
+        encoder = load_minilm()
+        t0 = time.perf_counter()
+        ids = [str(a) for a in data.catalogue.column("ad_id").to_pylist()]
+        ranker = EmbeddingRanker(encoder, ids, embed_texts(encoder, data.catalogue.column("title").to_pylist()), k=10)
+        build_s = time.perf_counter() - t0
+        m = evaluate_targeting(ranker, qrels, ks=(1, 10), batch_size=cfg.batch_size, max_queries=n_q)
+        res["rows"].append({"variant": f"MiniLM+{ranker.backend.value}", "scheme": "embedding", "verify": None,
+                            **{k: m.get(k) for k in ("recall@1", "recall@10", "mrr@10", "ndcg@10")},
+                            "queries": int(m["queries"]), "queries_per_s": m["queries_per_s"],
+                            "ms_per_query": 1000.0 * m["seconds"] / max(m["queries"], 1),
+                            "note": f"catalogue embedded in {build_s:.1f}s"})
+    return res
+
+
+def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path | None,
+                   num_threads: int) -> dict[str, Any]:
+    from adbatch.datasets import load_slogan_test
+    from adbatch.report import corpus_bleu, meteor_exact_stem
+
+    if not Path(cfg.csv).is_file():
+        return {"skipped": f"slogan test data not found at {cfg.csv}"}
+    table = load_slogan_test(cfg.csv).slice(0, cfg.max_examples)
+    refs = table.column("reference").to_pylist()
+    requests = pa.table({"request_id": table.column("ad_id"), "ad_id": table.column("ad_id"),
+                         "advertiser": table.column("advertiser"),
+                         "description": table.column("description"), "industry": table.column("industry")})
+    model = cfg.model or model
+    compressed = cfg.compressed or compressed
+    variants = [("dense", ModelSpec(model=model))]
+    if compressed:
+        variants.append(("compressed", ModelSpec(compressed=str(compressed))))
+    rows, outputs = [], {}
+    gen_cfg = GenerateConfig(batch_size=cfg.batch_size, num_threads=num_threads)
+    for name, spec in variants:
+        gen = CreativeGenerator(spec, cfg.creative, gen_cfg)
+        t0 = time.perf_counter()
+        answers = []
+        for s in range(0, requests.num_rows, cfg.batch_size):
+            answers.append(gen(requests.slice(s, cfg.batch_size)))
+        secs = time.perf_counter() - t0
+        ans = pa.concat_tables(answers)
+        hyps = [(h[0] if h else "") for h in ans.column("headlines").to_pylist()]
+        outputs[name] = hyps
+        rows.append({"variant": name, "bleu": corpus_bleu(hyps, refs), "meteor": meteor_exact_stem(hyps, refs),
+                     "examples": len(hyps), "requests_per_s": len(hyps) / secs,
+                     "ms_per_request": 1000.0 * secs / len(hyps),
+                     "note": f"{cfg.creative.strategy.value}, max {cfg.creative.max_new_tokens} tokens"})
+        log.info("creatives %s: %s", name, rows[-1])
+    adv = table.column("advertiser").to_pylist()
+    samples = [{"advertiser": adv[i], "reference": refs[i], "outputs": {k: v[i] for k, v in outputs.items()}}
+               for i in range(min(cfg.samples, len(refs)))]
+    return {"data": str(cfg.csv), "examples": len(refs), "rows": rows, "samples": samples}
+
+
+def run_eval(config: EvalJobConfig) -> dict[str, Any]:
+    """Evaluate and write ``out/report.md``, PNGs, ``results.json`` and ``manifest.json``."""
+    from adbatch.report import write_report
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timer = StageTimer()
+    results: dict[str, Any] = {"meta": {"created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                        "machine": f"{platform.node()} ({platform.machine()}, "
+                                                   f"{__import__('os').cpu_count()} CPUs)",
+                                        "code_version": code_version()}}
+    with timer.phase("targeting"):
+        results["targeting"] = (eval_targeting(config.targeting, out, config.model, config.compressed,
+                                               config.num_threads)
+                                if config.targeting.enabled else {"skipped": "disabled in the config"})
+    with timer.phase("creatives"):
+        results["creatives"] = (eval_creatives(config.creatives, config.model, config.compressed,
+                                               config.num_threads)
+                                if config.creatives.enabled else {"skipped": "disabled in the config"})
+    files = write_report(out, results)
+    write_json_atomic(out / "results.json", results)
+    manifest = build_manifest(
+        stage="eval", config=config, inputs={}, outputs={p.name: sha256_file(p) for p in files.values()},
+        counts={"targeting_rows": len(results["targeting"].get("rows", [])),
+                "creative_rows": len(results["creatives"].get("rows", []))},
+        timings=timer.seconds)
+    write_json_atomic(out / "manifest.json", manifest)
+    return {"report": str(files["report"]), "targeting": results["targeting"].get("rows", results["targeting"]),
+            "creatives": results["creatives"].get("rows", results["creatives"]), "timings_s": manifest["timings_s"]}

@@ -1,0 +1,215 @@
+"""The generate stage without Ray (executor=local): outputs, rejected rows, resume after a crash,
+errors before model load, and batch-size adaptation on out-of-memory. Tiny random Llama + tiny
+index built by the index stage."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import pipelines.generate as pg
+from adbatch.decoding import TargetSearchConfig
+from adbatch.generation import GenerateConfig, ModelSpec, TargetGenerator
+from adbatch.index import load_index
+from adbatch.requests import RequestSchemaError
+from test_generate_support import creative_requests, target_requests, tiny_index_dir, tiny_model_dir
+
+SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off"}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen_assets")
+    return {"model": tiny_model_dir(root), "index": tiny_index_dir(root)}
+
+
+def _cfg(assets, requests, out, **kw):
+    base = dict(task="targets", requests=requests, index=assets["index"], model=str(assets["model"]),
+                out=out, executor="local", batch_size=4, partition_size=5, targets=SEARCH,
+                device="cpu", progress=False)
+    base.update(kw)
+    return pg.GenerateJobConfig(**base)
+
+
+def _read_out(out, task="targets"):
+    return pq.read_table(out / task)
+
+
+def test_targets_end_to_end_with_rejected_rows(assets, tmp_path):
+    req = tmp_path / "req.parquet"
+    ids = [f"q{i:02d}" for i in range(12)] + ["bad1", "bad2", "q03"]
+    queries = [f"drill saw {i}" for i in range(12)] + ["", None, "conflict"]
+    pq.write_table(pa.table({"request_id": ids, "query": queries}), req)
+    res = pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+    out = _read_out(tmp_path / "out")
+    counts = res["counts"]
+    # q03 has two conflicting copies: both rejected; 11 good ids answered
+    assert counts == {**counts, "rows_in": 15, "accepted": 11, "rejected_validation": 4,
+                      "answered": 11, "partitions": 3, "partitions_run": 3, "output_rows": 33}
+    got = out.column("request_id").to_pylist()
+    assert sorted(set(got)) == sorted(i for i in ids[:12] if i != "q03")
+    # exactly top_k ranked rows per request, ranks 1..k, scores non-increasing, ads from the index
+    index_ads = set(str(a) for a in load_index(assets["index"]).ad_ids)
+    for rid in set(got):
+        rows = out.filter(pa.compute.equal(out.column("request_id"), rid)).to_pylist()
+        assert [r["rank"] for r in rows] == [1, 2, 3]
+        assert all(rows[j]["score"] >= rows[j + 1]["score"] - 1e-5 for j in range(2))
+        assert {r["ad_id"] for r in rows} <= index_ads and len({r["ad_id"] for r in rows}) == 3
+        assert all(len(r["code"]) >= 1 for r in rows)
+    rej = pq.read_table(tmp_path / "out" / "rejected.parquet").to_pylist()
+    assert sorted(r["request_id"] or "<null>" for r in rej) == ["bad1", "bad2", "q03", "q03"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["stage"] == "generate"
+    assert manifest["inputs"]["index"] == load_index(assets["index"]).index_hash
+    assert manifest["model"]["kind"] == "dense" and len(manifest["model"]["sha256"]) == 64
+    assert manifest["throughput"]["requests_per_s"] > 0
+    assert set(manifest["outputs"]) == {f"targets/part-{i:05d}.parquet" for i in range(3)} | {"rejected.parquet"}
+
+
+def test_resume_after_crash_redoes_only_missing_partitions(assets, tmp_path, monkeypatch):
+    req = target_requests(tmp_path / "req.parquet", n=14)
+    clean = pg.run_generate(_cfg(assets, req, tmp_path / "clean"))
+    assert clean["counts"]["partitions"] == 3
+
+    real_commit = pg._commit_partition
+    calls = {"n": 0}
+
+    def crashing_commit(*args, **kwargs):
+        if calls["n"] == 2:
+            raise RuntimeError("simulated crash after two partitions")
+        calls["n"] += 1
+        return real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(pg, "_commit_partition", crashing_commit)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert sorted(p.name for p in (tmp_path / "out" / "targets").glob("*.parquet")) == [
+        "part-00000.parquet", "part-00001.parquet"]
+    # a torn write left behind must not count as done
+    (tmp_path / "out" / "targets" / ".part-00002.parquet.x.tmp").write_bytes(b"torn")
+
+    monkeypatch.setattr(pg, "_commit_partition", real_commit)
+    redone = []
+    orig_iter = pg._iter_local
+
+    def spy(config, layout, pending):
+        redone.extend(pending)
+        return orig_iter(config, layout, pending)
+
+    monkeypatch.setattr(pg, "_iter_local", spy)
+    res = pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+    assert redone == [2]
+    assert res["counts"]["partitions_skipped"] == 2 and res["counts"]["partitions_run"] == 1
+    out = _read_out(tmp_path / "out").sort_by([("request_id", "ascending"), ("rank", "ascending")])
+    ref = _read_out(tmp_path / "clean").sort_by([("request_id", "ascending"), ("rank", "ascending")])
+    assert out.num_rows == ref.num_rows == 14 * 3
+    assert out.column("ad_id").to_pylist() == ref.column("ad_id").to_pylist()
+    assert len(set(zip(out.column("request_id").to_pylist(), out.column("rank").to_pylist()))) == out.num_rows
+
+    # a third run finds everything complete and runs nothing
+    res3 = pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+    assert res3["counts"]["partitions_run"] == 0 and res3["counts"]["answered"] == 14
+
+
+def test_tampered_partition_is_redone(assets, tmp_path):
+    req = target_requests(tmp_path / "req.parquet", n=8)
+    pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "out" / "targets" / "part-00001.parquet")
+    res = pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+    assert res["counts"]["partitions_run"] == 1 and res["counts"]["output_rows"] == 8 * 3
+
+
+def test_other_run_in_out_dir_needs_overwrite(assets, tmp_path):
+    req = target_requests(tmp_path / "req.parquet", n=4)
+    pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+    req2 = target_requests(tmp_path / "req2.parquet", n=5, start=100)
+    with pytest.raises(pg.ConfigError, match="requests_sha256"):
+        pg.run_generate(_cfg(assets, req2, tmp_path / "out"))
+    res = pg.run_generate(_cfg(assets, req2, tmp_path / "out", overwrite=True))
+    assert sorted(set(_read_out(tmp_path / "out").column("request_id").to_pylist())) == [
+        f"q{i:04d}" for i in range(100, 105)]
+    assert res["counts"]["answered"] == 5
+
+
+@pytest.mark.parametrize("damage", ["missing_column", "corrupt"])
+def test_bad_request_file_fails_before_model_load(assets, tmp_path, monkeypatch, damage):
+    req = tmp_path / "req.parquet"
+    if damage == "missing_column":
+        pq.write_table(pa.table({"request_id": ["a"], "qry": ["x"]}), req)
+    else:
+        good = target_requests(tmp_path / "good.parquet", n=3)
+        req.write_bytes(good.read_bytes()[:-20])
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the requests were validated")
+
+    monkeypatch.setattr("adbatch.generation.load_model", no_load)
+    with pytest.raises(RequestSchemaError, match="query" if damage == "missing_column" else "Parquet"):
+        pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+
+
+def test_creatives_local(assets, tmp_path):
+    req = creative_requests(tmp_path / "c.parquet", n=5)
+    res = pg.run_generate(_cfg(assets, req, tmp_path / "out", task="creatives",
+                               creatives={"strategy": "greedy", "max_new_tokens": 4}))
+    out = _read_out(tmp_path / "out", "creatives")
+    assert res["counts"]["answered"] == 5
+    assert out.column_names == ["request_id", "ad_id", "variant", "headline", "score"]
+    assert out.column("request_id").to_pylist() == [f"c{i}" for i in range(5)]
+    assert out.column("ad_id").to_pylist() == [f"ad-{i}" for i in range(5)]
+    assert set(out.column("variant").to_pylist()) == {0}
+    assert all(s <= 0 for s in out.column("score").to_pylist())  # mean log-prob
+
+
+def test_oom_halves_batch_size_and_answers_everything(assets, tmp_path, monkeypatch, caplog):
+    gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"],
+                          TargetSearchConfig(num_beams=2, top_k=2, verify="off"),
+                          GenerateConfig(batch_size=8, device="cpu"))
+    import adbatch.decoding as dec
+
+    real = dec.search_targets
+    sizes = []
+
+    def fake_oom(model, prompts, trie, config, cost_model=None):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, prompts, trie, config, cost_model=cost_model)
+
+    monkeypatch.setattr(dec, "search_targets", fake_oom)
+    batch = pa.table({"request_id": [f"r{i}" for i in range(8)], "query": ["lamp bulb"] * 8})
+    with caplog.at_level(logging.WARNING, logger="adbatch.generation"):
+        answers = gen(batch)
+    assert sizes == [8, 4, 2, 2, 2, 2]  # 8 fails, 4 fails, then batches of 2 succeed
+    assert gen.batch_size == 2  # and stays lowered for later calls
+    assert answers.column("request_id").to_pylist() == [f"r{i}" for i in range(8)]
+    assert answers.column("error").null_count == 8
+    assert all(len(a) == 2 for a in answers.column("ad_ids").to_pylist())
+    assert "halving to 4" in caplog.text and "halving to 2" in caplog.text
+    assert gen.stats()["oom_events"] == 2
+
+
+def test_oom_at_batch_size_one_rejects_the_request(assets, monkeypatch):
+    gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"],
+                          TargetSearchConfig(num_beams=2, top_k=2, verify="off"),
+                          GenerateConfig(batch_size=2, device="cpu"))
+    import adbatch.decoding as dec
+
+    real = dec.search_targets
+
+    def oom_on_huge(model, prompts, trie, config, cost_model=None):
+        if len(prompts) > 1 or len(prompts[0]) > 60:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, prompts, trie, config, cost_model=cost_model)
+
+    monkeypatch.setattr(dec, "search_targets", oom_on_huge)
+    answers = gen(pa.table({"request_id": ["ok", "huge"], "query": ["lamp", "lamp " * 40]}))
+    errors = dict(zip(answers.column("request_id").to_pylist(), answers.column("error").to_pylist()))
+    assert errors["ok"] is None
+    assert errors["huge"].startswith("out of memory at batch size 1")

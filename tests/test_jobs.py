@@ -1,0 +1,148 @@
+"""Jobs: the nightly refresh skips unchanged stages; batch generation runs in-process and under
+``ray job submit`` against a Ray head started on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from test_generate_support import target_requests, tiny_corpus, tiny_index_dir, tiny_model_dir
+
+REPO = Path(__file__).resolve().parent.parent
+SEARCH = {"num_beams": 2, "top_k": 2, "verify": "off"}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from pipelines.ray_runtime import init_ray
+
+    started = not ray.is_initialized()
+    init_ray(num_cpus=2)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jobs_assets")
+    return {"root": root, "model": tiny_model_dir(root), "index": tiny_index_dir(root)}
+
+
+def _refresh_config(assets, work, requests):
+    from jobs.nightly_refresh import RefreshConfig
+
+    ads = assets["root"] / "tiny_ads.parquet"
+    return RefreshConfig.from_dict({
+        "work": str(work), "model": str(assets["model"]), "num_cpus": 2,
+        "index": {"ads": str(ads), "config": {"columns": {"embedding": "vec"},
+                                              "cluster": {"branching": 4, "leaf_size": 8}}},
+        "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
+        "generate": {"targets_requests": str(requests), "creatives_requests": None,
+                     "executor": "local", "batch_size": 4, "partition_size": 4, "targets": SEARCH},
+    })
+
+
+def test_refresh_skips_unchanged_stages(ray_session, assets, tmp_path):
+    from jobs.nightly_refresh import run_refresh
+
+    req = target_requests(tmp_path / "req.parquet", n=6)
+    cfg = _refresh_config(assets, tmp_path / "work", req)
+    first = run_refresh(cfg)
+    assert {k: v["status"] for k, v in first["stages"].items()} == {"index": "ran", "generate_targets": "ran"}
+    out = pq.read_table(first["outputs"]["targets"])
+    assert sorted(set(out.column("request_id").to_pylist())) == [f"q{i:04d}" for i in range(6)]
+    assert Path(first["work"], "refresh_summary.json").is_file()
+
+    second = run_refresh(cfg)
+    assert {k: v["status"] for k, v in second["stages"].items()} == {"index": "skipped",
+                                                                     "generate_targets": "skipped"}
+
+    # new requests: only generation runs again
+    target_requests(req, n=7)
+    third = run_refresh(cfg)
+    assert third["stages"]["index"]["status"] == "skipped"
+    assert third["stages"]["generate_targets"]["status"] == "ran"
+    assert third["generate"]["targets"]["counts"]["answered"] == 7
+
+    # a changed decoding config reruns generation; a changed index config reruns both
+    cfg2 = cfg.replace(generate=cfg.generate.replace(targets=cfg.generate.targets.replace(top_k=1)))
+    assert run_refresh(cfg2)["stages"]["generate_targets"]["status"] == "ran"
+    cfg3 = cfg2.replace(index=cfg2.index.replace(config=cfg2.index.config.replace(
+        cluster=cfg2.index.config.cluster.replace(leaf_size=6))))
+    fourth = run_refresh(cfg3)
+    assert {k: v["status"] for k, v in fourth["stages"].items()} == {"index": "ran", "generate_targets": "ran"}
+
+    # a deleted output is noticed even though config and inputs match
+    (tmp_path / "work" / "generate" / "targets" / "manifest.json").unlink()
+    assert run_refresh(cfg3)["stages"]["generate_targets"]["status"] == "ran"
+    assert run_refresh(cfg3.replace(force=["index"]))["stages"]["index"]["status"] == "ran"
+
+
+def test_batch_generate_main_in_process(ray_session, assets, tmp_path):
+    from jobs.batch_generate import main
+
+    req = target_requests(tmp_path / "req.parquet", n=5)
+    metrics = main(["--task", "targets", "--requests", str(req), "--index", str(assets["index"]),
+                    "--model", str(assets["model"]), "--out", str(tmp_path / "out"), "--executor", "ray",
+                    "--batch-size", "5", "--targets.num-beams", "2", "--targets.top-k", "2",
+                    "--targets.verify", "off", "--progress", "false"])
+    assert metrics["counts"]["answered"] == 5 and metrics["counts"]["output_rows"] == 10
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["executor"] == "ray"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A Ray head on loopback, stopped in teardown."""
+    ray_bin = Path(sys.executable).parent / "ray"
+    port, dash = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["HF_HUB_OFFLINE"] = "1"
+    temp_dir = Path("/tmp") / f"adbatch-ray-{os.getpid()}-{port}"
+    subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
+                    "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+                    f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", f"--temp-dir={temp_dir}"],
+                   check=True, env=env, capture_output=True, timeout=180)
+    try:
+        yield {"address": f"http://127.0.0.1:{dash}", "gcs": f"127.0.0.1:{port}", "env": env, "bin": ray_bin}
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+                       capture_output=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_ray_job_submit_batch_generate(ray_head, assets, tmp_path):
+    req = target_requests(tmp_path / "req.parquet", n=6)
+    out = tmp_path / "out"
+    cmd = [str(ray_head["bin"]), "job", "submit", "--address", ray_head["address"],
+           "--runtime-env-json", json.dumps({"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}),
+           "--", sys.executable, str(REPO / "jobs" / "batch_generate.py"),
+           "--task", "targets", "--requests", str(req), "--index", str(assets["index"]),
+           "--model", str(assets["model"]), "--out", str(out), "--executor", "ray", "--batch-size", "3",
+           "--targets.num-beams", "2", "--targets.top-k", "2", "--targets.verify", "off",
+           "--progress", "false"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=ray_head["env"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "succeeded" in (proc.stdout + proc.stderr).lower()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["answered"] == 6 and manifest["executor"] == "ray"
+    table = pq.read_table(out / "targets")
+    assert sorted(set(table.column("request_id").to_pylist())) == [f"q{i:04d}" for i in range(6)]
+    assert time.time() - t0 < 600

@@ -1,0 +1,124 @@
+"""Request contracts: file-level errors raise before any model loads; bad rows are rejected with
+reasons; accepted rows are normalized, unique and sorted."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from adbatch.requests import (CREATIVES_OUT_SCHEMA, REJECTED_SCHEMA, TARGETS_OUT_SCHEMA, GenerateTask,
+                              RequestSchemaError, RequestValidationConfig, validate_requests)
+
+
+def _write(path, **cols):
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+def test_target_rows_rejected_with_reasons(tmp_path):
+    path = _write(tmp_path / "r.parquet",
+                  request_id=["b", "a", None, "c", "d", "e", "e", "f", "f"],
+                  query=["drill bits", "  lamp  ", "x", None, "   ", "q" * 50, "same", "one", "two"])
+    v = validate_requests(path, GenerateTask.TARGETS, RequestValidationConfig(max_query_chars=20))
+    # "e" has one oversized copy (rejected) and one valid copy, which is answered
+    assert v.accepted.column("request_id").to_pylist() == ["a", "b", "e"]
+    assert v.accepted.column("query").to_pylist() == ["lamp", "drill bits", "same"]  # stripped
+    reasons = dict(zip(v.rejected.column("row").to_pylist(), v.rejected.column("reason").to_pylist()))
+    assert sorted(reasons) == [2, 3, 4, 5, 7, 8]
+    assert "request_id is null" in reasons[2]
+    assert reasons[3] == "query is null"
+    assert reasons[4] == "query is empty"
+    assert "oversized" in reasons[5] and "50 chars" in reasons[5]
+    assert reasons[7].startswith("duplicate request_id 'f' with conflicting content")
+    assert reasons[8] == reasons[7]
+    assert v.rejected.schema == REJECTED_SCHEMA
+    assert v.counts == {"rows_in": 9, "accepted": 3, "rejected": 6}
+    assert v.counts["accepted"] + v.counts["rejected"] == 9  # nothing dropped silently
+
+
+def test_identical_duplicates_keep_the_first(tmp_path):
+    path = _write(tmp_path / "r.parquet", request_id=["x", "y", "x"], query=["saw", "glue", "saw"])
+    v = validate_requests(path, GenerateTask.TARGETS)
+    assert v.accepted.column("request_id").to_pylist() == ["x", "y"]
+    assert v.rejected.num_rows == 1
+    assert v.rejected.column("row").to_pylist() == [2]
+    assert "identical copy" in v.rejected.column("reason")[0].as_py()
+
+
+def test_integer_and_float_ids_are_normalized_or_rejected(tmp_path):
+    path = _write(tmp_path / "r.parquet", request_id=pa.array([3.0, 1.5, float("nan"), 2.0]),
+                  query=["a", "b", "c", "d"])
+    v = validate_requests(path, GenerateTask.TARGETS)
+    assert v.accepted.column("request_id").to_pylist() == ["2", "3"]
+    assert v.rejected.num_rows == 2
+    assert all("not an integer or string" in r for r in v.rejected.column("reason").to_pylist())
+
+
+def test_binary_query_with_bad_utf8_is_a_wrong_type_row(tmp_path):
+    path = _write(tmp_path / "r.parquet", request_id=["a", "b"],
+                  query=pa.array([b"fine query", b"\xff\xfe bad"], pa.binary()))
+    v = validate_requests(path, GenerateTask.TARGETS)
+    assert v.accepted.column("query").to_pylist() == ["fine query"]
+    assert "wrong type" in v.rejected.column("reason")[0].as_py()
+
+
+def test_missing_column_is_a_clear_error(tmp_path):
+    path = _write(tmp_path / "r.parquet", request_id=["a"], text=["no query column"])
+    with pytest.raises(RequestSchemaError, match=r"missing required column\(s\) \['query'\]"):
+        validate_requests(path, GenerateTask.TARGETS)
+
+
+def test_wrong_column_type_is_a_clear_error(tmp_path):
+    path = _write(tmp_path / "r.parquet", request_id=["a"], query=pa.array([1.5]))
+    with pytest.raises(RequestSchemaError, match="column 'query' has type double"):
+        validate_requests(path, GenerateTask.TARGETS)
+
+
+def test_corrupt_parquet_is_a_clear_error(tmp_path):
+    good = _write(tmp_path / "good.parquet", request_id=["a"], query=["q"])
+    bad = tmp_path / "bad.parquet"
+    data = good.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])  # truncated: footer gone
+    with pytest.raises(RequestSchemaError, match="bad.parquet: not a readable Parquet"):
+        validate_requests(bad, GenerateTask.TARGETS)
+    (tmp_path / "notparquet.parquet").write_text("hello")
+    with pytest.raises(RequestSchemaError, match="notparquet.parquet"):
+        validate_requests(tmp_path / "notparquet.parquet", GenerateTask.TARGETS)
+    with pytest.raises(RequestSchemaError, match="not found"):
+        validate_requests(tmp_path / "absent.parquet", GenerateTask.TARGETS)
+
+
+def test_folder_of_parts_with_cross_file_duplicates(tmp_path):
+    d = tmp_path / "reqs"
+    d.mkdir()
+    _write(d / "part-0.parquet", request_id=[1, 2], query=["a", "b"])
+    _write(d / "part-1.parquet", request_id=[2, 3], query=["b", "c"])
+    v = validate_requests(d, GenerateTask.TARGETS)
+    assert v.accepted.column("request_id").to_pylist() == ["1", "2", "3"]
+    assert v.rejected.column("file").to_pylist() == [str(d / "part-1.parquet")]
+
+
+def test_creative_requests(tmp_path):
+    path = _write(tmp_path / "c.parquet", request_id=["r1", "r2", "r3", "r4"],
+                  ad_id=["a1", None, "a3", "a4"],
+                  advertiser=["Acme", "B", None, "D"],
+                  description=["We sell drills.", "x", "  ", "y" * 50])
+    v = validate_requests(path, GenerateTask.CREATIVES, RequestValidationConfig(max_ad_chars=40))
+    assert v.accepted.column("request_id").to_pylist() == ["r1"]
+    assert v.accepted.column_names == ["request_id", "ad_id", "advertiser", "description"]
+    reasons = v.rejected.column("reason").to_pylist()
+    assert "ad_id is null" in reasons[0]
+    assert "no ad text" in reasons[1]
+    assert "oversized" in reasons[2]
+
+
+def test_creative_requests_need_an_ad_field(tmp_path):
+    path = _write(tmp_path / "c.parquet", request_id=["r1"], ad_id=["a1"], title_typo=["x"])
+    with pytest.raises(RequestSchemaError, match="at least one of the ad fields"):
+        validate_requests(path, GenerateTask.CREATIVES)
+
+
+def test_output_schemas_have_the_contract_columns():
+    assert TARGETS_OUT_SCHEMA.names[:5] == ["request_id", "rank", "ad_id", "score", "code"]
+    assert CREATIVES_OUT_SCHEMA.names == ["request_id", "ad_id", "variant", "headline", "score"]
