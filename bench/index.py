@@ -155,9 +155,13 @@ def run_one(kind: str, n: int, workers: int, scheme: str, limit: int) -> dict:
         ads = synthetic_corpus(n)
         icfg = IndexConfig.from_dict({"columns": {"embedding": "embedding"},
                                       "render": {"scheme": scheme}})
-    else:
+    elif kind == "homedepot":  # MiniLM embedding on the Ray actor pool inside the stage
         ads = home_depot_corpus(limit)
         icfg = IndexConfig.from_dict({"render": {"scheme": scheme}})
+    else:  # "homedepot_emb": MiniLM vectors precomputed by `embed_home_depot`, as a column
+        ads = WORK / "home_depot_all_emb.parquet"
+        icfg = IndexConfig.from_dict({"columns": {"embedding": "embedding"},
+                                      "render": {"scheme": scheme}})
     t0 = time.perf_counter()
     with RssSampler() as rss:
         summary = run_index(IndexJobConfig(ads=str(ads), out=str(out), index=icfg,
@@ -219,6 +223,47 @@ def home_depot_corpus(limit: int) -> Path:
     return path
 
 
+def embed_home_depot(chunk: int = 2048) -> dict:
+    """MiniLM over all distinct titles in one process (2 torch threads), resumable by chunk.
+
+    Separate from Ray so a Ray restart elsewhere on a shared machine cannot lose the work; the
+    index runs then read the vectors as an ``embedding`` column.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
+
+    out = WORK / "home_depot_all_emb.parquet"
+    table = pq.read_table(home_depot_corpus(0))
+    titles = table.column("title").to_pylist()
+    cfg = EmbeddingConfig()
+    model = load_embedder(cfg)
+    parts_dir = WORK / "hd_emb_parts"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    stats = {"embedded_now": 0, "seconds_now": 0.0, "loads": []}
+    for start in range(0, len(titles), chunk):
+        part = parts_dir / f"{start:06d}.npy"
+        if part.is_file():
+            continue
+        t0 = time.perf_counter()
+        vec = embed_texts(titles[start:start + chunk], cfg, model=model)
+        stats["seconds_now"] += time.perf_counter() - t0
+        stats["embedded_now"] += vec.shape[0]
+        stats["loads"].append(round(os.getloadavg()[0], 1))
+        np.save(part, vec, allow_pickle=False)
+        log.info("embedded %d/%d titles (%.1f titles/s so far, load %.1f)", start + vec.shape[0],
+                 len(titles), stats["embedded_now"] / stats["seconds_now"], os.getloadavg()[0])
+    emb = np.concatenate([np.load(parts_dir / f"{s:06d}.npy", allow_pickle=False)
+                          for s in range(0, len(titles), chunk)])
+    pq.write_table(table.append_column(
+        "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), emb.shape[1])), out)
+    stats["titles"] = len(titles)
+    stats["titles_per_s"] = round(stats["embedded_now"] / max(stats["seconds_now"], 1e-9), 1)
+    (WORK / "hd_embed_stats.json").write_text(json.dumps(stats))
+    return stats
+
+
 def spawn(args: list[str]) -> dict:
     cmd = [sys.executable, __file__, "_one", *args]
     log.info("running %s", " ".join(cmd))
@@ -275,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--workers", type=int, nargs="+", default=[2])
     h.add_argument("--limit", type=int, default=0, help="first N distinct titles (0 = all)")
     h.add_argument("--schemes", nargs="+", default=["text"])
+    sub.add_parser("embed-homedepot", help="MiniLM over all distinct titles (resumable)")
+    e = sub.add_parser("homedepot-emb", help="index runs on the precomputed MiniLM vectors")
+    e.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    e.add_argument("--schemes", nargs="+", default=["text", "codes"])
     sub.add_parser("report")
     o = sub.add_parser("_one")
     o.add_argument("kind")
@@ -297,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         for scheme in args.schemes:
             for w in args.workers:
                 spawn(["homedepot", "0", str(w), scheme, "--limit", str(args.limit)])
+    elif args.cmd == "embed-homedepot":
+        print(json.dumps(embed_home_depot()))
+    elif args.cmd == "homedepot-emb":
+        for scheme in args.schemes:
+            for w in args.workers:
+                spawn(["homedepot_emb", "0", str(w), scheme])
     else:
         print(report(), end="")
     return 0

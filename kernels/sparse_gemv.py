@@ -7,9 +7,10 @@ Two kernels, specialised by constexprs, read the packed format directly (no unpa
   dequantized once and multiplied with the activation it meets: the 4 activations of its column group
   are loaded once per tile row and the one at ``pos`` is picked with two bit tests and three selects,
   so pruned zeros are never materialised and there is no per-value gather.
-- ``USE_DOT`` = True: the *tensor-core* path for larger B (:func:`_nm_int4_dot_kernel`). The kept tile is dequantized, scattered into
-  a dense ``[4 * BLOCK_KK / n, BLOCK_N]`` tile in registers (compare-and-select on the 2-bit
-  positions) and fed to ``tl.dot`` with an x tile of ``BLOCK_B`` (>= 16) rows.
+- ``USE_DOT`` = True: the *tensor-core* path for larger B (:func:`_nm_int4_dot_kernel`). The kept
+  tile is dequantized, scattered into a dense ``[4 * BLOCK_KK / n, BLOCK_N]`` tile in registers
+  (compare-and-select on the 2-bit positions) and fed to ``tl.dot`` with an x tile of ``BLOCK_B``
+  (>= 16) rows.
 - ``ATOMIC``: split-K over the kept dimension; partial sums are added into a zeroed fp32 buffer.
 
 Grid: ``(cdiv(N, BLOCK_N), SPLIT_K, cdiv(B, BLOCK_B))``. Each program walks ``BLOCK_KK`` kept values
@@ -370,7 +371,7 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
     """The small set of configs the autotuner times for this (shape, batch bucket).
 
     Tiles are sized so each thread holds at most ~128 fp32 tile elements (no register spills); each
-    tile shape is tried with the heuristic split-K (about 4 programs per SM) and without split.
+    tile shape is tried without split-K and with splits giving about 4 and 16 programs per SM.
     """
     bucket = batch_bucket(batch)
     out: list[KernelConfig] = []
@@ -515,13 +516,25 @@ def tune_key(p: PackedNMInt4, batch: int, dtype: torch.dtype) -> str:
     return f"{p.pattern.value}|N{p.out_features}|K{p.in_features}|{str(dtype).removeprefix('torch.')}|B{batch_bucket(batch)}"
 
 
+def _time_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (host launch overhead, tens of us for a Triton
+    launch, would otherwise swamp the differences between configs); plain events if capture fails."""
+    fn()  # compile / warm up outside the capture
+    try:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
+    except RuntimeError as e:
+        log.debug("graph timing failed (%s); timing with events", e)
+        return triton.testing.do_bench(fn, warmup=3, rep=12, return_mode="median")
+
+
 def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tuple[KernelConfig, float]:
-    """Time every candidate on these inputs (median, CUDA events) and return the fastest."""
+    """Time every candidate on these inputs and return the fastest (config, microseconds)."""
     num_sms = _num_sms(x2.device)
     best: tuple[float, KernelConfig] | None = None
     for cfg in candidate_configs(p, x2.shape[0], num_sms):
         try:
-            ms = triton.testing.do_bench(lambda: launch(x2, p, bias, cfg), warmup=3, rep=12, return_mode="median")
+            ms = _time_ms(lambda: launch(x2, p, bias, cfg))
         except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:  # type: ignore[attr-defined]
             log.debug("config %s rejected: %s", cfg, e)
             continue

@@ -1,0 +1,194 @@
+"""Trie-constrained beam search with prefix-tree verification: exactness, modes, HF parity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from adbatch.decoding import CostModel, TargetSearchConfig, VerifyMode, search_targets
+from adbatch.decoding.beam_search import _choose_verified
+from adbatch.trie import Trie
+from conftest import make_tiny_llama
+
+EOS = 2
+#: a cost model under which auto verifies small trees (step 10 ms flat, verify 1 ms + 0.01 ms/token)
+CHEAP_VERIFY = CostModel([1, 1024], [10.0, 10.0], [1, 4096], [1.0, 42.0])
+
+
+def _random_case(seed: int, n_seq: int = 60, vocab: int = 48, alphabet: int = 8, max_len: int = 6,
+                 n_prompts: int = 3, duplicate: bool = False):
+    rng = np.random.default_rng(seed)
+    seqs = [list(map(int, rng.integers(3, 3 + alphabet, size=rng.integers(1, max_len)))) + [EOS]
+            for _ in range(n_seq)]
+    if duplicate:
+        seqs.append(list(seqs[0]))  # identical sequence -> two rows at one terminal node
+    prompts = [list(map(int, rng.integers(3, vocab, size=rng.integers(2, 8)))) for _ in range(n_prompts)]
+    return seqs, prompts
+
+
+def _exhaustive(model, prompt: list[int], seqs: list[list[int]]) -> np.ndarray:
+    """Log-prob of every sequence after ``prompt`` from one plain full forward each."""
+    out = np.empty(len(seqs))
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            lp = torch.log_softmax(model(torch.tensor([prompt + s])).logits.float(), -1)[0]
+            p = len(prompt)
+            out[i] = float(sum(lp[p - 1 + j, t] for j, t in enumerate(s)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def case():
+    model = make_tiny_llama(vocab_size=48, seed=0)
+    seqs, prompts = _random_case(0, duplicate=True)
+    trie = Trie.from_sequences(seqs)
+    exact = [_exhaustive(model, p, seqs) for p in prompts]
+    return model, seqs, prompts, trie, exact
+
+
+@pytest.mark.parametrize("mode", list(VerifyMode))
+@pytest.mark.parametrize("beams,top_k", [(2, 2), (4, 6), (8, 3)])
+def test_rows_valid_unique_and_scores_exact(case, mode, beams, top_k):
+    model, seqs, prompts, trie, exact = case
+    cfg = TargetSearchConfig(num_beams=beams, top_k=top_k, verify=mode, max_tree_tokens=16,
+                             max_tokens_per_pass=32)
+    res = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY)
+    assert res.rows.shape == (len(prompts), top_k) and res.scores.shape == (len(prompts), top_k)
+    for q in range(len(prompts)):
+        rows = [r for r in res.rows[q].tolist() if r >= 0]
+        assert rows, "every query gets results"
+        assert all(0 <= r < len(seqs) for r in rows)
+        assert len(rows) == len(set(rows)), "ads are unique per query"
+        scores = res.scores[q, : len(rows)].numpy()
+        np.testing.assert_allclose(scores, exact[q][rows], atol=2e-4)
+        assert (np.diff(scores) <= 1e-6).all(), "best first"
+
+
+@pytest.mark.parametrize("mode", list(VerifyMode))
+def test_enough_beams_equals_exhaustive(case, mode):
+    model, seqs, prompts, trie, exact = case
+    cfg = TargetSearchConfig(num_beams=len(seqs) + 1, top_k=10, verify=mode)
+    res = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY)
+    for q in range(len(prompts)):
+        best = np.sort(exact[q])[::-1][:10]
+        np.testing.assert_allclose(res.scores[q].numpy(), best, atol=2e-4)
+        # the duplicated sequence (rows 0 and the last) shares one node: both or neither returned
+        got = set(res.rows[q].tolist())
+        if 0 in got and len(seqs) - 1 not in got:
+            assert res.rows[q, -1].item() == 0, "a node's rows are only split by the k cut"
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("beams", [2, 3, 5])
+def test_verification_never_worse_than_off(seed, beams):
+    model = make_tiny_llama(vocab_size=40, seed=seed)
+    seqs, prompts = _random_case(100 + seed, n_seq=120, vocab=40, alphabet=6, max_len=7, n_prompts=4)
+    trie = Trie.from_sequences(seqs)
+    off = search_targets(model, prompts, trie, TargetSearchConfig(num_beams=beams, top_k=beams, verify="off"))
+    verified = 0
+    for mode, cap in ((VerifyMode.ALWAYS, 4), (VerifyMode.ALWAYS, 30), (VerifyMode.AUTO, 30)):
+        cfg = TargetSearchConfig(num_beams=beams, top_k=beams, verify=mode, max_tree_tokens=cap,
+                                 max_tokens_per_pass=max(cap, 12))
+        res = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY)
+        verified += res.stats["beams_verified"]
+        # Verified beams keep their places as virtual beams, so every off result is matched or beaten.
+        assert (res.scores >= off.scores - 1e-4).all()
+    assert verified > 0
+
+
+def test_same_topk_as_hf_constrained_beam_search():
+    model = make_tiny_llama(vocab_size=64, seed=1)
+    rng = np.random.default_rng(1)
+    seqs = sorted({tuple(map(int, rng.integers(3, 10, size=rng.integers(2, 7)))) + (EOS,) for _ in range(80)})
+    trie = Trie.from_sequences([list(s) for s in seqs])
+    prompts = [list(map(int, rng.integers(3, 64, size=6))) for _ in range(3)]
+    beams = 4
+    ours = search_targets(model, prompts, trie, TargetSearchConfig(num_beams=beams, top_k=beams, verify="off"))
+
+    for q, prompt in enumerate(prompts):
+        def allowed(batch_id, input_ids, _p=len(prompt)):
+            gen = tuple(input_ids[_p:].tolist())
+            nxt = {s[len(gen)] for s in seqs if s[: len(gen)] == gen and len(s) > len(gen)}
+            return sorted(nxt) or [EOS]
+
+        # length_penalty=0: HF's finished score is the plain sum (ours); early_stopping=False with
+        # length_penalty=0 stops exactly when the best running beam cannot beat the worst finished.
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             num_beams=beams, num_return_sequences=beams, prefix_allowed_tokens_fn=allowed,
+                             max_new_tokens=trie.max_depth, length_penalty=0.0, early_stopping=False,
+                             do_sample=False, eos_token_id=EOS, pad_token_id=0, output_scores=True,
+                             return_dict_in_generate=True)
+        hf_rows = []
+        for s in out.sequences[:, len(prompt):].tolist():
+            hf_rows.append(seqs.index(tuple(s[: s.index(EOS) + 1])))
+        assert ours.rows[q].tolist() == hf_rows
+        np.testing.assert_allclose(ours.scores[q].numpy(), out.sequences_scores.numpy(), atol=1e-4)
+
+
+def test_length_penalty_applied_to_returned_scores(case):
+    model, seqs, prompts, trie, exact = case
+    lengths = np.array([len(s) for s in seqs], dtype=float)
+    for mode in (VerifyMode.OFF, VerifyMode.ALWAYS):
+        cfg = TargetSearchConfig(num_beams=len(seqs) + 1, top_k=5, verify=mode, length_penalty=1.0)
+        res = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY)
+        for q in range(len(prompts)):
+            rows = res.rows[q].tolist()
+            np.testing.assert_allclose(res.scores[q].numpy(), exact[q][rows] / lengths[rows], atol=2e-4)
+            np.testing.assert_allclose(res.scores[q].numpy(), np.sort(exact[q] / lengths)[::-1][:5], atol=2e-4)
+
+
+def test_codes_scheme_terminal_with_children_and_stats():
+    """No EOS: a code may be a prefix of another (terminal node with children), and leaves end."""
+    model = make_tiny_llama(vocab_size=48, seed=3)
+    rng = np.random.default_rng(3)
+    seqs = [list(map(int, rng.integers(10, 14, size=rng.integers(1, 5)))) for _ in range(40)]
+    trie = Trie.from_sequences(seqs)
+    prompts = [[5, 6, 7], [9, 8]]
+    exact = [_exhaustive(model, p, seqs) for p in prompts]
+    for mode in VerifyMode:
+        res = search_targets(model, prompts, trie, TargetSearchConfig(num_beams=64, top_k=8, verify=mode),
+                             CHEAP_VERIFY)
+        for q in range(2):
+            np.testing.assert_allclose(res.scores[q].numpy(), np.sort(exact[q])[::-1][:8], atol=2e-4)
+        assert res.stats["mode"] == mode.value
+        if mode is VerifyMode.ALWAYS:
+            assert res.stats["beams_verified"] > 0 and res.stats["verify_passes"] > 0
+            assert sum(res.stats["verified_depths"].values()) == res.stats["beams_verified"]
+        if mode is VerifyMode.OFF:
+            assert res.stats["beams_verified"] == 0
+
+
+def test_trigger_rule():
+    cfg_auto = TargetSearchConfig(verify="auto", max_tree_tokens=50, max_tokens_per_pass=100)
+    pending = np.array([True, True, True, False])
+    fed = np.array([10, 40, 60, 5])
+    height = np.array([3, 3, 3, 3])
+    # steps expensive, verification cheap: the two that fit the per-beam cap, within the pass cap
+    cheap = CostModel([1, 100], [50.0, 50.0], [1, 1000], [1.0, 2.0])
+    assert _choose_verified(pending, fed, height, cfg_auto, cheap).tolist() == [True, True, False, False]
+    # verification far dearer than the steps it retires: none
+    dear = CostModel([1, 100], [1.0, 1.0], [1, 1000], [100.0, 1000.0])
+    assert not _choose_verified(pending, fed, height, cfg_auto, dear).any()
+    # always ignores costs but keeps the caps; off never verifies
+    always = cfg_auto.replace(verify=VerifyMode.ALWAYS)
+    assert _choose_verified(pending, fed, height, always, None).tolist() == [True, True, False, False]
+    assert not _choose_verified(pending, fed, height, cfg_auto.replace(verify=VerifyMode.OFF), None).any()
+
+
+def test_rejects_trie_beyond_vocab():
+    model = make_tiny_llama(vocab_size=32)
+    trie = Trie.from_sequences([[3, 40]])
+    with pytest.raises(ValueError, match="vocabulary"):
+        search_targets(model, [[1, 2]], trie, TargetSearchConfig(verify="off"))
+
+
+def test_config_validation():
+    from adbatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match="num_beams"):
+        TargetSearchConfig(num_beams=0)
+    with pytest.raises(ConfigError, match="max_tokens_per_pass"):
+        TargetSearchConfig(max_tree_tokens=100, max_tokens_per_pass=10)
+    cfg = TargetSearchConfig(verify="always", top_k=3)
+    assert TargetSearchConfig.from_json(cfg.to_json()) == cfg
