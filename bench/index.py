@@ -162,6 +162,8 @@ def run_one(kind: str, n: int, workers: int, scheme: str, limit: int) -> dict:
         ads = WORK / "home_depot_all_emb.parquet"
         icfg = IndexConfig.from_dict({"columns": {"embedding": "embedding"},
                                       "render": {"scheme": scheme}})
+    # address="local": never attach to a `ray start` head another user runs on this machine
+    ray.init(address="local", num_cpus=workers, include_dashboard=False)
     t0 = time.perf_counter()
     with RssSampler() as rss:
         summary = run_index(IndexJobConfig(ads=str(ads), out=str(out), index=icfg,

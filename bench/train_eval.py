@@ -201,7 +201,6 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from adbatch.training import SparsityScheduleConfig, TrainConfig, train_on_index
-    from adbatch.training.checkpoint import read_training_record  # noqa: F401  (import check)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

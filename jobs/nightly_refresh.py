@@ -289,10 +289,13 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
         from pipelines.evaluate import run_eval
 
         eval_dir = work / "eval"
-        eval_job = config.eval.config.replace(
-            out=eval_dir, model=config.eval.config.model or config.model,
-            compressed=config.eval.config.compressed or compressed_dir)
-        inputs = {"model": base_hash}
+        base = config.eval.config
+        # targeting on Home Depot needs a model that has not learned another index: the base model;
+        # creatives compare the served model dense (trained) vs compressed
+        eval_job = base.replace(
+            out=eval_dir, model=base.model or config.model, compressed=base.compressed or compressed_dir,
+            creatives=base.creatives.replace(model=base.creatives.model or model_dir))
+        inputs = {"model": base_hash, "served_model": model_in}
         if compressed_dir is not None:
             inputs["compressed"] = sha256_file(compressed_dir / "manifest.json")
         runner.run(Stage.EVAL, eval_job, inputs, eval_dir / "manifest.json", lambda: run_eval(eval_job))

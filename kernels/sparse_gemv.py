@@ -91,26 +91,186 @@ def _store_out(out_ptr, bias_ptr, acc, offs_b, b_mask, offs_n, n_mask, stride_ob
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _x_group(x_row, g, K):
-    """The 4 activations (fp32) of column group ``g`` (any shape) of one x row; 0 past K."""
-    c = 4 * g
-    x0 = tl.load(x_row + c, mask=c < K, other=0.0).to(tl.float32)
-    x1 = tl.load(x_row + c + 1, mask=c + 1 < K, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + c + 2, mask=c + 2 < K, other=0.0).to(tl.float32)
-    x3 = tl.load(x_row + c + 3, mask=c + 3 < K, other=0.0).to(tl.float32)
-    return x0, x1, x2, x3
+# ---- GEMV helpers: each has an inline-PTX body (GPU) and a bit-exact emulation (interpreter) ----------
+# ``ASM`` is a constexpr fixed at trace time: True when compiling for the GPU, False under
+# TRITON_INTERPRET=1 (the interpreter cannot run PTX). Both bodies return identical values, and the
+# emulation mirrors the PTX bit by bit (same masks, same byte selectors), so the interpreter tests
+# exercise the selector arithmetic the GPU uses.
 
 
 @triton.jit
-def _pick(b0, b1, x0, x1, x2, x3):
-    """x[pos] for pos = 2*b1 + b0, by selects (no gather)."""
-    return tl.where(b1, tl.where(b0, x3, x2), tl.where(b0, x1, x0))
+def _dq_pair(sw, ASM: tl.constexpr):
+    """fp32 ``(1024 + q_lo, 1024 + q_hi)`` of the nibbles at bits 0..3 and 16..19 of int32 ``sw``.
+
+    OR-ing a nibble into the mantissa of fp16 1024.0 (0x6400) makes it the fp16 value ``1024 + q``
+    exactly, so one ``lop3`` turns two nibbles into an fp16 pair; each half then costs one
+    ``cvt.f32.f16``. The 1024 offset is folded into the per-group constant (``w = v*s + c``,
+    ``c = -(1024 + zero) * scale``), so no subtraction is needed."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t; .reg .b16 a, b; lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA; "
+            "mov.b32 {a, b}, t; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; }",
+            constraints="=r,=r,r",
+            args=[sw],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        t = (sw & 0x000F000F) | 0x64006400
+        lo = (t & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = ((t >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _half_to_f32(h, IS_BF16: tl.constexpr):
+    """fp32 value of the 16-bit pattern in the low half of int32 ``h`` (interpreter path)."""
+    if IS_BF16:
+        return ((h & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _prmt_emul(lo, hi, sel):
+    """``prmt.b32 d, lo, hi, sel`` (default mode, selector nibbles 0..7) in plain integer ops."""
+    full = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+    d = ((full >> (8 * (sel & 7)).to(tl.int64)) & 0xFF).to(tl.int32)
+    d = d | (((full >> (8 * ((sel >> 4) & 7)).to(tl.int64)) & 0xFF).to(tl.int32) << 8)
+    d = d | (((full >> (8 * ((sel >> 8) & 7)).to(tl.int64)) & 0xFF).to(tl.int32) << 16)
+    d = d | (((full >> (8 * ((sel >> 12) & 7)).to(tl.int64)) & 0xFF).to(tl.int32) << 24)
+    return d
+
+
+@triton.jit
+def _pick2(lo, hi, sel, IS_BF16: tl.constexpr, ASM: tl.constexpr):
+    """Two activations (fp32) picked from the 4 fp16/bf16 values held in ``lo`` (x0 | x1 << 16) and
+    ``hi`` (x2 | x3 << 16): half ``i`` of the result is x[p_i] when byte ``i`` of ``sel`` is
+    ``0x22 * p_i + 0x10`` (the ``prmt`` byte selector of half p_i). One ``prmt`` per pair of kept
+    values replaces the bit-test-and-select chains of a gather."""
+    if ASM:
+        if IS_BF16:
+            asm: tl.constexpr = ("{ .reg .b32 t; .reg .b16 a, b; prmt.b32 t, $2, $3, $4; mov.b32 {a, b}, t; "
+                                 "cvt.f32.bf16 $0, a; cvt.f32.bf16 $1, b; }")
+        else:
+            asm: tl.constexpr = ("{ .reg .b32 t; .reg .b16 a, b; prmt.b32 t, $2, $3, $4; mov.b32 {a, b}, t; "
+                                 "cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; }")
+        a, b = tl.inline_asm_elementwise(
+            asm=asm, constraints="=r,=r,r,r,r", args=[lo, hi, sel], dtype=(tl.float32, tl.float32), is_pure=True, pack=1
+        )
+    else:
+        d = _prmt_emul(lo, hi, sel)
+        a = _half_to_f32(d, IS_BF16)
+        b = _half_to_f32(d >> 16, IS_BF16)
+    return a, b
+
+
+@triton.jit
+def _pick1(lo, hi, sel, IS_BF16: tl.constexpr, ASM: tl.constexpr):
+    """One activation (fp32): x[p] with ``sel = 0x22 * p + 0x10`` (see :func:`_pick2`)."""
+    if ASM:
+        if IS_BF16:
+            asm: tl.constexpr = "{ .reg .b32 t; .reg .b16 a, b; prmt.b32 t, $1, $2, $3; mov.b32 {a, b}, t; cvt.f32.bf16 $0, a; }"
+        else:
+            asm: tl.constexpr = "{ .reg .b32 t; .reg .b16 a, b; prmt.b32 t, $1, $2, $3; mov.b32 {a, b}, t; cvt.f32.f16 $0, a; }"
+        a = tl.inline_asm_elementwise(asm=asm, constraints="=r,r,r,r", args=[lo, hi, sel], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        a = _half_to_f32(_prmt_emul(lo, hi, sel), IS_BF16)
+    return a
+
+
+@triton.jit
+def _x_quad(x_row64, g, G4):
+    """Column group ``g`` ([W, 1]) of one x row as two int32 words (x0|x1<<16, x2|x3<<16): one 8-byte
+    load; zeros past the last group ``G4`` (padding slots)."""
+    v = tl.load(x_row64 + g, mask=g < G4, other=0)
+    return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+
+@triton.jit
+def _selectors4(pp):
+    """int32 whose byte i is ``0x22 * p_i + 0x10`` for the 2-bit fields p_0..p_3 in bits 0..7 of ``pp``:
+    the prmt selector nibbles (2 p_i, 2 p_i + 1) of half p_i. Two spread steps (each one shift and
+    one and-or) move field i to byte i; bytes never carry (0x22 * 3 + 0x10 < 256)."""
+    t = (pp | (pp << 12)) & 0x000F000F
+    t = (t | (t << 6)) & 0x03030303
+    return t * 0x22 + 0x10101010
+
+
+@triton.jit
+def _acc_pair(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g, G4, sel, wa, wb, BLOCK_B: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr):
+    """2:4: add wa * x[p0] + wb * x[p1] of column group ``g`` to each batch row's accumulator; the low
+    16 bits of ``sel`` are the prmt selector of (p0, p1) (see :func:`_selectors4`), shared by the batch
+    rows."""
+    lo, hi = _x_quad(y0, g, G4)
+    xa, xb = _pick2(lo, hi, sel, IS_BF16, ASM)
+    acc0 += xa * wa
+    acc0 += xb * wb
+    if BLOCK_B > 1:
+        lo, hi = _x_quad(y1, g, G4)
+        xa, xb = _pick2(lo, hi, sel, IS_BF16, ASM)
+        acc1 += xa * wa
+        acc1 += xb * wb
+    if BLOCK_B > 2:
+        lo, hi = _x_quad(y2, g, G4)
+        xa, xb = _pick2(lo, hi, sel, IS_BF16, ASM)
+        acc2 += xa * wa
+        acc2 += xb * wb
+        lo, hi = _x_quad(y3, g, G4)
+        xa, xb = _pick2(lo, hi, sel, IS_BF16, ASM)
+        acc3 += xa * wa
+        acc3 += xb * wb
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g, G4, sel, w, BLOCK_B: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr):
+    """1:4: add w * x[p] of column group ``g`` to each batch row; the low byte of ``sel`` is the prmt
+    selector ``0x22 * p + 0x10`` of half p."""
+    lo, hi = _x_quad(y0, g, G4)
+    acc0 += _pick1(lo, hi, sel, IS_BF16, ASM) * w
+    if BLOCK_B > 1:
+        lo, hi = _x_quad(y1, g, G4)
+        acc1 += _pick1(lo, hi, sel, IS_BF16, ASM) * w
+    if BLOCK_B > 2:
+        lo, hi = _x_quad(y2, g, G4)
+        acc2 += _pick1(lo, hi, sel, IS_BF16, ASM) * w
+        lo, hi = _x_quad(y3, g, G4)
+        acc3 += _pick1(lo, hi, sel, IS_BF16, ASM) * w
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, col, K, w, BLOCK_B: tl.constexpr):
+    ok = col < K
+    acc0 += tl.load(x0 + col, mask=ok, other=0.0).to(tl.float32) * w
+    if BLOCK_B > 1:
+        acc1 += tl.load(x1 + col, mask=ok, other=0.0).to(tl.float32) * w
+    if BLOCK_B > 2:
+        acc2 += tl.load(x2 + col, mask=ok, other=0.0).to(tl.float32) * w
+        acc3 += tl.load(x3 + col, mask=ok, other=0.0).to(tl.float32) * w
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _acc_dense(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0, K, w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_B: tl.constexpr):
+    """Dense: the 8 values of a word meet columns c0 .. c0 + 7 (shared by every row of the tile)."""
+    acc0, acc1, acc2, acc3 = _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0, K, w0, BLOCK_B)
+    acc0, acc1, acc2, acc3 = _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0 + 1, K, w1, BLOCK_B)
+    acc0, acc1, acc2, acc3 = _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0 + 2, K, w2, BLOCK_B)
+    acc0, acc1, acc2, acc3 = _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0 + 3, K, w3, BLOCK_B)
+    acc0, acc1, acc2, acc3 = _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0 + 4, K, w4, BLOCK_B)
+    acc0, acc1, acc2, acc3 = _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0 + 5, K, w5, BLOCK_B)
+    acc0, acc1, acc2, acc3 = _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0 + 6, K, w6, BLOCK_B)
+    acc0, acc1, acc2, acc3 = _acc_dense1(acc0, acc1, acc2, acc3, x0, x1, x2, x3, c0 + 7, K, w7, BLOCK_B)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit(do_not_specialize=["B"])
 def _nm_int4_gemv_kernel(
     x_ptr,  # [B, K] fp16/bf16, stride (stride_xb, 1)
+    x64_ptr,  # the same memory viewed as int64 [B, K/4] (sparse patterns; any pointer for DENSE)
     qw_ptr,  # int32 [KP/8, N]
     qp_ptr,  # int32 [KP/16, N] (unused when NKEEP == 4)
     sz_ptr,  # int32 [G] (= fp16 [G, 2] scale_zero)
@@ -131,16 +291,23 @@ def _nm_int4_gemv_kernel(
     BLOCK_KK: tl.constexpr,
     ATOMIC: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    ASM: tl.constexpr,  # inline PTX (GPU) or its emulation (interpreter)
 ):
     """GEMV path. Every tensor in the loop has the 2-D shape of the loaded word tile
     ``[BLOCK_KK/8, BLOCK_N]`` (the 8 nibbles of a word are unrolled, position words are loaded once per
     value word), so unpacking needs no layout shuffles; products accumulate elementwise and the one
-    cross-thread reduction happens after the loop."""
+    cross-thread reduction happens after the loop.
+
+    Per word (8 kept values) and thread: 4 ``lop3`` + 3 shifts + 8 ``cvt`` + 8 FFMA dequantize; for
+    n:4 the activations of a column group arrive as one 8-byte load (shared by the thread's rows of
+    the tile) and each pair (2:4) or value (1:4) picks its activations with one ``prmt``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_b = tl.program_id(2)
     W: tl.constexpr = BLOCK_KK // 8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     n_mask = offs_n < N
     gp0 = tl.load(gptr_ptr + offs_n, mask=n_mask, other=0)[None, :]
     gp_last = tl.load(gptr_ptr + offs_n + 1, mask=n_mask, other=1)[None, :] - 1
@@ -149,10 +316,19 @@ def _nm_int4_gemv_kernel(
     pos_base = 16 * (w_idx % 2)  # bit offset of this word's 8 positions inside its position word
     row0 = pid_b * BLOCK_B
     # rows past B re-read row B-1 (their results are masked at the store): no per-row load masks
+    r1 = tl.minimum(row0 + 1, B - 1)
+    r2 = tl.minimum(row0 + 2, B - 1)
+    r3 = tl.minimum(row0 + 3, B - 1)
     x0 = x_ptr + row0 * stride_xb
-    x1 = x_ptr + tl.minimum(row0 + 1, B - 1) * stride_xb
-    x2 = x_ptr + tl.minimum(row0 + 2, B - 1) * stride_xb
-    x3 = x_ptr + tl.minimum(row0 + 3, B - 1) * stride_xb
+    x1 = x_ptr + r1 * stride_xb
+    x2 = x_ptr + r2 * stride_xb
+    x3 = x_ptr + r3 * stride_xb
+    s64 = stride_xb // 4  # int64 words per x row (stride_xb % 4 == 0 is checked by the launcher)
+    y0 = x64_ptr + row0 * s64
+    y1 = x64_ptr + r1 * s64
+    y2 = x64_ptr + r2 * s64
+    y3 = x64_ptr + r3 * s64
+    G4 = K // 4
     acc0 = tl.zeros([W, BLOCK_N], dtype=tl.float32)
     acc1 = tl.zeros([W, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([W, BLOCK_N], dtype=tl.float32)
@@ -166,50 +342,63 @@ def _nm_int4_gemv_kernel(
         words = tl.load(qw_ptr + (kk0 // 8) * N + tile_off, mask=nm2, other=0)
         kk_w = kk0 + 8 * w_idx  # [W, 1] kept index of nibble 0 of each word
         s, zs = _scale_zero(sz_ptr, gp0, gp_last, gsh, kk_w, nm2)
-        if NKEEP != 4:
+        c = -(zs + 1024.0 * s)  # w = (1024 + q) * s + c
+        # dequantize the 8 nibbles: _dq_pair of words >> 4t yields nibbles t and t + 4
+        v0, v4 = _dq_pair(words, ASM)
+        v1, v5 = _dq_pair(words >> 4, ASM)
+        v2, v6 = _dq_pair(words >> 8, ASM)
+        v3, v7 = _dq_pair(words >> 12, ASM)
+        w0 = v0 * s + c
+        w1 = v1 * s + c
+        w2 = v2 * s + c
+        w3 = v3 * s + c
+        w4 = v4 * s + c
+        w5 = v5 * s + c
+        w6 = v6 * s + c
+        w7 = v7 * s + c
+        if NKEEP == 4:
+            acc0, acc1, acc2, acc3 = _acc_dense(acc0, acc1, acc2, acc3, x0, x1, x2, x3, kk_w, K, w0, w1, w2, w3, w4, w5, w6, w7, BLOCK_B)
+        else:
             # row w of the tile reads position word w // 2 (a repeated, L1-served load keeps the layout)
             pw = tl.load(qp_ptr + (kk0 // 16) * N + (w_idx // 2) * N + offs_n[None, :], mask=nm2, other=0)
             pw = pw >> pos_base  # this word's 8 positions now sit in bits 0..15
-        for j in tl.static_range(8):
-            w = _nibble_f32(words, 4 * j) * s - zs
-            if NKEEP == 4:
-                col = kk_w + j  # [W, 1]; every row of the tile shares it
-                ok = col < K
-                acc0 += tl.load(x0 + col, mask=ok, other=0.0).to(tl.float32) * w
-                if BLOCK_B > 1:
-                    acc1 += tl.load(x1 + col, mask=ok, other=0.0).to(tl.float32) * w
-                if BLOCK_B > 2:
-                    acc2 += tl.load(x2 + col, mask=ok, other=0.0).to(tl.float32) * w
-                    acc3 += tl.load(x3 + col, mask=ok, other=0.0).to(tl.float32) * w
+            if NKEEP == 2:
+                # kept values 2u, 2u+1 share column group kk_w/2 + u; their positions are bits 4u..4u+3.
+                # Spread the 8 two-bit positions into bytes (4 per int32), then one multiply-add turns
+                # every byte p into the prmt selector 0x22 * p + 0x10 of half p: bytes 2u, 2u+1 of
+                # (sel_a, sel_b) are the selector of pair u.
+                g = kk_w // 2
+                sel_a = _selectors4(pw & 0xFF)
+                sel_b = _selectors4((pw >> 8) & 0xFF)
+                acc0, acc1, acc2, acc3 = _acc_pair(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g, G4, sel_a, w0, w1, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_pair(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 1, G4, sel_a >> 16, w2, w3, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_pair(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 2, G4, sel_b, w4, w5, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_pair(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 3, G4, sel_b >> 16, w6, w7, BLOCK_B, IS_BF16, ASM)
             else:
-                if j % NKEEP == 0:
-                    # the 4 activations of this column group, shared by every row of the tile
-                    g = (kk_w + j) // NKEEP
-                    a0, a1, a2, a3 = _x_group(x0, g, K)
-                    if BLOCK_B > 1:
-                        c0, c1, c2, c3 = _x_group(x1, g, K)
-                    if BLOCK_B > 2:
-                        d0, d1, d2, d3 = _x_group(x2, g, K)
-                        e0, e1, e2, e3 = _x_group(x3, g, K)
-                b0 = (pw & (1 << (2 * j))) != 0
-                b1 = (pw & (2 << (2 * j))) != 0
-                acc0 += _pick(b0, b1, a0, a1, a2, a3) * w
-                if BLOCK_B > 1:
-                    acc1 += _pick(b0, b1, c0, c1, c2, c3) * w
-                if BLOCK_B > 2:
-                    acc2 += _pick(b0, b1, d0, d1, d2, d3) * w
-                    acc3 += _pick(b0, b1, e0, e1, e2, e3) * w
+                # value j sits alone in column group kk_w + j; byte j of (sel_a, sel_b) is its selector
+                # (prmt reads nibbles 0..3 of the selector; the upper two only shape the unused half)
+                g = kk_w
+                sel_a = _selectors4(pw & 0xFF)
+                sel_b = _selectors4((pw >> 8) & 0xFF)
+                acc0, acc1, acc2, acc3 = _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g, G4, sel_a, w0, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 1, G4, sel_a >> 8, w1, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 2, G4, sel_a >> 16, w2, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 3, G4, sel_a >> 24, w3, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 4, G4, sel_b, w4, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 5, G4, sel_b >> 8, w5, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 6, G4, sel_b >> 16, w6, BLOCK_B, IS_BF16, ASM)
+                acc0, acc1, acc2, acc3 = _acc_one(acc0, acc1, acc2, acc3, y0, y1, y2, y3, g + 7, G4, sel_b >> 24, w7, BLOCK_B, IS_BF16, ASM)
 
     offs_b = row0 + tl.arange(0, BLOCK_B)
     r0 = tl.sum(acc0, axis=0)
     if BLOCK_B == 1:
         acc = r0[None, :]
     else:
-        sel = tl.arange(0, BLOCK_B)[:, None]
-        acc = tl.where(sel == 0, r0[None, :], tl.sum(acc1, axis=0)[None, :])
+        sel_b = tl.arange(0, BLOCK_B)[:, None]
+        acc = tl.where(sel_b == 0, r0[None, :], tl.sum(acc1, axis=0)[None, :])
         if BLOCK_B > 2:
-            acc = tl.where(sel == 2, tl.sum(acc2, axis=0)[None, :], acc)
-            acc = tl.where(sel == 3, tl.sum(acc3, axis=0)[None, :], acc)
+            acc = tl.where(sel_b == 2, tl.sum(acc2, axis=0)[None, :], acc)
+            acc = tl.where(sel_b == 3, tl.sum(acc3, axis=0)[None, :], acc)
     _store_out(out_ptr, bias_ptr, acc, offs_b, offs_b < B, offs_n, n_mask, stride_ob, pid_k, ATOMIC, HAS_BIAS)
 
 
@@ -417,6 +606,16 @@ def _check_inputs(x: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -
         raise ValueError(f"packed weight of shape {p.out_features}x{p.in_features} exceeds the int32 indexing of the kernel")
 
 
+def _x_words(x2: torch.Tensor, p: PackedNMInt4) -> torch.Tensor:
+    """x2 [B, K] viewed as int64 [B, K/4] (one column group per word) for the n:4 GEMV kernel; the
+    dense kernel does not read it (x2 itself is passed)."""
+    if not p.pattern.is_sparse:
+        return x2
+    if x2.stride(0) % 4 or x2.data_ptr() % 8:
+        raise ValueError("x: rows must start on 8-byte boundaries (launch() copies misaligned inputs)")
+    return x2.view(torch.int64)
+
+
 def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: KernelConfig) -> torch.Tensor:
     """Run the kernel once with ``cfg`` (validated by the caller). x2: [B, K] fp16/bf16 with unit inner
     stride. Returns [B, N]."""
@@ -462,7 +661,9 @@ def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: Ke
     if cfg.use_dot:
         _nm_int4_dot_kernel[grid](*args, DOT_F32=_interpreting() and x2.dtype == torch.bfloat16, **meta)
     else:
-        _nm_int4_gemv_kernel[grid](*args, **meta)
+        _nm_int4_gemv_kernel[grid](
+            args[0], _x_words(x2, p), *args[1:], IS_BF16=x2.dtype == torch.bfloat16, ASM=not _interpreting(), **meta
+        )
     return out.to(x2.dtype) if atomic else out
 
 
@@ -580,8 +781,9 @@ def nm_int4_linear_triton(
     _check_inputs(x, p, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.in_features)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    if x2.stride(-1) != 1 or (p.pattern.is_sparse and (x2.stride(0) % 4 or x2.data_ptr() % 8)):
+        # unit inner stride; for n:4, 8-byte aligned rows (the kernel reads column groups as int64)
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     if x2.shape[0] == 0:
         return x.new_empty(*lead, p.out_features)
     if config is not None:

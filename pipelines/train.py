@@ -71,11 +71,15 @@ def read_labelled_queries(path: str | Path) -> list[tuple[str, Any]]:
     return list(zip(queries, ads))
 
 
-def read_ad_texts(path: str | Path) -> dict[Any, str]:
-    """ad_id -> text of the valid rows of a corpus (the corpus contract of :mod:`adbatch.corpus`)."""
-    from adbatch.corpus import read_corpus
+def read_ad_texts(path: str | Path, columns: dict[str, Any] | None = None) -> dict[Any, str]:
+    """ad_id -> text of the valid rows of a corpus (the corpus contract of :mod:`adbatch.corpus`).
 
-    corpus = read_corpus(path)
+    ``columns``: the index's column mapping (``manifest['config']['columns']``), so the titles are
+    read exactly as the index read them; None = the corpus defaults.
+    """
+    from adbatch.corpus import CorpusConfig, read_corpus
+
+    corpus = read_corpus(path, CorpusConfig.from_dict(columns) if columns else None)
     table = corpus.table
     return dict(zip(table.column("ad_id").to_pylist(), table.column("text").to_pylist()))
 
@@ -93,7 +97,8 @@ def _worker(job_dict: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     index = load_index(job.index)
-    ad_texts = read_ad_texts(job.ads) if job.ads is not None else None
+    columns = (index.manifest.get("config") or {}).get("columns")
+    ad_texts = read_ad_texts(job.ads, columns) if job.ads is not None else None
     labelled = read_labelled_queries(job.queries) if job.queries is not None else []
     _, _, summary = train_on_index(index, job.out, job.train, ad_texts=ad_texts, labelled=labelled,
                                    init_model=job.init_model, device=str(device), rank=rank,

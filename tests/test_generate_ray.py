@@ -22,10 +22,11 @@ SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off"}
 def ray_session():
     import ray
 
-    from pipelines.ray_runtime import init_ray
-
     started = not ray.is_initialized()
-    init_ray(num_cpus=2)
+    if started:
+        # address="local": always a fresh in-process Ray, never a head some other process started
+        # on this machine (ray.init() without an address joins the last `ray start` cluster)
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     if started:
         ray.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,10 +25,11 @@ SEARCH = {"num_beams": 2, "top_k": 2, "verify": "off"}
 def ray_session():
     import ray
 
-    from pipelines.ray_runtime import init_ray
-
     started = not ray.is_initialized()
-    init_ray(num_cpus=2)
+    if started:
+        # address="local": always a fresh in-process Ray, never a head some other process started
+        # on this machine (ray.init() without an address joins the last `ray start` cluster)
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     if started:
         ray.shutdown()
@@ -110,23 +112,42 @@ def _free_port() -> int:
 
 @pytest.fixture
 def ray_head(tmp_path):
-    """A Ray head on loopback, stopped in teardown."""
+    """A Ray head on loopback, stopped in teardown.
+
+    ``ray start --block`` keeps the starting process in the foreground as the owner of the head's
+    processes; signalling its own process group stops exactly this head (``ray stop`` would stop
+    every Ray on the machine).
+    """
     ray_bin = Path(sys.executable).parent / "ray"
     port, dash = _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["HF_HUB_OFFLINE"] = "1"
     # Ray >= 2.5x enables token auth on new clusters; the CLI client must be told to use it too
     env.setdefault("RAY_AUTH_MODE", "token")
-    temp_dir = Path("/tmp") / f"adbatch-ray-{os.getpid()}-{port}"
-    subprocess.run([str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
-                    "--node-ip-address=127.0.0.1", "--include-dashboard=true",
-                    f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", f"--temp-dir={temp_dir}"],
-                   check=True, env=env, capture_output=True, timeout=180)
+    log = open(tmp_path / "ray_head.log", "w")
+    # `ray start` records its address in /tmp/ray/ray_current_cluster, and a later ray.init()
+    # without an address would try to join it after we stop it: put back what was there
+    current = Path("/tmp/ray/ray_current_cluster")
+    before = current.read_text() if current.is_file() else None
+    head = subprocess.Popen(
+        [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+         "--node-ip-address=127.0.0.1", "--include-dashboard=true", f"--dashboard-port={dash}",
+         "--dashboard-host=127.0.0.1"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        yield {"address": f"http://127.0.0.1:{dash}", "gcs": f"127.0.0.1:{port}", "env": env, "bin": ray_bin}
+        yield {"address": f"http://127.0.0.1:{dash}", "env": env, "bin": ray_bin, "log": tmp_path / "ray_head.log"}
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-                       capture_output=True, timeout=120)
+        try:
+            os.killpg(head.pid, signal.SIGTERM)
+            head.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(head.pid, signal.SIGKILL)
+        log.close()
+        if current.is_file() and f":{port}" in current.read_text():
+            if before is None:
+                current.unlink()
+            else:
+                current.write_text(before)
 
 
 @pytest.mark.slow
@@ -143,11 +164,14 @@ def test_ray_job_submit_batch_generate(ray_head, assets, tmp_path):
     t0 = time.time()
     while True:
         proc = subprocess.run(cmd, env=ray_head["env"], capture_output=True, text=True, timeout=600)
-        # a fresh head's job agent takes a while to come up on a loaded machine
-        if "No available agent" not in proc.stdout + proc.stderr or time.time() - t0 > 180:
+        # a fresh head's dashboard and job agent take a while to come up on a loaded machine
+        text = proc.stdout + proc.stderr
+        not_up = any(m in text for m in ("No available agent", "Connection refused", "Failed to connect",
+                                         "Max retries exceeded"))
+        if proc.returncode == 0 or not not_up or time.time() - t0 > 180:
             break
         time.sleep(5)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + ray_head["log"].read_text()[-2000:]
     assert "succeeded" in (proc.stdout + proc.stderr).lower()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["answered"] == 6 and manifest["executor"] == "ray"

@@ -4,7 +4,6 @@ sparsity, checkpoints bound to their index, and the Ray Train path."""
 from __future__ import annotations
 
 import hashlib
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -144,6 +143,7 @@ def test_schedule_levels():
     assert set(n1) == {4, 3, 2, 1} and n1[79] == 1
 
 
+@pytest.mark.slow
 def test_progressive_sparsity_hits_target(tok, tmp_path):
     idx = fake_index(tok, "text")
     sp = SparsityScheduleConfig(enabled=True, final_n=2, one_four_fraction=0.5, start_fraction=0.2,
@@ -195,7 +195,10 @@ def _tiny_corpus(tmp_path, n=24):
 
 @pytest.mark.slow
 def test_ray_train_one_worker_and_warm_start(tmp_path, tok):
-    pytest.importorskip("ray")
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        # a private local Ray: a bare ray.init() would join a `ray start` cluster left on the machine
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     from adbatch.clustering import ClusterConfig
     from adbatch.corpus import CorpusConfig
     from adbatch.index import IndexConfig, build_index, load_index
@@ -204,30 +207,33 @@ def test_ray_train_one_worker_and_warm_start(tmp_path, tok):
 
     ads, queries, titles = _tiny_corpus(tmp_path)
     cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
-                      cluster=ClusterConfig(branching=2, leaf_size=6), render=RenderConfig(scheme=IdScheme.CODES))
+                      cluster=ClusterConfig(branching=2, leaf_size=6), render=RenderConfig(scheme=IdScheme.TEXT))
     build_index(ads, tmp_path / "index", cfg, progress=False)
     index = load_index(tmp_path / "index")
     init = tmp_path / "init"
     tiny(tok).save_pretrained(init)
     tok.save_pretrained(init)
     job = TrainJobConfig(index=tmp_path / "index", out=tmp_path / "model", init_model=str(init), ads=ads,
-                         queries=queries, num_workers=1, use_gpu=False, num_cpus=1,
+                         queries=queries, num_workers=1, use_gpu=False,
                          train=TrainConfig(epochs=3, lr=3e-3, batch_tokens=2048, log_every=1))
     out = run_train(job)
-    assert out["index_hash"] == index.index_hash and out["scheme"] == "codes"
+    assert out["index_hash"] == index.index_hash and out["scheme"] == "text"
     assert out["examples_indexing"] == 24 and out["examples_retrieval"] == 2
     assert out["train_final_loss"] < out["train_first_loss"]
     rec = check_index_compat(tmp_path / "model", index)
-    assert rec["num_ads"] == 24
-    # warm start on a changed index (one more ad): the new record names both indexes
-    ads2, _, _ = _tiny_corpus(tmp_path / "v2" if (tmp_path / "v2").mkdir() is None else tmp_path, n=25)
+    assert rec["num_ads"] == 24 and rec["warm_started_from_index"] is None
+    # the nightly refresh: the corpus changed (one more ad) -> warm start from yesterday's model
+    (tmp_path / "v2").mkdir()
+    ads2, _, titles2 = _tiny_corpus(tmp_path / "v2", n=25)
     build_index(ads2, tmp_path / "index2", cfg, progress=False)
     index2 = load_index(tmp_path / "index2")
-    if index2.special_tokens == index.special_tokens:
-        _, _, summary = train_on_index(index2, tmp_path / "model2", TrainConfig(epochs=1, batch_tokens=2048),
-                                       ad_texts=dict(zip(range(1000, 1025), titles + ["extra"])),
-                                       init_model=tmp_path / "model", device="cpu", progress=False)
-        assert summary["warm_started_from_index"] == index.index_hash
-        assert check_index_compat(tmp_path / "model2", index2)["warm_started_from_index"] == index.index_hash
-        with pytest.raises(IndexMismatchError):
-            check_index_compat(tmp_path / "model2", index)
+    assert index2.index_hash != index.index_hash
+    _, _, summary = train_on_index(index2, tmp_path / "model2", TrainConfig(epochs=1, batch_tokens=2048),
+                                   ad_texts=dict(zip(range(1000, 1025), titles2)),
+                                   init_model=tmp_path / "model", device="cpu", progress=False)
+    assert summary["warm_started_from_index"] == index.index_hash
+    # yesterday's model already knows most of the index: its first loss is far below a fresh model's
+    assert summary["train"]["first_loss"] < out["train_first_loss"]
+    assert check_index_compat(tmp_path / "model2", index2)["warm_started_from_index"] == index.index_hash
+    with pytest.raises(IndexMismatchError):
+        check_index_compat(tmp_path / "model2", index)

@@ -14,7 +14,7 @@ ads are unknown falls back to the mean embedding of the base vocabulary.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 

@@ -1,0 +1,115 @@
+"""Creative generation on the shared KV-cache loop, and the real default model on a small trie."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from adbatch.config import ConfigError
+from adbatch.decoding import CreativeConfig, TargetSearchConfig, generate_creatives, search_targets
+from conftest import make_tiny_llama
+
+
+class _Tok:
+    """Minimal tokenizer: token t decodes to chr(ord('a') + t % 26); token 2 is EOS."""
+
+    eos_token_id = 2
+
+    def batch_decode(self, seqs, skip_special_tokens=True):
+        return ["".join("" if (t == 2 and skip_special_tokens) else chr(97 + t % 26) for t in s) for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_llama(vocab_size=40, seed=4)
+
+
+def _hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_hf_and_scores_are_mean_logprob(tiny):
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    cfg = CreativeConfig(strategy="greedy", max_new_tokens=6, stop_strings=["zzzz"], batch_size=2)
+    out = generate_creatives(tiny, _Tok(), prompts, cfg)
+    for prompt, [(text, score)] in zip(prompts, out):
+        toks = _hf_greedy(tiny, prompt, 6)
+        if 2 in toks:
+            toks = toks[: toks.index(2) + 1]
+        assert text == _Tok().batch_decode([toks])[0]
+        with torch.no_grad():
+            lp = torch.log_softmax(tiny(torch.tensor([prompt + toks])).logits.float(), -1)[0]
+        want = np.mean([float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(toks)])
+        assert score == pytest.approx(want, abs=1e-4)
+
+
+def test_stop_string_cuts_text(tiny):
+    prompts = [[5, 6, 7, 8]]
+    full = _Tok().batch_decode([_hf_greedy(tiny, prompts[0], 8)])[0]
+    stop = full[3:5]
+    cfg = CreativeConfig(strategy="greedy", max_new_tokens=8, stop_strings=[stop])
+    [(text, _)] = generate_creatives(tiny, _Tok(), prompts, cfg)[0]
+    assert text == full[: full.find(stop)]
+
+
+def test_sampling_is_seeded_and_beam_is_ranked(tiny):
+    prompts = [[5, 6, 7], [11, 12, 13, 14]]
+    cfg = CreativeConfig(strategy="sample", num_return=3, max_new_tokens=5, temperature=0.9, top_p=0.9,
+                         seed=7, stop_strings=["zzzz"])
+    a = generate_creatives(tiny, _Tok(), prompts, cfg)
+    b = generate_creatives(tiny, _Tok(), prompts, cfg)
+    assert a == b and all(len(x) == 3 for x in a)
+    beam = generate_creatives(tiny, _Tok(), prompts, CreativeConfig(strategy="beam", num_beams=4, num_return=3,
+                                                                    max_new_tokens=5, stop_strings=["zzzz"]))
+    for cands in beam:
+        assert 1 <= len(cands) <= 3
+        scores = [s for _, s in cands]
+        assert scores == sorted(scores, reverse=True)
+    greedy = generate_creatives(tiny, _Tok(), prompts, CreativeConfig(max_new_tokens=5, stop_strings=["zzzz"]))
+    # beam search keeps the greedy path among its hypotheses, so its best mean log-prob is not lower
+    # when both run to the same length without EOS
+    for g, bm in zip(greedy, beam):
+        if len(g[0][0]) == 5 and all(len(t) == 5 for t, _ in bm):
+            assert bm[0][1] >= g[0][1] - 1e-5
+
+
+def test_creative_config_validation():
+    with pytest.raises(ConfigError, match="num_return"):
+        CreativeConfig(strategy="greedy", num_return=2)
+    with pytest.raises(ConfigError, match="top_p"):
+        CreativeConfig(top_p=0.0)
+    with pytest.raises(ConfigError, match="stop_strings"):
+        CreativeConfig(stop_strings=[""])
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_real_model_small_trie_exact_and_creative():
+    from adbatch.models import load_causal_lm
+    from adbatch.prompts import encode_creative_prompt, encode_targeting_prompt
+    from adbatch.trie import Trie
+
+    model, tok = load_causal_lm()
+    titles = ["Behr Premium Plus Ultra exterior paint", "Behr interior eggshell paint", "DEWALT 20V drill",
+              "DEWALT 20V impact driver", "Husky 26 in. tool chest", "Ryobi 18V cordless drill kit",
+              "Rust-Oleum spray paint gloss black", "Glacier Bay bathroom faucet"]
+    seqs = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in titles]
+    trie = Trie.from_sequences(seqs)
+    prompts = [encode_targeting_prompt(tok, q) for q in ("paint for outside walls", "cordless drill")]
+    res = {m: search_targets(model, prompts, trie, TargetSearchConfig(num_beams=4, top_k=3, verify=m))
+           for m in ("off", "always")}
+    for q, prompt in enumerate(prompts):
+        for mode, r in res.items():
+            for row, score in zip(r.rows[q].tolist(), r.scores[q].tolist()):
+                with torch.no_grad():
+                    lp = torch.log_softmax(model(torch.tensor([prompt + seqs[row]])).logits.float(), -1)[0]
+                want = float(sum(lp[len(prompt) - 1 + j, t] for j, t in enumerate(seqs[row])))
+                assert score == pytest.approx(want, abs=2e-3), mode
+        assert (res["always"].scores[q] >= res["off"].scores[q] - 1e-3).all()
+    ad = {"advertiser": "Acme Paint", "description": "Exterior paint that lasts 20 years"}
+    [(text, score)] = generate_creatives(model, tok, [encode_creative_prompt(tok, ad)],
+                                         CreativeConfig(max_new_tokens=16))[0]
+    assert text.strip() and "\n" not in text and -10 < score < 0
