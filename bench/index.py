@@ -225,7 +225,7 @@ def home_depot_corpus(limit: int) -> Path:
     return path
 
 
-def embed_home_depot(chunk: int = 2048) -> dict:
+def embed_home_depot(chunk: int = 2048, partial: bool = False) -> dict:
     """MiniLM over all distinct titles in one process (2 torch threads), resumable by chunk.
 
     Separate from Ray so a Ray restart elsewhere on a shared machine cannot lose the work; the
@@ -246,7 +246,7 @@ def embed_home_depot(chunk: int = 2048) -> dict:
     stats = {"embedded_now": 0, "seconds_now": 0.0, "loads": []}
     for start in range(0, len(titles), chunk):
         part = parts_dir / f"{start:06d}.npy"
-        if part.is_file():
+        if part.is_file() or partial:
             continue
         t0 = time.perf_counter()
         vec = embed_texts(titles[start:start + chunk], cfg, model=model)
@@ -256,13 +256,17 @@ def embed_home_depot(chunk: int = 2048) -> dict:
         np.save(part, vec, allow_pickle=False)
         log.info("embedded %d/%d titles (%.1f titles/s so far, load %.1f)", start + vec.shape[0],
                  len(titles), stats["embedded_now"] / stats["seconds_now"], os.getloadavg()[0])
-    emb = np.concatenate([np.load(parts_dir / f"{s:06d}.npy", allow_pickle=False)
-                          for s in range(0, len(titles), chunk)])
+    # --partial: index only the titles embedded so far (a prefix of the product order)
+    done = [s for s in range(0, len(titles), chunk) if (parts_dir / f"{s:06d}.npy").is_file()]
+    done = [s for i, s in enumerate(done) if s == i * chunk]
+    emb = np.concatenate([np.load(parts_dir / f"{s:06d}.npy", allow_pickle=False) for s in done])
+    table = table.slice(0, emb.shape[0])
     pq.write_table(table.append_column(
         "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), emb.shape[1])), out)
     stats["titles"] = len(titles)
     stats["titles_per_s"] = round(stats["embedded_now"] / max(stats["seconds_now"], 1e-9), 1)
-    (WORK / "hd_embed_stats.json").write_text(json.dumps(stats))
+    if not partial:
+        (WORK / "hd_embed_stats.json").write_text(json.dumps(stats))
     return stats
 
 
@@ -322,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--workers", type=int, nargs="+", default=[2])
     h.add_argument("--limit", type=int, default=0, help="first N distinct titles (0 = all)")
     h.add_argument("--schemes", nargs="+", default=["text"])
-    sub.add_parser("embed-homedepot", help="MiniLM over all distinct titles (resumable)")
+    eh = sub.add_parser("embed-homedepot", help="MiniLM over all distinct titles (resumable)")
+    eh.add_argument("--partial", action="store_true",
+                    help="embed nothing; write the corpus of the titles embedded so far")
     e = sub.add_parser("homedepot-emb", help="index runs on the precomputed MiniLM vectors")
     e.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     e.add_argument("--schemes", nargs="+", default=["text", "codes"])
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in args.workers:
                 spawn(["homedepot", "0", str(w), scheme, "--limit", str(args.limit)])
     elif args.cmd == "embed-homedepot":
-        print(json.dumps(embed_home_depot()))
+        print(json.dumps(embed_home_depot(partial=args.partial)))
     elif args.cmd == "homedepot-emb":
         for scheme in args.schemes:
             for w in args.workers:

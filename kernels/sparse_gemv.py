@@ -341,7 +341,15 @@ def _nm_int4_gemv_kernel(
     for kk0 in range(k_lo, k_hi, BLOCK_KK):
         words = tl.load(qw_ptr + (kk0 // 8) * N + tile_off, mask=nm2, other=0)
         kk_w = kk0 + 8 * w_idx  # [W, 1] kept index of nibble 0 of each word
-        s, zs = _scale_zero(sz_ptr, gp0, gp_last, gsh, kk_w, nm2)
+        # one (scale, zero) per row and 32-value sub-block, gathered as [1, BLOCK_N] rows and spread
+        # over the 4 words of each sub-block by selects: a [W, BLOCK_N] gather here made Triton 3.6
+        # pick a transposed layout for it and shuttle 8 tiles per step through shared memory
+        s, zs = _scale_zero(sz_ptr, gp0, gp_last, gsh, kk0, nm2)
+        for b in tl.static_range(1, BLOCK_KK // 32):
+            s_b, zs_b = _scale_zero(sz_ptr, gp0, gp_last, gsh, kk0 + 32 * b, nm2)
+            in_b = w_idx >= 4 * b
+            s = tl.where(in_b, s_b, s)
+            zs = tl.where(in_b, zs_b, zs)
         c = -(zs + 1024.0 * s)  # w = (1024 + q) * s + c
         # dequantize the 8 nibbles: _dq_pair of words >> 4t yields nibbles t and t + 4
         v0, v4 = _dq_pair(words, ASM)

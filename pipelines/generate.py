@@ -360,9 +360,11 @@ def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> 
         runtime_env = {"env_vars": {FAULT_KILL_ENV: os.environ[FAULT_KILL_ENV]}}
     log.info("generate on Ray: %d actor(s), %s each, %d torch thread(s)", config.concurrency,
              resources, threads)
-    # one block per partition: answers then arrive (and partitions commit) as each one finishes
-    ds = ray.data.read_parquet([str(layout.work_file(i)) for i in pending], num_cpus=0.1,
-                               override_num_blocks=len(pending))
+    ds = ray.data.read_parquet([str(layout.work_file(i)) for i in pending], num_cpus=0.1)
+    # The reader may merge the small partition files into one block, and one block is one actor
+    # task whose answers only arrive when it ends. About one block per partition lets partitions
+    # commit (and survive a driver crash) as they finish. The split only moves request rows.
+    ds = ds.repartition(len(pending), shuffle=False)
     ds = ds.map_batches(
         GeneratorActor,
         fn_constructor_args=(config.task.value, dataclasses.asdict(config.spec),

@@ -22,5 +22,7 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
         log.info("joining Ray cluster at %s", address)
         ray.init(address=address, log_to_driver=True)
     else:
+        # address="local" always starts a fresh in-process cluster; a bare ray.init() would
+        # silently join a stray `ray start` head left on the machine.
         log.info("starting local Ray with num_cpus=%s", num_cpus)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
