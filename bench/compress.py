@@ -11,14 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
+from pathlib import Path
 
-import torch
+# run as a script, sys.path[0] is bench/, whose kernels.py would shadow the kernels package
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from adbatch.compress.calibration import calibrate, example_corpus_split, load_calibration_texts, token_blocks
-from adbatch.compress.report import EvalSets, ablation_variants, run_ablations
-from adbatch.models import load_causal_lm
-from pipelines.compress import CompressJobConfig
+import torch  # noqa: E402
+
+from adbatch.compress.calibration import calibrate, example_corpus_split, load_calibration_texts, token_blocks  # noqa: E402
+from adbatch.compress.report import EvalSets, ablation_variants, run_ablations  # noqa: E402
+from adbatch.models import load_causal_lm  # noqa: E402
+from pipelines.compress import CompressJobConfig  # noqa: E402
 
 
 def main() -> None:

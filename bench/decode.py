@@ -162,13 +162,13 @@ def run_method(model, trie: Trie, qs: list[list[int]], method: str, beams: int, 
 def sweep(model, trie: Trie, queries: list[list[int]], points: list[tuple[int, int]], eos: int, pad: int,
           cost: CostModel, scheme: str, out_rows: list[dict], budget_s: float, t_start: float,
           methods: tuple[str, ...] = ("hf", "off", "auto"), repeats: int = 1,
-          profile: bool = False) -> None:
+          profile: bool = False, q1_queries: int = 4) -> None:
     for beams, qbatch in points:
         if time.perf_counter() - t_start > budget_s:
             log.warning("time budget reached; skipping remaining points")
             return
         k = min(beams, 10)
-        n_q = max(qbatch, 4) if qbatch == 1 else qbatch
+        n_q = max(qbatch, q1_queries) if qbatch == 1 else qbatch
         qs = queries[:n_q]
         res: dict[str, dict] = {}
         # Best of `repeats`, the method order rotated each repeat: on the H200 the method run right
@@ -356,12 +356,14 @@ def run_cpu_bench(args) -> list[dict]:
     trie = Trie.from_sequences(seqs)
     log.info("HD trie: %s", trie)
     queries = [encode_targeting_prompt(tok, q) for q in qtexts]
-    cost = load_or_calibrate(model, rows=(1, 4, 16, 64), tokens=(16, 64, 256, 1024), repeats=2)
+    # small calibration: the shared 2-core CPU is slow (context 32, up to 32 rows / 512 tokens)
+    cost = load_or_calibrate(model, rows=(1, 8, 32), tokens=(16, 128, 512), context_len=32, repeats=1)
     log.info("calibration: %s", cost.to_dict())
     rows: list[dict] = []
-    sweep(model, trie, queries, [(4, 1)], eos, pad, cost, "text-hd", [], 1e9, time.perf_counter())  # warm-up
+    sweep(model, trie, queries, [(4, 1)], eos, pad, cost, "text-hd", [], 1e9, time.perf_counter(),
+          q1_queries=1)  # warm-up
     sweep(model, trie, queries, args.points, eos, pad, cost, "text-hd", rows, args.budget_s, t_start,
-          repeats=args.repeats, profile=args.profile)
+          repeats=args.repeats, profile=args.profile, q1_queries=args.q1_queries)
     return rows
 
 
@@ -375,6 +377,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per point (best kept)")
     ap.add_argument("--profile", action="store_true", help="phase timings of ours (syncs per phase)")
     ap.add_argument("--check", action="store_true", help="gpu: fp32 exactness check first")
+    ap.add_argument("--q1-queries", type=int, default=4, help="queries timed one at a time at batch 1")
     ap.add_argument("--smoke", action="store_true", help="gpu path with a tiny model on the CPU")
     ap.add_argument("--titles", type=int, default=5000)
     ap.add_argument("--points", type=lambda s: [tuple(map(int, p.split("x"))) for p in s.split(",")],

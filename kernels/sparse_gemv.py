@@ -3,10 +3,15 @@
 Two kernels, specialised by constexprs, read the packed format directly (no unpacked copy):
 
 - ``NKEEP`` = n of the n:4 pattern (4 = dense INT4, 2 = 2:4, 1 = 1:4).
-- ``USE_DOT`` = False: the *GEMV* path for B <= 4 (:func:`_nm_int4_gemv_kernel`). Each kept value is
-  dequantized once and multiplied with the activation it meets: the 4 activations of its column group
-  are loaded once per tile row and the one at ``pos`` is picked with two bit tests and three selects,
-  so pruned zeros are never materialised and there is no per-value gather.
+- ``USE_DOT`` = False: the *GEMV* path, batch tiles of <= 4 rows (:func:`_nm_int4_gemv_kernel`; the
+  tuner also tries it for 5-8 rows as two tiles). Each kept value is dequantized once and multiplied
+  with the activation it meets. Dequantization is the fp16 magic-number trick (one ``lop3`` turns two
+  nibbles into the fp16 pair ``1024 + q``, a ``cvt`` each to fp32, one FFMA with the 1024 offset folded
+  into the per-group constant). For n:4 the 4 activations of a column group arrive as one 8-byte load
+  (shared by the tile rows a thread holds) and one ``prmt`` picks the pair (2:4) or value (1:4) at
+  the stored positions, with byte selectors built for 4 positions at a time; pruned zeros are never
+  materialised. The PTX runs through ``tl.inline_asm_elementwise`` on the GPU; under the interpreter
+  the constexpr ``ASM`` selects a bit-exact integer emulation (same masks and selectors).
 - ``USE_DOT`` = True: the *tensor-core* path for larger B (:func:`_nm_int4_dot_kernel`). The kept
   tile is dequantized, scattered into a dense ``[4 * BLOCK_KK / n, BLOCK_N]`` tile in registers
   (compare-and-select on the 2-bit positions) and fed to ``tl.dot`` with an x tile of ``BLOCK_B``
@@ -45,7 +50,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-GEMV_MAX_BATCH = 4  # largest bucket that may use the GEMV (no tensor core) path
+GEMV_MAX_BATCH = 4  # largest batch tile of the GEMV (no tensor core) kernel
+GEMV_TUNE_MAX_BATCH = 8  # largest bucket whose tuner also times GEMV configs (several batch tiles)
 
 
 @triton.jit
@@ -557,7 +563,7 @@ def heuristic_config(p: PackedNMInt4, batch: int, num_sms: int) -> KernelConfig:
     bucket = batch_bucket(batch)
     use_dot = bucket > GEMV_MAX_BATCH
     block_b = max(16, bucket) if use_dot else bucket
-    block_kk = max(32, 128 * p.pattern.n // 4) if use_dot else 64
+    block_kk = max(32, 128 * p.pattern.n // 4) if use_dot else 32
     block_n = 64
     n_bblocks = triton.cdiv(batch, block_b)
     split = _split_for(p, block_n, block_kk, n_bblocks, num_sms)
@@ -572,9 +578,12 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
     """
     bucket = batch_bucket(batch)
     out: list[KernelConfig] = []
-    if bucket <= GEMV_MAX_BATCH:
-        for block_n, block_kk, warps in ((32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8)):
-            out += _with_splits(p, batch, KernelConfig(bucket, block_n, block_kk, 1, False, warps), num_sms)
+    if bucket <= GEMV_TUNE_MAX_BATCH:
+        # GEMV tiles with <= 72 registers/thread under Triton 3.6 (round 2 SASS); bucket 8 runs two
+        # 4-row batch tiles, which re-read the weight tile from L2 but skip the densify of the dot path
+        for block_n, block_kk, warps in ((64, 32, 4), (64, 64, 4), (128, 64, 8), (32, 128, 4)):
+            cfg = KernelConfig(min(bucket, GEMV_MAX_BATCH), block_n, block_kk, 1, False, warps)
+            out += _with_splits(p, batch, cfg, num_sms)
     kk128 = 128 * p.pattern.n // 4  # kept values whose dense tile is 128 columns wide
     # 32- and 64-row buckets also try 16-row tiles: each batch tile re-reads the weights from L2
     for block_b in sorted({max(16, bucket), 16}):
@@ -754,8 +763,23 @@ def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tu
     return best[1], best[0] * 1e3
 
 
+# (pattern, N, K, dtype, batch bucket, device, autotune flag) -> config: one dict lookup per call, no
+# env/JSON/string work after the first call for a shape (host time is most of a small GEMV)
+_FAST: dict[tuple, KernelConfig] = {}
+
+
 def select_config(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> KernelConfig:
     """Cached tuned config, tuning on a miss (CUDA, ``ADBATCH_NM_INT4_AUTOTUNE`` != 0), else heuristic."""
+    fast_key = (p.pattern, p.out_features, p.in_features, x2.dtype, batch_bucket(x2.shape[0]), x2.device,
+                os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1"))
+    cfg = _FAST.get(fast_key)
+    if cfg is None:
+        cfg = _select_config_slow(x2, p, bias)
+        _FAST[fast_key] = cfg
+    return cfg
+
+
+def _select_config_slow(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> KernelConfig:
     batch = x2.shape[0]
     if not x2.is_cuda or os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1") == "0":
         return heuristic_config(p, batch, _num_sms(x2.device))

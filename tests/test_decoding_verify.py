@@ -74,7 +74,7 @@ def test_cost_model_interpolation_and_json(tmp_path):
     path = tmp_path / "c.json"
     cm.save(path)
     assert CostModel.load(path) == cm
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
     with pytest.raises(ValueError, match="ascending"):
         CostModel([4, 2], [1.0, 1.0], [1], [1.0])
 

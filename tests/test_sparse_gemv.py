@@ -133,3 +133,43 @@ def test_rejects_cpu_without_interpreter(monkeypatch):
     p = random_packed(8, 64, SparsityPattern.DENSE)
     with pytest.raises(ValueError, match="CUDA"):
         sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p)
+
+
+@pytest.mark.parametrize("pattern", [SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR])
+def test_gemv_two_batch_tiles_and_misaligned_rows(pattern):
+    """Bucket 8 on the GEMV kernel (two 4-row tiles, the tuner's extra candidate), with x rows that
+    are not 8-byte aligned (a column slice): the launcher copies them for the int64 group loads."""
+    p = random_packed(24, 136, pattern, generator=torch.Generator().manual_seed(21))
+    g = torch.Generator().manual_seed(22)
+    wide = (torch.randn(7, 137, generator=g) + 0.1).half()
+    x = wide[:, 1:]  # stride 137, data offset 2 bytes
+    assert x.stride(0) % 4 and x.data_ptr() % 8
+    ref = nm_int4_linear_reference(x.double(), p)
+    y = sg.nm_int4_linear_triton(x, p, config=sg.KernelConfig(4, 16, 32, 1, False))
+    assert _rel_err(y, ref) < TOL[torch.float16]
+
+
+def test_selector_and_prmt_emulation():
+    """The prmt selectors the GEMV kernel builds pick x[p] for every position (checked on all 256
+    combinations of four 2-bit positions, through the same emulation the interpreter runs)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _k(pp_ptr, lo_ptr, hi_ptr, out_ptr):
+        i = tl.arange(0, 256)
+        pp = tl.load(pp_ptr + i)
+        sel = sg._selectors4(pp)
+        lo = tl.load(lo_ptr + i * 0)
+        hi = tl.load(hi_ptr + i * 0)
+        for u in tl.static_range(4):
+            v = sg._pick1(lo, hi, sel >> (8 * u), False, False)
+            tl.store(out_ptr + i * 4 + u, v)
+
+    xs = torch.tensor([1.5, -2.25, 3.0, 0.125], dtype=torch.float16)
+    words = xs.view(torch.int32)
+    pp = torch.arange(256, dtype=torch.int32)
+    out = torch.empty(256 * 4, dtype=torch.float32)
+    _k[(1,)](pp, words[:1].clone(), words[1:].clone(), out)
+    pos = torch.stack([(pp >> (2 * u)) & 3 for u in range(4)], dim=1).reshape(-1)
+    assert torch.equal(out, xs.float()[pos.long()])

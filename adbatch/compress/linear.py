@@ -24,7 +24,7 @@ from torch import nn
 from adbatch.compress.calibration import CalibrationStats, LayerStats, compressible_linears
 from adbatch.compress.quantization import quantize_rows
 from adbatch.compress.recipe import (
-    CompressConfig, CompressionRecipe, GroupPolicy, LayerRecipe, PatternPolicy, ScoreMethod,
+    CompressConfig, CompressionRecipe, LayerRecipe, PatternPolicy, ScoreMethod,
 )
 from adbatch.compress.sparsity import (
     LayerImportance, allocate_patterns, element_scores, interleaved_patterns, kept_positions, nm_mask,

@@ -14,7 +14,7 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
