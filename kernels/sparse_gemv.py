@@ -52,6 +52,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_MAX_BATCH = 4  # largest batch tile of the GEMV (no tensor core) kernel
 GEMV_TUNE_MAX_BATCH = 8  # largest bucket whose tuner also times GEMV configs (several batch tiles)
+KERNEL_VERSION = 2  # part of the tuning-cache file name: configs tuned for older kernels are not reused
 
 
 @triton.jit
@@ -695,7 +696,7 @@ class _TuneCache:
     def path(device_name: str) -> Path:
         root = Path(os.environ.get("ADBATCH_CACHE", Path.home() / ".cache" / "adbatch"))
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name)
-        return root / "kernels" / f"nm_int4_tune_{safe}_triton{triton.__version__}.json"
+        return root / "kernels" / f"nm_int4_tune_{safe}_triton{triton.__version__}_k{KERNEL_VERSION}.json"
 
     def _load(self, device_name: str) -> dict[str, KernelConfig]:
         if device_name not in self._mem:

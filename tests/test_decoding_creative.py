@@ -103,7 +103,7 @@ def test_real_model_small_trie_exact_and_creative():
            for m in ("off", "always")}
     for q, prompt in enumerate(prompts):
         for mode, r in res.items():
-            for row, score in zip(r.rows[q].tolist(), r.scores[q].tolist()):
+            for row, score in zip(r.rows[q].tolist()[:2], r.scores[q].tolist()[:2]):
                 with torch.no_grad():
                     lp = torch.log_softmax(model(torch.tensor([prompt + seqs[row]])).logits.float(), -1)[0]
                 want = float(sum(lp[len(prompt) - 1 + j, t] for j, t in enumerate(seqs[row])))
@@ -111,5 +111,5 @@ def test_real_model_small_trie_exact_and_creative():
         assert (res["always"].scores[q] >= res["off"].scores[q] - 1e-3).all()
     ad = {"advertiser": "Acme Paint", "description": "Exterior paint that lasts 20 years"}
     [(text, score)] = generate_creatives(model, tok, [encode_creative_prompt(tok, ad)],
-                                         CreativeConfig(max_new_tokens=16))[0]
+                                         CreativeConfig(max_new_tokens=12))[0]
     assert text.strip() and "\n" not in text and -10 < score < 0
