@@ -486,11 +486,16 @@ def _nm_int4_dot_kernel(
             wg = tl.reshape(w, [BLOCK_G, NKEEP, BLOCK_N])
             pg = tl.reshape(pos, [BLOCK_G, NKEEP, BLOCK_N])
             slot = tl.arange(0, 4)
-            d = tl.where(pg[:, :, None, :] == slot[None, None, :, None], wg[:, :, None, :], 0.0)
             if NKEEP == 1:
+                d = tl.where(pg[:, :, None, :] == slot[None, None, :, None], wg[:, :, None, :], 0.0)
                 dense = tl.reshape(d, [BLOCK_G * 4, BLOCK_N])
             else:
-                dense = tl.reshape(tl.sum(d, axis=1), [BLOCK_G * 4, BLOCK_N])
+                # 2:4 keeps p0 < p1, so each dense slot takes w0, w1 or 0: two selects, no sum
+                w0, w1 = tl.split(tl.permute(wg, [0, 2, 1]))
+                p0, p1 = tl.split(tl.permute(pg, [0, 2, 1]))
+                s3 = slot[None, :, None]
+                dense = tl.where(p0[:, None, :] == s3, w0[:, None, :], tl.where(p1[:, None, :] == s3, w1[:, None, :], 0.0))
+                dense = tl.reshape(dense, [BLOCK_G * 4, BLOCK_N])
             offs_k = (kk0 // NKEEP) * 4 + tl.arange(0, BLOCK_G * 4)
             xt = tl.load(
                 x_ptr + offs_b[:, None] * stride_xb + offs_k[None, :],
