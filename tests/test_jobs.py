@@ -132,7 +132,13 @@ def ray_head(tmp_path):
     head = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
          "--node-ip-address=127.0.0.1", "--include-dashboard=true", f"--dashboard-port={dash}",
-         "--dashboard-host=127.0.0.1"],
+         "--dashboard-host=127.0.0.1",
+         # the job agent's default ports (52365, ...) may be held by an in-process Ray that an
+         # earlier test in this pytest process started; a head whose agent can't bind answers
+         # every submission with "No available agent"
+         f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+         f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+         f"--ray-client-server-port={_free_port()}"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield {"address": f"http://127.0.0.1:{dash}", "env": env, "bin": ray_bin, "log": tmp_path / "ray_head.log"}
