@@ -40,6 +40,8 @@ class CompressJobConfig(ConfigBase):
     num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
     use_ray: bool = dataclasses.field(default=True, metadata={
         "help": "run per-layer work as Ray tasks (false = the in-process loop; same result)"})
+    keep_training_masks: bool = dataclasses.field(default=True, metadata={
+        "help": "keep the N:M masks a training run saved beside the model (nm_masks.safetensors)"})
 
     def validate(self) -> None:
         if self.eval_texts < 1:
@@ -121,7 +123,14 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         with timer.phase("ablations"):
             ablations = run_ablations(model, stats, sets, config.compress, executor)
     with timer.phase("compress"):
-        recipe = compress_(model, config.compress, stats, executor)
+        masks = None
+        if config.keep_training_masks:
+            from adbatch.training.checkpoint import load_masks
+
+            masks = load_masks(resolve_model(config.model)) or None
+            if masks:
+                log.info("keeping %d N:M masks learned in training", len(masks))
+        recipe = compress_(model, config.compress, stats, executor, masks=masks)
     with timer.phase("eval_compressed"):
         # a dequantized copy holds exactly the packed values (tests/test_compress_checkpoint.py checks
         # it against the CompressedLinear forward) and evaluates ~2x faster than unpacking per call

@@ -83,6 +83,8 @@ class LayerInput:
     weight: torch.Tensor
     bias: torch.Tensor | None
     stats: LayerStats | None
+    #: a fixed N:M mask bool [N, K] (e.g. learned by progressive sparsity in training): kept as is
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -132,6 +134,21 @@ def _scores(item: LayerInput, config: CompressConfig) -> torch.Tensor:
     return element_scores(item.weight, act_norm, grad_abs, method, config.grad_weight)
 
 
+def pattern_of_mask(name: str, mask: torch.Tensor) -> SparsityPattern:
+    """The N:M pattern of a fixed mask bool ``[N, K]``; every group of 4 must keep the same n."""
+    n_out, k_in = mask.shape
+    if k_in % M:
+        raise ValueError(f"mask of {name}: in_features {k_in} is not a multiple of {M}")
+    kept = mask.reshape(n_out, k_in // M, M).sum(-1)
+    n = int(kept.flatten()[0])
+    if not bool((kept == n).all()):
+        raise ValueError(f"mask of {name} is not N:{M}: groups keep {sorted(set(kept.unique().tolist()))} values")
+    for pattern in SparsityPattern:
+        if pattern.n == n:
+            return pattern
+    raise ValueError(f"mask of {name} keeps {n} of every {M}: no packed format for that pattern")
+
+
 def _sparsifiable(item: LayerInput) -> bool:
     return item.weight.shape[1] % M == 0
 
@@ -164,7 +181,9 @@ def compress_layer(item: LayerInput, plan: tuple[SparsityPattern, CompressConfig
     n_out, k_in = weight.shape
     st = item.stats
     if pattern.is_sparse:
-        pos = kept_positions(_scores(item, config), pattern.n)  # uint8 [N, Kk]
+        # a fixed mask has exactly n ones per group, so ranking it selects exactly its positions
+        scores = item.mask.float() if item.mask is not None else _scores(item, config)
+        pos = kept_positions(scores, pattern.n)  # uint8 [N, Kk]
         kk = torch.arange(pos.shape[1])
         cols = (kk // pattern.n).unsqueeze(0) * M + pos.to(torch.int64)  # [N, Kk]
         values = weight.gather(1, cols)
@@ -213,7 +232,8 @@ def _needs_analysis(config: CompressConfig) -> bool:
 
 
 def compress_(model: nn.Module, config: CompressConfig, stats: CalibrationStats | None = None,
-              executor: LayerExecutor | None = None) -> CompressionRecipe:
+              executor: LayerExecutor | None = None,
+              masks: dict[str, torch.Tensor] | None = None) -> CompressionRecipe:
     """Compress every compressible ``nn.Linear`` of ``model`` in place (-> :class:`CompressedLinear`).
 
     Args:
@@ -222,6 +242,9 @@ def compress_(model: nn.Module, config: CompressConfig, stats: CalibrationStats 
         stats: calibration statistics (required unless the config needs none: magnitude score or
             dense patterns, uniform groups).
         executor: where per-layer work runs (default: in-process loop).
+        masks: fixed N:M masks bool ``[N, K]`` by layer name (the training stage's
+            ``nm_masks.safetensors``): those layers keep their mask and its pattern; the pattern
+            policy decides only the others.
     Returns: the :class:`CompressionRecipe` (per layer: pattern, group sizes, importance, bytes).
     """
     executor = executor or SequentialExecutor()
@@ -239,9 +262,20 @@ def compress_(model: nn.Module, config: CompressConfig, stats: CalibrationStats 
             name=name, weight=m.weight.detach().to("cpu", torch.float32),
             bias=None if m.bias is None else m.bias.detach().to("cpu"),
             stats=None if stats is None else stats.layers[name],
+            mask=None if masks is None or name not in masks else masks[name].to("cpu", torch.bool),
         )
         for name, m in linears.items()
     ]
+    fixed: dict[str, SparsityPattern] = {}
+    for item in items:
+        if item.mask is not None:
+            if tuple(item.mask.shape) != tuple(item.weight.shape):
+                raise ValueError(f"mask of {item.name} has shape {tuple(item.mask.shape)}, "
+                                 f"weight has {tuple(item.weight.shape)}")
+            fixed[item.name] = pattern_of_mask(item.name, item.mask)
+    unknown = sorted(set(masks or {}) - set(linears))
+    if unknown:
+        raise ValueError(f"masks given for layers the model does not compress: {unknown[:5]}")
     handles = executor.put(items)
     analyses: list[LayerAnalysis] | None = None
     if stats is not None or _needs_analysis(config):
@@ -250,6 +284,7 @@ def compress_(model: nn.Module, config: CompressConfig, stats: CalibrationStats 
     else:
         plan = plan_patterns(
             [LayerAnalysis(LayerImportance(x.name, x.weight.numel(), {}, _sparsifiable(x)), {}) for x in items], config)
+    plan.update(fixed)
     results: list[LayerResult] = executor.map(
         compress_layer, handles, [(plan[x.name], config) for x in items], "quantize+pack")
     layers = []
