@@ -8,7 +8,6 @@ plain run a local Ray starts in-process. ``main(argv)`` returns the run summary 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,19 +19,9 @@ from pipelines.generate import GenerateJobConfig, run_generate
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    import argparse
+    from jobs.config_cli import parse_job_config
 
-    from jobs.config_cli import add_config_arguments, config_from_args
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", metavar="FILE", help="TOML or YAML config; CLI flags override it")
-    parser.add_argument("--log-level", default="INFO")
-    add_config_arguments(parser, GenerateJobConfig)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(GenerateJobConfig, args, section="generate")
-    return run_generate(config)
+    return run_generate(parse_job_config(GenerateJobConfig, argv, "generate", __doc__.splitlines()[0]))
 
 
 if __name__ == "__main__":

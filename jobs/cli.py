@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
 import sys
 from typing import Any, Callable
 
-from jobs.config_cli import add_config_arguments, config_from_args
+from jobs.config_cli import add_common_arguments, add_config_arguments, config_from_args, setup_logging
 
 #: subcommand -> (module, config class, run function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -44,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, _, _, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--config", metavar="FILE", help="YAML or TOML config; CLI flags override it")
-        p.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+        add_common_arguments(p)
         try:
             cls, _ = _load(name)
         except ImportError as exc:  # the stage's module is unavailable in this install
@@ -58,10 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     cls, run = _load(args.command)
     config = config_from_args(cls, args, section=args.command)
     result = run(config)

@@ -95,3 +95,29 @@ def config_from_args(
             continue
         _set_nested(data, key, value)
     return cls.from_dict(data)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and ``--log-level``, shared by every entrypoint."""
+    parser.add_argument("--config", metavar="FILE", help="YAML or TOML config; CLI flags override it")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+
+
+def setup_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), format=LOG_FORMAT)
+
+
+def parse_job_config(cls: type[ConfigBase], argv: list[str] | None, section: str,
+                     description: str) -> ConfigBase:
+    """The whole entrypoint front: parse ``argv`` for ``cls``, set up logging, build the config."""
+    parser = argparse.ArgumentParser(description=description)
+    add_common_arguments(parser)
+    add_config_arguments(parser, cls)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    return config_from_args(cls, args, section=section)

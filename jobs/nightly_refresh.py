@@ -26,7 +26,7 @@ from typing import Any, Callable
 if __package__ in (None, ""):  # run as a script (``python jobs/nightly_refresh.py`` / ray job submit)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adbatch.artifacts import read_manifest, sha256_file, sha256_json, sha256_paths, write_json_atomic
+from adbatch.artifacts import sha256_file, sha256_json, sha256_paths, write_json_atomic
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.compress import CalibrationConfig, CompressConfig
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
@@ -268,7 +268,6 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
             inputs["calib"] = sha256_file(comp_job.calib)
         runner.run(Stage.COMPRESS, comp_job, inputs, compressed_dir / "manifest.json",
                    lambda: run_compress(comp_job))
-        _carry_training_record(model_dir, compressed_dir)
     use_compressed = compressed_dir is not None and gen.use is GenerateWith.COMPRESSED
     serve_in = sha256_file(compressed_dir / "manifest.json") if use_compressed else model_in
 
@@ -326,36 +325,11 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
     return summary
 
 
-def _carry_training_record(model_dir: str | None, compressed_dir: Path) -> None:
-    """Make the compressed checkpoint carry the index binding of the model it was made from.
-
-    The compress stage does not copy ``adbatch_training.json``; without it, the generate stage could
-    not check the compressed model against its index. The record is copied verbatim (it is not
-    part of the checkpoint's hashed shards, so the checkpoint still verifies).
-    """
-    if model_dir is None:
-        return
-    src = Path(model_dir) / "adbatch_training.json"
-    dst = compressed_dir / "adbatch_training.json"
-    if src.is_file() and (not dst.is_file() or dst.read_bytes() != src.read_bytes()):
-        write_json_atomic(dst, json.loads(src.read_text()))
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Entry point for ``python jobs/nightly_refresh.py`` / ``ray job submit``; returns the summary."""
-    import argparse
+    from jobs.config_cli import parse_job_config
 
-    from jobs.config_cli import add_config_arguments, config_from_args
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", metavar="FILE", help="TOML or YAML config; CLI flags override it")
-    parser.add_argument("--log-level", default="INFO")
-    add_config_arguments(parser, RefreshConfig)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(RefreshConfig, args, section="refresh")
-    return run_refresh(config)
+    return run_refresh(parse_job_config(RefreshConfig, argv, "refresh", __doc__.splitlines()[0]))
 
 
 if __name__ == "__main__":

@@ -147,8 +147,14 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
     else:
         inputs["calibration_corpus"] = sha256_file(calib_cfg.path)
     with timer.phase("save"):
-        manifest = save_compressed(model, tok, recipe, out, extra_manifest={
-            "job_config": config.to_dict(), "source_inputs": inputs, "quality": quality, "sizes": sizes})
+        extra = {"job_config": config.to_dict(), "source_inputs": inputs, "quality": quality, "sizes": sizes}
+        # a model trained on an index stays bound to it after compression (generation checks this)
+        from adbatch.training.checkpoint import read_training_record
+
+        record = read_training_record(src)
+        if record is not None:
+            extra["trained_on_index"] = record["trained_on_index"]
+        manifest = save_compressed(model, tok, recipe, out, extra_manifest=extra)
     with timer.phase("report"):
         plots = plot_layers(recipe, out)
         info = {"model": config.model or "default (SmolLM2-135M-Instruct)", "eval_tokens": sets.info()}

@@ -61,3 +61,20 @@ def make_tiny_llama(vocab_size: int = 512, hidden: int = 64, layers: int = 2, se
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One private in-process Ray per test module, shut down after it.
+
+    ``address="local"`` always starts a fresh cluster: a bare ``ray.init()`` would join a
+    ``ray start`` head left on the machine. Shutting it down keeps its agents' ports free for tests
+    that start their own head.
+    """
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+    yield ray
+    if started:
+        ray.shutdown()

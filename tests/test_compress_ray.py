@@ -12,18 +12,6 @@ from adbatch.compress import CalibrationConfig, CompressConfig, CompressedLinear
 from conftest import make_tiny_llama
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    from pipelines.ray_runtime import init_ray
-
-    started = not ray.is_initialized()
-    init_ray(num_cpus=2)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.parametrize("config", [
     CompressConfig(),  # full recipe: paper score, layer-adaptive, adaptive groups
     CompressConfig(pattern_policy="uniform", group_policy="uniform", score="wanda"),

@@ -19,20 +19,6 @@ SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off"}
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        # address="local": always a fresh in-process Ray, never a head some other process started
-        # on this machine (ray.init() without an address joins the last `ray start` cluster)
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen_ray_assets")
     return {"model": tiny_model_dir(root), "index": tiny_index_dir(root)}
@@ -45,7 +31,7 @@ def _cfg(assets, requests, out, executor):
                                 progress=False)
 
 
-def test_actor_killed_mid_run_every_request_answered_once(ray_session, assets, tmp_path, monkeypatch):
+def test_actor_killed_mid_run_every_request_answered_once(ray_local, assets, tmp_path, monkeypatch):
     req = target_requests(tmp_path / "req.parquet", n=24)
     flag = tmp_path / "kill-once.flag"
     flag.write_text("kill one generation actor")

@@ -171,18 +171,6 @@ def test_home_depot_slice_with_minilm(tmp_path, home_depot_csv):
 
 
 # --------------------------------------------------------------------------- Ray (one start)
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    from pipelines.ray_runtime import init_ray
-
-    started = not ray.is_initialized()
-    init_ray(num_cpus=2)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def test_ray_clustering_equals_sequential(ray_local):
     from pipelines.index import cluster_on_ray
 

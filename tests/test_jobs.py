@@ -15,24 +15,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from test_generate_support import target_requests, tiny_corpus, tiny_index_dir, tiny_model_dir
+from test_generate_support import target_requests, tiny_index_dir, tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SEARCH = {"num_beams": 2, "top_k": 2, "verify": "off"}
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        # address="local": always a fresh in-process Ray, never a head some other process started
-        # on this machine (ray.init() without an address joins the last `ray start` cluster)
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +41,7 @@ def _refresh_config(assets, work, requests):
     })
 
 
-def test_refresh_skips_unchanged_stages(ray_session, assets, tmp_path):
+def test_refresh_skips_unchanged_stages(ray_local, assets, tmp_path):
     from jobs.nightly_refresh import run_refresh
 
     req = target_requests(tmp_path / "req.parquet", n=6)
@@ -92,7 +78,7 @@ def test_refresh_skips_unchanged_stages(ray_session, assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_batch_generate_main_in_process(ray_session, assets, tmp_path):
+def test_batch_generate_main_in_process(ray_local, assets, tmp_path):
     from jobs.batch_generate import main
 
     req = target_requests(tmp_path / "req.parquet", n=5)

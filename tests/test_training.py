@@ -194,11 +194,7 @@ def _tiny_corpus(tmp_path, n=24):
 
 
 @pytest.mark.slow
-def test_ray_train_one_worker_and_warm_start(tmp_path, tok):
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        # a private local Ray: a bare ray.init() would join a `ray start` cluster left on the machine
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
+def test_ray_train_one_worker_and_warm_start(tmp_path, tok, ray_local):
     from adbatch.clustering import ClusterConfig
     from adbatch.corpus import CorpusConfig
     from adbatch.index import IndexConfig, build_index, load_index
