@@ -62,6 +62,43 @@ def evaluate_targeting(
     return out
 
 
+def generative_ranker(model: Any, tokenizer: Any, index: Any, *, num_beams: int = 10, top_k: int = 10,
+                      batch_size: int = 64) -> Ranker:
+    """A :data:`Ranker` that decodes ad ids with ``model`` over ``index``'s trie (trie-constrained
+    beam search, ``verify=off`` so the ranking is plain beam search's)."""
+    import torch
+
+    from adbatch.decoding import TargetSearchConfig, VerifyMode, search_targets
+    from adbatch.prompts import encode_targeting_prompt
+
+    cfg = TargetSearchConfig(num_beams=num_beams, top_k=top_k, verify=VerifyMode.OFF, batch_size=batch_size)
+    ad_ids = index.ad_ids
+
+    def rank(batch: list[str]) -> list[list[Hashable]]:
+        prompts = [encode_targeting_prompt(tokenizer, q) for q in batch]
+        with torch.inference_mode():
+            res = search_targets(model, prompts, index.trie, cfg)
+        return [[ad_ids[r] for r in row if r >= 0] for row in res.rows.tolist()]
+
+    return rank
+
+
+def validation_metric(tokenizer: Any, index: Any, qrels: Mapping[str, Mapping[Hashable, float]], *,
+                      metric: str = "recall@10", num_beams: int = 10, max_queries: int | None = None,
+                      batch_size: int = 64) -> Callable[[Any], float]:
+    """``evaluate(model) -> float`` for training's model selection: ``metric`` of generative
+    targeting over validation ``qrels`` (never the test split)."""
+
+    def evaluate(model: Any) -> float:
+        rank = generative_ranker(model, tokenizer, index, num_beams=num_beams, batch_size=batch_size)
+        report = evaluate_targeting(rank, qrels, batch_size=batch_size, max_queries=max_queries)
+        if metric not in report:
+            raise KeyError(f"unknown validation metric {metric!r}; have {sorted(report)}")
+        return float(report[metric])
+
+    return evaluate
+
+
 class SearchBackend(str, enum.Enum):
     FAISS = "faiss"  #: faiss.IndexFlatIP (exact)
     TORCH = "torch"  #: matmul + topk (exact; used where faiss is absent)

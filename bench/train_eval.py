@@ -78,8 +78,9 @@ def prepare(args: argparse.Namespace) -> None:
         }), corpus)
         pq.write_table(data.catalogue, out / f"titles_{name}.parquet")
         pq.write_table(data.labelled_table(QuerySplit.TRAIN), out / f"train_{name}.parquet")
-        qrels = {q: {str(a): g for a, g in grades.items()} for q, grades in data.qrels[QuerySplit.TEST].items()}
-        (out / f"qrels_test_{name}.json").write_text(json.dumps(qrels))
+        for split in (QuerySplit.TEST, QuerySplit.VALID):
+            qrels = {q: {str(a): g for a, g in grades.items()} for q, grades in data.qrels[split].items()}
+            (out / f"qrels_{split.value}_{name}.json").write_text(json.dumps(qrels))
         for scheme in schemes:
             cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
                               render=RenderConfig(scheme=IdScheme(scheme)))
@@ -113,7 +114,10 @@ def load_bundle(bundle: Path, name: str) -> dict[str, Any]:
     titles = pq.read_table(bundle / f"titles_{name}.parquet")
     train = pq.read_table(bundle / f"train_{name}.parquet")
     qrels = json.loads((bundle / f"qrels_test_{name}.json").read_text())
+    vfile = bundle / f"qrels_valid_{name}.json"
+    valid = json.loads(vfile.read_text()) if vfile.is_file() else {}
     return {
+        "valid": {q: {int(a): g for a, g in grades.items()} for q, grades in valid.items()},
         "indexes": {s: load_index(bundle / f"index_{name}_{s}") for s in SCHEMES if (bundle / f"index_{name}_{s}").is_dir()},
         "ad_texts": dict(zip(titles.column("ad_id").to_pylist(), titles.column("title").to_pylist())),
         "labelled": list(zip(train.column("query").to_pylist(), train.column("ad_id").to_pylist())),
@@ -310,10 +314,122 @@ def run(args: argparse.Namespace) -> None:
     print(table)
 
 
+def sweep(args: argparse.Namespace) -> None:
+    """Train a list of configurations with validation-based model selection; test each selected model.
+
+    ``--configs``: a JSON list (inline or a file) of dicts with keys ``name``, ``catalogue``
+    ("5000"/"full"), ``scheme``, ``lr``, ``epochs``, ``pseudo`` (span pseudo-queries per ad),
+    ``max_words``, ``eval_every``, ``patience``, ``batch_tokens``, ``sparse`` (progressive 2:4/1:4),
+    ``one_four``, ``int4`` (then adaptive INT4 with the masks kept), ``init`` (a model folder saved
+    by an earlier config, e.g. the dense model to sparsify), ``save`` (save the selected model under
+    ``--save-dir``). Model selection uses the *validation* queries only; test queries are scored
+    once per selected model.
+    """
+    import torch
+
+    from adbatch.training import SparsityScheduleConfig, TrainConfig, train_on_index
+    from adbatch.training.pseudo_queries import PseudoQueryConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.budget_s)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    raw = args.configs
+    configs = json.loads(Path(raw).read_text() if Path(raw).is_file() else raw)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                               "args": vars(args), "rows": {}, "curves": {}, "configs": configs}
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    t0 = time.perf_counter()
+    base = load_base(args.model, args.smoke, device)
+    results["load_seconds"] = round(time.perf_counter() - t0, 2)
+    data_cache: dict[str, dict] = {}
+    for c in configs:
+        name = c["name"]
+        left = budget.left() - args.reserve_s
+        if left < 30:
+            log.warning("budget: skipping %s", name)
+            results["rows"][name] = {"skipped": "budget"}
+            continue
+        cat = str(c.get("catalogue", "5000"))
+        data = data_cache.setdefault(cat, load_bundle(Path(args.bundle), cat))
+        scheme = c.get("scheme", "text")
+        index = data["indexes"][scheme]
+        sp = SparsityScheduleConfig(enabled=bool(c.get("sparse")), final_n=2, one_four_fraction=c.get("one_four", 0.25),
+                                    start_fraction=c.get("sp_start", 0.1), end_fraction=c.get("sp_end", 0.5),
+                                    rescore_every=c.get("rescore_every", 1))
+        cfg = TrainConfig(epochs=c.get("epochs", 10), lr=c.get("lr", 1e-3), batch_tokens=c.get("batch_tokens", 32768),
+                          warmup_fraction=0.05, log_every=10, eval_every=c.get("eval_every", 2.0),
+                          early_stop_patience=c.get("patience", 0), valid_max_queries=c.get("valid_queries"),
+                          time_budget_s=max(20.0, left - c.get("eval_reserve_s", 40)), sparsity=sp,
+                          pseudo_queries=PseudoQueryConfig(per_ad=c.get("pseudo", 0), max_words=c.get("max_words", 4)))
+        if c.get("init"):
+            from adbatch.models import load_causal_lm
+
+            m, t = load_causal_lm(c["init"], dtype=torch.float32, device="cpu")
+        else:
+            m, t = fresh_copy(base)
+        m, t, summary = train_on_index(index, None, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
+                                       valid_qrels=data["valid"] or None, model=m, tokenizer=t, device=device,
+                                       progress=False)
+        tr = summary["train"]
+        results["curves"][name] = {"losses": summary["losses"], "density": summary["density"],
+                                   "evals": tr.get("evals", [])}
+        results.setdefault("train", {})[name] = tr | {"data": summary["data"]}
+        log.info("trained %s: %s", name, {k: v for k, v in tr.items() if k != "evals"})
+        if c.get("save") and args.save_dir:
+            folder = Path(args.save_dir) / name
+            m.save_pretrained(folder)
+            t.save_pretrained(folder)
+        m.to(device)
+        if device == "cuda":
+            m.to(torch.bfloat16)
+        m.eval()
+        extra = {"train_s": tr["seconds"], "best_valid": (tr.get("best") or {}).get("metric"),
+                 "best_epoch": next((e for st, e, _ in tr.get("evals", []) if st == (tr.get("best") or {}).get("step")), None),
+                 "epochs_done": tr["epochs_done"], "scheme": scheme, "catalogue": cat}
+        if summary.get("sparsity"):
+            extra["density"] = summary["sparsity"]["density"]
+        r = evaluate(m, t, index, data["qrels"], args.max_queries, args.beams) | extra
+        results["rows"][name] = r
+        log.info("%s test: %s", name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+        save()
+        if c.get("int4") and budget.left() > 20:
+            try:
+                from adbatch.training.data import build_examples
+
+                ex, _ = build_examples(t, index.ad_ids, index.sequences(), data["ad_texts"], data["labelled"][:2000])
+                info = int4_compress(m, ex.tokens, device)
+                if device == "cuda":
+                    m.to(torch.bfloat16)
+                r2 = evaluate(m, t, index, data["qrels"], args.max_queries, args.beams) | extra | {
+                    f"int4_{k}": v for k, v in info.items()}
+                results["rows"][name + " + INT4"] = r2
+                log.info("%s + INT4 test: %s", name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r2.items()})
+            except Exception as exc:  # keep the dense/sparse numbers
+                log.exception("INT4 step failed")
+                results["rows"][name + " + INT4"] = {"error": repr(exc)}
+        del m
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        save()
+    results["total_seconds"] = round(time.perf_counter() - budget.t0, 1)
+    save()
+    table = render_table(results)
+    (out / "table.md").write_text(table)
+    plot_curves(results, out / "curves.png")
+    print(table)
+
+
 def render_table(results: dict) -> str:
     cols = ("recall@1", "recall@10", "success@10", "mrr@10", "ndcg@10", "queries_per_s", "queries")
     lines = ["| model | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, r in results["rows"].items():
+        if "recall@10" not in r:
+            lines.append(f"| {name} | " + " | ".join([str(r.get("skipped") or r.get("error"))[:40]] * len(cols)) + " |")
+            continue
         lines.append(f"| {name} | " + " | ".join(f"{r.get(c, float('nan')):.3f}" if c != "queries"
                                                    else str(int(r.get(c, 0))) for c in cols) + " |")
     for key, base in (results.get("prepare") or {}).items():
@@ -340,14 +456,17 @@ def plot_curves(results: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4))
     for tag, c in results["curves"].items():
         if c["losses"]:
             ax[0].plot([s for s, _ in c["losses"]], [v for _, v in c["losses"]], label=tag)
         if c["density"]:
             ax[1].plot([s for s, _ in c["density"]], [v for _, v in c["density"]], label=tag)
+        if c.get("evals"):
+            ax[2].plot([e for _, e, _ in c["evals"]], [v for _, _, v in c["evals"]], marker="o", label=tag)
     ax[0].set(xlabel="optimizer step", ylabel="target-token loss", yscale="log", title="training loss")
     ax[1].set(xlabel="optimizer step", ylabel="kept share of prunable weights", title="progressive sparsity")
+    ax[2].set(xlabel="epoch", ylabel="validation recall@10", title="model selection (validation queries)")
     for a in ax:
         a.legend(fontsize=7)
     fig.tight_layout()
@@ -364,6 +483,17 @@ def main(argv: list[str] | None = None) -> None:
     pp.add_argument("--full-schemes", default="codes", help="schemes of the full-catalogue index")
     pp.add_argument("--work", default="/tmp/tr/work")
     pp.add_argument("--bundle", required=True)
+    sw = sub.add_parser("sweep")
+    sw.add_argument("--bundle", required=True)
+    sw.add_argument("--out", required=True)
+    sw.add_argument("--model", default=None)
+    sw.add_argument("--smoke", action="store_true")
+    sw.add_argument("--configs", required=True, help="JSON list (inline or file), see sweep()")
+    sw.add_argument("--budget-s", type=float, default=540.0)
+    sw.add_argument("--reserve-s", type=float, default=30.0)
+    sw.add_argument("--save-dir", default=None)
+    sw.add_argument("--beams", type=int, default=10)
+    sw.add_argument("--max-queries", type=int, default=None)
     pr = sub.add_parser("run")
     pr.add_argument("--bundle", required=True)
     pr.add_argument("--out", required=True)
@@ -383,7 +513,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    prepare(args) if args.cmd == "prepare" else run(args)
+    {"prepare": prepare, "run": run, "sweep": sweep}[args.cmd](args)
 
 
 if __name__ == "__main__":

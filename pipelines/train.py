@@ -31,7 +31,7 @@ from adbatch.training.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainJobConfig", "run_train", "read_labelled_queries", "read_ad_texts"]
+__all__ = ["TrainJobConfig", "run_train", "read_labelled_queries", "read_validation_qrels", "read_ad_texts"]
 
 
 @dataclasses.dataclass
@@ -45,6 +45,8 @@ class TrainJobConfig(ConfigBase):
         "help": "corpus Parquet (ad_id, text) for the ads' titles; required for the codes scheme"})
     queries: Path | None = dataclasses.field(default=None, metadata={
         "help": "Parquet of labelled train-split pairs (query, ad_id); None = indexing examples only"})
+    valid_queries: Path | None = dataclasses.field(default=None, metadata={
+        "help": "Parquet of validation pairs (query, ad_id[, grade]) for model selection (train.eval_every)"})
     num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
     use_gpu: bool = dataclasses.field(default=False, metadata={"help": "one GPU per worker"})
     num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
@@ -84,6 +86,20 @@ def read_ad_texts(path: str | Path, columns: dict[str, Any] | None = None) -> di
     return dict(zip(table.column("ad_id").to_pylist(), table.column("text").to_pylist()))
 
 
+def read_validation_qrels(path: str | Path) -> dict[str, dict[Any, float]]:
+    """query -> {ad_id: grade} from a Parquet of validation pairs; without a ``grade`` column every
+    listed pair counts as relevant (grade 3, the top of the Home Depot scale)."""
+    import pyarrow.parquet as pq
+
+    pairs = read_labelled_queries(path)
+    names = pq.read_schema(path).names
+    grades = pq.read_table(path, columns=["grade"]).column("grade").to_pylist() if "grade" in names else [3.0] * len(pairs)
+    qrels: dict[str, dict[Any, float]] = {}
+    for (q, a), g in zip(pairs, grades):
+        qrels.setdefault(str(q), {})[a] = float(g if g is not None else 3.0)
+    return qrels
+
+
 def _worker(job_dict: dict[str, Any]) -> None:
     """Ray Train worker body: load inputs, train on this rank's share, report the summary."""
     import ray.train
@@ -100,8 +116,9 @@ def _worker(job_dict: dict[str, Any]) -> None:
     columns = (index.manifest.get("config") or {}).get("columns")
     ad_texts = read_ad_texts(job.ads, columns) if job.ads is not None else None
     labelled = read_labelled_queries(job.queries) if job.queries is not None else []
+    valid = read_validation_qrels(job.valid_queries) if job.valid_queries is not None else None
     _, _, summary = train_on_index(index, job.out, job.train, ad_texts=ad_texts, labelled=labelled,
-                                   init_model=job.init_model, device=str(device), rank=rank,
+                                   valid_qrels=valid, init_model=job.init_model, device=str(device), rank=rank,
                                    world_size=world, progress=rank == 0)
     flat = {f"train_{k}": v for k, v in summary["train"].items() if v is not None}
     flat.update({"scheme": summary["scheme"], "index_hash": summary["index_hash"],
@@ -111,6 +128,7 @@ def _worker(job_dict: dict[str, Any]) -> None:
                  "prepare_seconds": summary["prepare_seconds"]})
     if "sparsity" in summary:
         flat["sparsity_density"] = summary["sparsity"]["density"]
+    flat = {k: v for k, v in flat.items() if not isinstance(v, (list, dict))}  # report scalars only
     ray.train.report(flat)
 
 
@@ -127,7 +145,8 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
     init_ray(num_cpus=config.num_cpus)
     job = config.replace(index=Path(config.index).resolve(), out=Path(config.out).resolve(),
                          ads=Path(config.ads).resolve() if config.ads else None,
-                         queries=Path(config.queries).resolve() if config.queries else None)
+                         queries=Path(config.queries).resolve() if config.queries else None,
+                         valid_queries=Path(config.valid_queries).resolve() if config.valid_queries else None)
     storage = Path(tempfile.mkdtemp(prefix="adbatch-train-"))
     trainer = TorchTrainer(
         _worker, train_loop_config=job.to_dict(),

@@ -83,6 +83,8 @@ def train_on_index(
     device: str | None = None,
     rank: int = 0,
     world_size: int = 1,
+    evaluate: Any = None,
+    valid_qrels: Mapping[str, Mapping[Hashable, float]] | None = None,
     progress: bool = True,
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Train a causal LM on ``index`` and (rank 0, when ``out_dir``) save the model folder.
@@ -90,8 +92,11 @@ def train_on_index(
     ``index``: an ``AdIndex`` (``ad_codes`` with ``token_ids``, ``ad_ids``, ``manifest``,
     ``index_hash``). ``labelled``: (query, ad_id) pairs of the train split. ``init_model``: a model
     folder / GGUF / None (the default model); a folder trained on an earlier index is a warm start.
-    ``model``/``tokenizer`` override loading (tests pass tiny models). Returns
-    ``(model, tokenizer, summary)``.
+    ``model``/``tokenizer`` override loading (tests pass tiny models). ``evaluate(model) -> float``:
+    the validation metric for model selection when ``config.eval_every > 0`` (see
+    :func:`adbatch.training.trainer.train_loop`); or ``valid_qrels`` (query -> {ad_id: grade}) of
+    the validation split, which builds that callback from ``config.valid_metric`` over this index.
+    Returns ``(model, tokenizer, summary)``.
     """
     import torch
 
@@ -116,15 +121,21 @@ def train_on_index(
     model.to(device)
     examples, data_stats = build_examples(
         tokenizer, index.ad_ids, _index_targets(index), ad_texts, labelled if config.retrieval else (),
-        indexing=config.indexing, append_eos=config.append_eos, max_query_tokens=config.max_query_tokens)
+        indexing=config.indexing, append_eos=config.append_eos, max_query_tokens=config.max_query_tokens,
+        pseudo_queries=config.pseudo_queries)
     prep_s = time.perf_counter() - t0
+    if evaluate is None and valid_qrels and config.eval_every > 0:
+        from adbatch.targeting_eval import validation_metric
+
+        evaluate = validation_metric(tokenizer, index, valid_qrels, metric=config.valid_metric,
+                                     max_queries=config.valid_max_queries)
     trained = model
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
     stats, sparsity = train_loop(trained, examples, config, pad_id=tokenizer.pad_token_id, device=device,
-                                 rank=rank, world_size=world_size, progress=progress)
+                                 rank=rank, world_size=world_size, evaluate=evaluate, progress=progress)
     summary = {**info, "data": data_stats, "train": stats.summary(model, torch.device(device)),
                "prepare_seconds": round(prep_s, 3), "warm_started_from_index": warm_from,
                "index_hash": index.index_hash, "losses": stats.losses, "density": stats.density}

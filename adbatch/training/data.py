@@ -8,6 +8,8 @@ Two kinds of example, both ``prompt -> target`` where the prompt is exactly what
   one, so ads no labelled query mentions are still learned (DSI's "memorise the corpus" task).
 - **retrieval**: a labelled query -> the target of a relevant ad (one example per relevant pair of
   the *train* split only; valid/test queries never enter training).
+- **pseudo-query** (optional): a short word span of the ad's text -> its target
+  (:mod:`adbatch.training.pseudo_queries`: query-shaped inputs for every ad, labelled or not).
 
 Examples are stored flat: ``tokens`` int32 ``[T]`` (prompt + target of each example back to back),
 ``offsets`` int64 ``[E+1]`` and ``prompt_lens`` int32 ``[E]``. The loss is taken on target tokens
@@ -24,6 +26,7 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 import torch
 
 from adbatch.prompts import encode_targeting_prompt
+from adbatch.training.pseudo_queries import PseudoQueryConfig, span_pseudo_queries
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 class ExampleKind(int, enum.Enum):
     INDEXING = 0
     RETRIEVAL = 1
+    PSEUDO_QUERY = 2
 
 
 @dataclass
@@ -118,6 +122,7 @@ def build_examples(
     indexing: bool = True,
     append_eos: bool = False,
     max_query_tokens: int = 48,
+    pseudo_queries: PseudoQueryConfig | None = None,
 ) -> tuple[TrainingExamples, dict[str, int]]:
     """Build indexing + retrieval examples for the ads of an index.
 
@@ -126,7 +131,8 @@ def build_examples(
     first missing id). ``labelled``: (query, ad_id) pairs of the train split; a pair whose ad is not
     in the index is counted in ``stats['labelled_not_in_index']`` (the catalogue may be a subset).
     ``append_eos`` adds the tokenizer's EOS after each target (off by default: the trie, not EOS,
-    ends a target during decoding).
+    ends a target during decoding). ``pseudo_queries``: span pseudo-queries of each ad's text
+    (ads without text get none).
     """
     eos = [tokenizer.eos_token_id] if append_eos else []
     targets = [list(map(int, t)) + eos for t in target_ids]
@@ -154,6 +160,12 @@ def build_examples(
         parts.append(_build(_prompts(tokenizer, [q for q, _ in pairs], max_query_tokens),
                             [targets[r] for _, r in pairs], ExampleKind.RETRIEVAL, [r for _, r in pairs]))
     stats["retrieval"] = len(pairs)
+    if pseudo_queries is not None and pseudo_queries.per_ad > 0:
+        spans = span_pseudo_queries([str(ad_texts.get(a) or "") for a in ad_ids], pseudo_queries)
+        if spans:
+            parts.append(_build(_prompts(tokenizer, [q for q, _ in spans], max_query_tokens),
+                                [targets[r] for _, r in spans], ExampleKind.PSEUDO_QUERY, [r for _, r in spans]))
+        stats["pseudo_query"] = len(spans)
     if not parts:
         raise ValueError("no training examples: indexing is off and no labelled pair matches the index")
     ex = TrainingExamples.concat(parts)

@@ -10,7 +10,13 @@ already initialised there):
   length so padding stays small;
 - bf16 autocast on CUDA (weights and optimizer state stay fp32), fp32 on CPU;
 - the LM head is applied only at target positions (the loss is on target tokens only), which
-  avoids materialising ``[B, L, vocab]`` logits for prompt tokens — most of a batch.
+  avoids materialising ``[B, L, vocab]`` logits for prompt tokens — most of a batch;
+- optional model selection on a validation metric (``eval_every`` epochs, a caller-supplied
+  ``evaluate(model) -> float``, higher is better): the best weights seen are restored at the end
+  (a DSI model over-fits its train pairs long before the loss stops falling, so the last step is
+  rarely the best one), with optional early stopping after ``early_stop_patience`` evaluations
+  without improvement. With progressive sparsity only evaluations after the masks froze compete,
+  so the restored weights are exactly N:M.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import nn
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.data import TrainingExamples, collate, token_budget_batches
+from adbatch.training.pseudo_queries import PseudoQueryConfig
 from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,16 @@ class TrainConfig(ConfigBase):
     log_every: int = field(default=50, metadata={"help": "log every this many steps"})
     sparsity: SparsityScheduleConfig = field(default_factory=SparsityScheduleConfig,
                                              metadata={"help": "progressive N:M sparsity"})
+    pseudo_queries: PseudoQueryConfig = field(default_factory=PseudoQueryConfig,
+                                              metadata={"help": "span pseudo-queries of every ad"})
+    eval_every: float = field(default=0.0, metadata={
+        "help": "epochs between validation evaluations (0 = none; needs an evaluate callback)"})
+    valid_metric: str = field(default="recall@10", metadata={
+        "help": "validation metric of generative targeting used for model selection"})
+    valid_max_queries: int | None = field(default=256, metadata={
+        "help": "validation queries per evaluation (sorted, first N; None = all)"})
+    early_stop_patience: int = field(default=0, metadata={
+        "help": "stop after this many evaluations without improvement (0 = never)"})
 
     def validate(self) -> None:
         positive = {"epochs": self.epochs, "lr": self.lr, "batch_tokens": self.batch_tokens,
@@ -70,6 +87,8 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ConfigError(f"TrainConfig.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if self.eval_every < 0 or self.early_stop_patience < 0:
+            raise ConfigError("TrainConfig.eval_every and early_stop_patience must be >= 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
         if not (self.indexing or self.retrieval):
@@ -140,6 +159,8 @@ class TrainStats:
     stopped_early: bool = False
     sparsity: dict[str, Any] = field(default_factory=dict)
     micro_batches_per_epoch: int = 0
+    evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, epoch, metric)
+    best: dict[str, Any] = field(default_factory=dict)
 
     def summary(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
         nonemb, emb = count_params(model)
@@ -156,7 +177,44 @@ class TrainStats:
             out["mfu"] = round(flops / self.seconds / H200_BF16_PEAK_FLOPS, 4)
         if self.sparsity:
             out["sparsity_density"] = self.sparsity.get("density")
+        if self.evals:
+            out["evals"] = self.evals
+            out["best"] = self.best
         return out
+
+
+class BestWeights:
+    """Model selection on a validation metric: keeps a CPU copy of the best weights seen."""
+
+    def __init__(self, evaluate: Callable[[nn.Module], float], patience: int) -> None:
+        self.evaluate, self.patience = evaluate, patience
+        self.metric = -math.inf
+        self.step: int | None = None
+        self.state: dict[str, torch.Tensor] | None = None
+        self.since_best = 0
+
+    def __call__(self, model: nn.Module, step: int, eligible: bool, autocast: bool, device: torch.device) -> float:
+        core = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+        core.eval()
+        with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+            metric = float(self.evaluate(core))
+        core.train()
+        if eligible:
+            if metric > self.metric:
+                self.metric, self.step, self.since_best = metric, step, 0
+                self.state = {k: v.detach().to("cpu", copy=True) for k, v in core.state_dict().items()}
+            else:
+                self.since_best += 1
+        return metric
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.since_best >= self.patience
+
+    def restore(self, model: nn.Module) -> None:
+        core = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+        if self.state is not None:
+            core.load_state_dict(self.state)
 
 
 def train_loop(
@@ -169,9 +227,15 @@ def train_loop(
     rank: int = 0,
     world_size: int = 1,
     on_step: Callable[[int, float], None] | None = None,
+    evaluate: Callable[[nn.Module], float] | None = None,
     progress: bool = True,
 ) -> tuple[TrainStats, ProgressiveSparsity | None]:
     """Train ``model`` in place on ``examples`` (prompt tokens masked out of the loss).
+
+    ``evaluate(model) -> float`` (higher is better; run under ``no_grad`` in eval mode, bf16
+    autocast on CUDA) is called every ``config.eval_every`` epochs and after the last step when
+    ``eval_every > 0``; the best eligible weights are restored before returning. Under DDP every
+    rank evaluates (the callback must be deterministic so all ranks agree).
 
     Under torch.distributed (``world_size > 1``) pass the DDP-wrapped model; each rank takes every
     ``world_size``-th micro-batch of the same seeded order. Returns the stats and, when enabled,
@@ -203,6 +267,8 @@ def train_loop(
     sparsity = ProgressiveSparsity(model, config.sparsity, total_steps) if config.sparsity.enabled else None
     autocast = device.type == "cuda" and config.bf16
     stats = TrainStats(micro_batches_per_epoch=per_epoch)
+    selector = BestWeights(evaluate, config.early_stop_patience) if evaluate is not None and config.eval_every > 0 else None
+    eval_steps = max(1, round(config.eval_every * per_epoch / config.grad_accum)) if selector is not None else 0
 
     def micro_batches():
         while True:
@@ -257,6 +323,17 @@ def train_loop(
                 bar.set_postfix(loss=f"{value:.3f}")
         if bar is not None:
             bar.update(1)
+        last = step == total_steps - 1
+        if selector is not None and ((step + 1) % eval_steps == 0 or last):
+            eligible = sparsity is None or sparsity.frozen
+            metric = selector(model, step, eligible, autocast, device)
+            stats.evals.append((step, round(stats.micro_batches / per_epoch, 3), metric))
+            log.info("step %d (epoch %.2f): validation %.4f%s", step, stats.micro_batches / per_epoch, metric,
+                     "" if eligible else " (masks not frozen: not eligible)")
+            if selector.should_stop and not last:
+                stats.stopped_early = True
+                log.info("early stop: %d evaluations without improvement", selector.patience)
+                break
         if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:
             stats.stopped_early = step + 1 < total_steps
             if stats.stopped_early:
@@ -267,6 +344,11 @@ def train_loop(
     stats.seconds = time.perf_counter() - t0
     if bar is not None:
         bar.close()
+    if selector is not None and selector.state is not None:
+        if selector.step != stats.steps - 1:
+            log.info("restoring the weights of step %d (validation %.4f)", selector.step, selector.metric)
+            selector.restore(model)
+        stats.best = {"step": selector.step, "metric": selector.metric}
     if sparsity is not None:
         if not sparsity.frozen:  # a time budget cut the schedule short: still leave exact masks
             log.warning("progressive sparsity did not reach its final masks (stopped at step %d)", stats.steps)

@@ -1,0 +1,82 @@
+"""Pseudo-queries for ads that no labelled query mentions: short word spans of the ad's own text.
+
+Search queries on a product catalogue are mostly a few words that also occur in the relevant
+title ("angle bracket", "deck over", "2x4 hanger"), while the indexing example shows the model the
+whole title. Training only on whole titles teaches a copy task that does not transfer to 2-4-word
+queries (measured: the model memorises its train pairs and generalises poorly, see
+bench/results/train.md). Sampling contiguous spans of 1..``max_words`` words from the title gives
+every ad query-shaped inputs pointing at it, which is the role docT5query-style generated queries
+play in DSI-QG / NCI. Spans are cheaper than generating with the creative model (no GPU pass over
+the corpus) and are what we measure; generated queries are not implemented.
+
+Spans are drawn per ad with a ``numpy`` generator seeded from ``(seed, row)``, so the same ad gets
+the same pseudo-queries whatever the order or sharding of the corpus (a re-run is identical).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+import numpy as np
+
+from adbatch.config import ConfigBase, ConfigError
+
+#: a "word" of a product title: letters/digits with inner dots, slashes, dashes or 'x' (2x4, 3/4, 1.5)
+_WORD = re.compile(r"[0-9a-z]+(?:[./\-][0-9a-z]+)*")
+
+
+@dataclasses.dataclass
+class PseudoQueryConfig(ConfigBase):
+    """How many span pseudo-queries each ad gets and how long they are."""
+
+    per_ad: int = dataclasses.field(default=0, metadata={"help": "span pseudo-queries per ad (0 = off)"})
+    min_words: int = dataclasses.field(default=1, metadata={"help": "shortest span, in words"})
+    max_words: int = dataclasses.field(default=4, metadata={"help": "longest span, in words"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "seed of the span sampling"})
+
+    def validate(self) -> None:
+        if self.per_ad < 0:
+            raise ConfigError(f"PseudoQueryConfig.per_ad must be >= 0, got {self.per_ad}")
+        if not 1 <= self.min_words <= self.max_words:
+            raise ConfigError(f"PseudoQueryConfig needs 1 <= min_words <= max_words, got "
+                              f"{self.min_words}..{self.max_words}")
+
+
+def title_words(text: str) -> list[str]:
+    """Lower-cased words of ``text`` (punctuation dropped; ``2x4``, ``3/4``, ``1.5`` kept whole)."""
+    return _WORD.findall(text.lower())
+
+
+def span_pseudo_queries(texts: Sequence[str], config: PseudoQueryConfig) -> list[tuple[str, int]]:
+    """Up to ``config.per_ad`` distinct word spans of each text, as ``(query, row)`` pairs.
+
+    ``row`` is the text's position in ``texts``. A span never equals the whole text when the text
+    has more words than ``max_words`` allows (that case is the indexing example already). Texts with
+    no word yield nothing; short texts yield fewer than ``per_ad`` (only distinct spans are kept).
+    """
+    config.validate()
+    out: list[tuple[str, int]] = []
+    if config.per_ad == 0:
+        return out
+    for row, text in enumerate(texts):
+        words = title_words(text or "")
+        n = len(words)
+        if n == 0:
+            continue
+        rng = np.random.default_rng((config.seed, row))
+        hi = min(config.max_words, n)
+        lo = min(config.min_words, hi)
+        seen: set[str] = set()
+        # a few extra draws: duplicates are dropped, and tiny titles have few distinct spans
+        for _ in range(config.per_ad * 3):
+            length = int(rng.integers(lo, hi + 1))
+            start = int(rng.integers(0, n - length + 1))
+            span = " ".join(words[start:start + length])
+            if span not in seen:
+                seen.add(span)
+                out.append((span, row))
+                if len(seen) == config.per_ad:
+                    break
+    return out
