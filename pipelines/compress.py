@@ -40,6 +40,9 @@ class CompressJobConfig(ConfigBase):
     num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
     use_ray: bool = dataclasses.field(default=True, metadata={
         "help": "run per-layer work as Ray tasks (false = the in-process loop; same result)"})
+    layer_device: str | None = dataclasses.field(default=None, metadata={
+        "help": "with use_ray=false: device of the per-layer math (e.g. cuda; one layer there at a "
+                "time); None = CPU, the reference path"})
     keep_training_masks: bool = dataclasses.field(default=True, metadata={
         "help": "keep the N:M masks a training run saved beside the model (nm_masks.safetensors)"})
 
@@ -50,6 +53,8 @@ class CompressJobConfig(ConfigBase):
             raise ConfigError(f"CompressJobConfig.eval_seq_len must be >= 2, got {self.eval_seq_len}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"CompressJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
+        if self.layer_device is not None and self.use_ray:
+            raise ConfigError("CompressJobConfig.layer_device needs use_ray=false (Ray tasks run on CPU workers)")
 
 
 def _run_layer(fn: Callable[[Any, Any], Any], item: Any, arg: Any) -> Any:
@@ -107,7 +112,7 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
             init_ray(config.num_cpus)
         executor = RayLayerExecutor()
     else:
-        executor = SequentialExecutor()
+        executor = SequentialExecutor(config.layer_device)
     with timer.phase("load"):
         model, tok = load_causal_lm(config.model, dtype=torch.float32, device="cpu")
     with timer.phase("calibrate"):

@@ -8,30 +8,45 @@ Per compressible linear layer (input x [T, K], output y [T, N], weight W [N, K])
   gradients do not cancel).
 - ``out_grad_sq`` float32 [N]: ``sum_t (dE/dy_ti)^2`` -> the output-side curvature ``E[g_i^2]``.
 
-Path: one full forward + backward per batch over the whole model (the "full" path). The default
-135M model needs ~1 GB for weights, grads and statistics, so layer-by-layer processing buys nothing
-there; the peak resident memory is measured and reported. Texts are concatenated (EOS-separated)
-and cut into fixed-length sequences, so there is no padding to mask out of the statistics.
+Two paths, same statistics (``CalibrationConfig.mode``; tests/test_compress_layerwise.py):
+
+- **full**: the whole model on the compute device, one forward + backward per batch. Needs the
+  weights, their gradients and every layer's ``grad_sq`` resident at once (an 8B model: ~16 GB bf16
+  weights + 14 GB grads + 28 GB fp32 statistics).
+- **layerwise**: the weights stay where they were loaded (CPU); only the non-block modules
+  (embeddings, final norm, lm_head, rotary) and one decoder block at a time sit on the device. A
+  capture pass records each block's call arguments (mask, rotary embeddings, ...) as the model itself
+  builds them; a no-grad sweep keeps only the block-boundary hidden states (on CPU); the model's own
+  head (final norm, lm_head, loss) gives dE/dh at the top; a reverse sweep recomputes each block from
+  its saved input with grad enabled and backpropagates the incoming hidden-state gradient, so each
+  batch's per-weight gradient is exactly that of the full backward. Statistics of a block are moved
+  to CPU as soon as it is done, so the device holds one block's ``grad_sq`` at a time.
+
+Both paths record through the same hooks (:class:`_StatsCollector`). Texts are concatenated
+(EOS-separated) and cut into fixed-length sequences, so there is no padding to mask out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
-from tqdm.auto import tqdm
+from torch import nn
 
-from adbatch.compress.recipe import CalibrationConfig
+from adbatch.compress.recipe import CalibrationConfig, CalibrationMode
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LayerStats", "CalibrationStats", "calibrate", "load_calibration_texts",
-           "example_corpus_split", "token_blocks", "compressible_linears", "EXAMPLE_CORPUS"]
+           "example_corpus_split", "token_blocks", "compressible_linears", "decoder_blocks",
+           "choose_mode", "full_path_bytes", "free_memory_bytes", "progress", "EXAMPLE_CORPUS"]
 
 EXAMPLE_CORPUS = Path(__file__).resolve().parents[2] / "examples" / "slogan_ads.parquet"
 
@@ -64,6 +79,14 @@ class LayerStats:
     def row_moment(self) -> torch.Tensor | None:
         """float32 [N]: ``E[g_i^2]`` or None."""
         return None if self.out_grad_sq is None else self.out_grad_sq / max(self.num_tokens, 1)
+
+    def to(self, device: torch.device | str) -> "LayerStats":
+        """A copy with every tensor on ``device`` (the same object when nothing moves)."""
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return LayerStats(act_sq=mv(self.act_sq), num_tokens=self.num_tokens, grad_sq=mv(self.grad_sq),
+                          out_grad_sq=mv(self.out_grad_sq))
 
 
 @dataclass
@@ -162,92 +185,421 @@ def token_blocks(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor
     return flat[: rows * seq_len].reshape(rows, seq_len)
 
 
+def progress(iterable: Iterable, **kwargs: Any) -> Iterable:
+    """A tqdm progress bar when tqdm is installed, else the iterable itself (tqdm is optional on the
+    GPU machines)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, **kwargs)
+
+
 def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (MB; Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's stack of decoder blocks: the ``nn.ModuleList`` holding the most parameters.
+
+    Architecture-agnostic (``model.layers`` in Llama/Qwen2/Mistral/Gemma, ``transformer.h`` in GPT-2):
+    a nested list (e.g. MoE experts inside a block) always holds fewer parameters than the stack.
+    Returns ``(qualified name, module list)``.
+    """
+    best: tuple[str, nn.ModuleList, int] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            n = sum(p.numel() for p in mod.parameters())
+            if best is None or n > best[2]:
+                best = (name, mod, n)
+    if best is None or best[2] == 0:
+        raise ValueError("layerwise calibration: the model has no nn.ModuleList of decoder blocks; use mode=full")
+    return best[0], best[1]
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of ``device``: ``cudaMemGetInfo`` for CUDA, ``MemAvailable`` of /proc/meminfo
+    (else free physical pages) for CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        raise ValueError("calibration expects the model on one device, its parameters are on "
+                         f"{sorted(map(str, devices))}")
+    return devices.pop()
+
+
+def _normalize(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def full_path_bytes(model: nn.Module, linears: dict[str, nn.Linear], batch_tokens: int,
+                    use_gradients: bool, device: torch.device) -> int:
+    """Estimated bytes the full path needs on ``device`` beyond what is already there.
+
+    = parameters (only if the model is elsewhere) + the linears' weight gradients (model dtype)
+    + statistics (fp32 act_sq; with gradients also grad_sq [N, K] and out_grad_sq) + activations of
+    one batch: ``batch_tokens * (sum over linears of (K + N) * element size + 12 * vocab)`` (inputs
+    and outputs kept for backward, fp32 logits with their softmax and gradient).
+    """
+    on_device = _normalize(_model_device(model)) == _normalize(device)
+    params = 0 if on_device else sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = stats = act = 0
+    for m in linears.values():
+        n, k = m.weight.shape
+        elem = m.weight.element_size()
+        stats += 4 * k
+        if use_gradients:
+            grads += n * k * elem
+            stats += 4 * (n * k + n)
+        act += (k + n) * elem
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = int(emb.weight.shape[0]) if emb is not None and hasattr(emb, "weight") else 0
+    act = batch_tokens * (act + 12 * vocab)
+    return params + grads + stats + act
+
+
+def choose_mode(model: nn.Module, linears: dict[str, nn.Linear], blocks: torch.Tensor,
+                config: CalibrationConfig, device: torch.device) -> tuple[CalibrationMode, str]:
+    """Resolve ``config.mode``: auto -> layerwise iff :func:`full_path_bytes` >
+    ``config.auto_memory_fraction`` * :func:`free_memory_bytes`. Returns ``(mode, reason)``."""
+    mode = CalibrationMode(config.mode)
+    if mode is not CalibrationMode.AUTO:
+        return mode, "configured"
+    need = full_path_bytes(model, linears, config.batch_size * int(blocks.shape[1]), config.use_gradients, device)
+    free = free_memory_bytes(device)
+    limit = config.auto_memory_fraction * free
+    chosen = CalibrationMode.LAYERWISE if need > limit else CalibrationMode.FULL
+    reason = (f"auto: full path needs ~{need / 2**20:.0f} MB, {config.auto_memory_fraction:g} x free "
+              f"{free / 2**20:.0f} MB on {device} = {limit / 2**20:.0f} MB -> {chosen.value}")
+    return chosen, reason
+
+
+class _StatsCollector:
+    """Accumulates :class:`LayerStats` through hooks; shared by the full and the layerwise path.
+
+    A forward hook on each linear adds the input's ``x^2`` column sums and, when the output is part of
+    a graph, registers a tensor hook adding the output gradient's ``g^2`` row sums;
+    :meth:`add_weight_grads` adds ``(dE_b/dW)^2`` after each batch's backward. Hooks record only while
+    :attr:`active` (the layerwise path runs blocks more than once); a call while inactive is noted
+    in :attr:`inactive_calls`.
+    """
+
+    def __init__(self, linears: dict[str, nn.Linear], use_grad: bool) -> None:
+        self.linears = linears
+        self.use_grad = use_grad
+        self.stats: dict[str, LayerStats] = {}
+        self.active = True
+        self.inactive_calls: set[str] = set()
+        self._handles = [m.register_forward_hook(self._make_hook(name)) for name, m in linears.items()]
+
+    def _make_hook(self, name: str):
+        def hook(mod, inputs, output):
+            if not self.active:
+                self.inactive_calls.add(name)
+                return
+            st = self.stats[name]
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+            st.act_sq += x.pow(2).sum(dim=0)
+            st.num_tokens += x.shape[0]
+            if self.use_grad and output.requires_grad:
+                def grad_hook(g):
+                    st.out_grad_sq.add_(g.detach().reshape(-1, g.shape[-1]).float().pow(2).sum(dim=0))
+                output.register_hook(grad_hook)
+        return hook
+
+    def allocate(self, names: Iterable[str], device: torch.device) -> None:
+        """Zero statistics for ``names`` on ``device`` (beside the weights: no per-batch transfers)."""
+        for name in names:
+            m = self.linears[name]
+            st = LayerStats(act_sq=torch.zeros(m.in_features, device=device), num_tokens=0)
+            if self.use_grad:
+                st.grad_sq = torch.zeros(m.out_features, m.in_features, device=device)
+                st.out_grad_sq = torch.zeros(m.out_features, device=device)
+            self.stats[name] = st
+
+    def add_weight_grads(self, names: Iterable[str]) -> None:
+        """``grad_sq += (dE_b/dW)^2`` for ``names`` after one batch's backward; clears the grads."""
+        for name in names:
+            m = self.linears[name]
+            self.stats[name].grad_sq += m.weight.grad.detach().float().pow(2)
+            m.weight.grad = None
+
+    def offload(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.stats[name] = self.stats[name].to("cpu")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
 
 
 def calibrate(model: torch.nn.Module, blocks: torch.Tensor, config: CalibrationConfig,
               skip: tuple[str, ...] = ("lm_head",)) -> CalibrationStats:
-    """Collect :class:`LayerStats` for every compressible linear of ``model``.
+    """Collect :class:`LayerStats` (CPU float32) for every compressible linear of ``model``.
 
-    Args: model: a causal LM (returns ``.loss`` given ``labels``); blocks: long [B, T] token ids.
-    The model's parameters are left unchanged (requires_grad flags restored, grads cleared).
+    Args: model: a causal LM (returns ``.loss`` given ``labels``) on one device; blocks: long [B, T]
+    token ids; config: batch size, gradients on/off, ``mode`` (full | layerwise | auto) and the
+    compute ``device``. The model's parameters are left unchanged and where they were
+    (requires_grad flags restored, grads cleared). ``info`` records the mode, the device, the peak
+    device memory (CUDA ``max_memory_allocated``) and the process's peak RSS.
     """
     t0 = time.perf_counter()
     linears = compressible_linears(model, skip)
     if not linears:
         raise ValueError("model has no compressible nn.Linear layers")
-    device = next(model.parameters()).device
-    # statistics live beside the weights while collecting (no per-batch transfers), CPU at the end
-    stats = {name: LayerStats(act_sq=torch.zeros(m.in_features, device=device), num_tokens=0)
-             for name, m in linears.items()}
+    model_device = _model_device(model)
+    device = _normalize(torch.device(config.device)) if config.device is not None else model_device
+    mode, reason = choose_mode(model, linears, blocks, config, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     use_grad = config.use_gradients
-    if use_grad:
-        for name, m in linears.items():
-            stats[name].grad_sq = torch.zeros(m.out_features, m.in_features, device=device)
-            stats[name].out_grad_sq = torch.zeros(m.out_features, device=device)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
     if use_grad:
         for m in linears.values():
             m.weight.requires_grad_(True)
-
-    handles = []
-
-    def make_hook(name: str):
-        st = stats[name]
-
-        def hook(mod, inputs, output):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-            st.act_sq += x.pow(2).sum(dim=0)
-            st.num_tokens += x.shape[0]
-            if use_grad and output.requires_grad:
-                def grad_hook(g):
-                    st.out_grad_sq.add_(g.detach().reshape(-1, g.shape[-1]).float().pow(2).sum(dim=0))
-                output.register_hook(grad_hook)
-        return hook
-
-    for name, m in linears.items():
-        handles.append(m.register_forward_hook(make_hook(name)))
+    collector = _StatsCollector(linears, use_grad)
     was_training = model.training
     model.eval()
-    tokens = 0
+    batches = list(torch.split(blocks, config.batch_size))
     try:
-        batches = list(torch.split(blocks, config.batch_size))
-        for batch in tqdm(batches, desc="calibration", unit="batch", leave=False):
-            batch = batch.to(device)
-            if use_grad:
-                out = model(input_ids=batch, labels=batch)
-                # summed (not mean) token loss, so the statistics do not depend on the batch size
-                n_pred = batch.shape[0] * (batch.shape[1] - 1)
-                (out.loss * n_pred).backward()
-                for name, m in linears.items():
-                    stats[name].grad_sq += m.weight.grad.detach().float().pow(2)
-                    m.weight.grad = None
-            else:
-                with torch.no_grad():
-                    model(input_ids=batch)
-            tokens += batch.numel()
+        if mode is CalibrationMode.FULL:
+            _calibrate_full(model, batches, collector, device, model_device)
+        else:
+            _calibrate_layerwise(model, batches, collector, device)
     finally:
-        for h in handles:
-            h.remove()
+        collector.remove()
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
             p.grad = None
         model.train(was_training)
-    for st in stats.values():
-        st.act_sq = st.act_sq.cpu()
-        st.grad_sq = None if st.grad_sq is None else st.grad_sq.cpu()
-        st.out_grad_sq = None if st.out_grad_sq is None else st.out_grad_sq.cpu()
     info = {
-        "path": "full_forward_backward" if use_grad else "full_forward",
+        "path": f"{mode.value}_forward_backward" if use_grad else f"{mode.value}_forward",
+        "mode": mode.value,
+        "mode_reason": reason,
+        "device": str(device),
         "sequences": int(blocks.shape[0]),
         "seq_len": int(blocks.shape[1]),
-        "tokens": tokens,
+        "tokens": int(blocks.numel()),
         "layers": len(linears),
         "seconds": round(time.perf_counter() - t0, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        "peak_device_mb": (round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+                           if device.type == "cuda" else None),
     }
     log.info("calibration: %s", info)
-    return CalibrationStats(layers=stats, info=info)
+    return CalibrationStats(layers=collector.stats, info=info)
+
+
+def _calibrate_full(model: nn.Module, batches: list[torch.Tensor], collector: _StatsCollector,
+                    device: torch.device, model_device: torch.device) -> None:
+    """One forward (+ backward of the summed token loss) per batch over the whole model."""
+    names = list(collector.linears)
+    moved = device != model_device
+    if moved:
+        model.to(device)
+    try:
+        collector.allocate(names, device)
+        for batch in progress(batches, desc="calibration", unit="batch", leave=False):
+            batch = batch.to(device)
+            if collector.use_grad:
+                out = model(input_ids=batch, labels=batch)
+                # summed (not mean) token loss, so the statistics do not depend on the batch size
+                n_pred = batch.shape[0] * (batch.shape[1] - 1)
+                (out.loss * n_pred).backward()
+                collector.add_weight_grads(names)
+            else:
+                with torch.no_grad():
+                    model(input_ids=batch)
+    finally:
+        if moved:
+            model.to(model_device)
+    collector.offload(names)
+
+
+class _StopForward(Exception):
+    """Raised by the capture pass once the last block's arguments are recorded."""
+
+
+@contextlib.contextmanager
+def _replaced_forwards(blocks: nn.ModuleList, make_forward) -> Iterator[None]:
+    """Temporarily replace each block's ``forward`` (instance attribute, so hooks and the class
+    stay untouched) by ``make_forward(i)``."""
+    try:
+        for i, block in enumerate(blocks):
+            block.forward = make_forward(i)
+        yield
+    finally:
+        for block in blocks:
+            block.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def _rest_on(model: nn.Module, blocks: nn.ModuleList, device: torch.device) -> Iterator[None]:
+    """Move everything but the decoder blocks (embeddings, final norm, lm_head, rotary buffers) to
+    ``device`` and back. The blocks are detached from the list meanwhile, so ``model.to`` skips
+    them; tied parameters stay tied (one Parameter object moved once)."""
+    home = _model_device(model)
+    saved = dict(blocks._modules)
+
+    def move(dev: torch.device) -> None:
+        blocks._modules.clear()
+        try:
+            model.to(dev)
+        finally:
+            blocks._modules.update(saved)
+
+    move(device)
+    try:
+        yield
+    finally:
+        move(home)
+
+
+def _block_output(out: Any) -> torch.Tensor:
+    """Hidden states from a block's return value (a tensor, or a tuple starting with it)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _calibrate_layerwise(model: nn.Module, batches: list[torch.Tensor], collector: _StatsCollector,
+                         device: torch.device) -> None:
+    """Block-by-block forward, the model's own head, block-by-block backward (module docstring)."""
+    prefix, blocks = decoder_blocks(model)
+    n_blocks = len(blocks)
+    block_names: list[list[str]] = [[] for _ in range(n_blocks)]
+    head_names: list[str] = []
+    for name in collector.linears:
+        rel = name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None
+        if rel is not None and rel.split(".", 1)[0].isdigit():
+            block_names[int(rel.split(".", 1)[0])].append(name)
+        else:
+            head_names.append(name)
+    use_grad = collector.use_grad
+    home = [next(b.parameters()).device for b in blocks]
+    try:
+        with _rest_on(model, blocks, device):
+            # 1. capture: run the model's own forward up to the blocks; each block records its input and
+            # call arguments (mask, rotary cos/sin, position ids: on the device, shared by all blocks,
+            # a few MB) and passes its input through; the last one stops the forward.
+            hidden: list[torch.Tensor] = []  # block-boundary states of the current depth, CPU
+            calls: list[list[tuple[tuple, dict]]] = []  # [batch][block] -> (args after hidden, kwargs)
+            collector.active = False
+            collector.inactive_calls.clear()
+            for batch in batches:
+                per_block: list[tuple[tuple, dict]] = []
+                first: list[torch.Tensor] = []
+
+                def make_capture(i: int):
+                    def forward(*args, **kwargs):
+                        h = args[0] if args else kwargs.pop("hidden_states")
+                        if first and h.shape != first[0].shape:
+                            raise ValueError(f"layerwise calibration: block {i} received hidden states of shape "
+                                             f"{tuple(h.shape)}, block 0 {tuple(first[0].shape)}; this model's "
+                                             "block outputs are not plain hidden states, use mode=full")
+                        if not first:
+                            first.append(h)
+                        per_block.append((tuple(args[1:]), dict(kwargs)))
+                        if i == n_blocks - 1:
+                            raise _StopForward
+                        return h
+                    return forward
+
+                with _replaced_forwards(blocks, make_capture), torch.no_grad():
+                    try:
+                        model(input_ids=batch.to(device), use_cache=False)
+                    except _StopForward:
+                        pass
+                if len(per_block) != n_blocks:
+                    raise ValueError(f"layerwise calibration: the forward called {len(per_block)} of {n_blocks} blocks")
+                hidden.append(first[0].to("cpu"))
+                calls.append(per_block)
+            if collector.inactive_calls:
+                early = sorted(collector.inactive_calls)[:3]
+                raise ValueError(f"layerwise calibration: compressible linears {early} run "
+                                 "before the decoder blocks, so their gradients need the full backward; use mode=full")
+
+            # 2. forward sweep without grad, keeping every block's input (CPU); without gradients this
+            # is where the statistics are recorded
+            inputs: list[list[torch.Tensor]] = []
+            for i, block in enumerate(progress(blocks, desc="calibration forward", unit="block", leave=False)):
+                block.to(device)
+                collector.active = not use_grad
+                if not use_grad:
+                    collector.allocate(block_names[i], device)
+                outs = []
+                with torch.no_grad():
+                    for b, h in enumerate(hidden):
+                        args, kwargs = calls[b][i]
+                        outs.append(_block_output(block(h.to(device), *args, **kwargs)).to("cpu"))
+                if not use_grad:
+                    collector.offload(block_names[i])
+                block.to(home[i])
+                inputs.append(hidden)
+                hidden = outs
+
+            # 3. the model's own head on the last block's output: final norm, lm_head, (softcap,) loss;
+            # the blocks pass through and the last returns the saved state, so nothing is re-implemented
+            collector.active = True
+            collector.allocate(head_names, device)
+            grads: list[torch.Tensor] = []
+            for b, batch in enumerate(batches):
+                h_top = hidden[b].to(device).detach().requires_grad_(use_grad)
+
+                def make_inject(i: int):
+                    def forward(*args, **kwargs):
+                        return h_top if i == n_blocks - 1 else (args[0] if args else kwargs["hidden_states"])
+                    return forward
+
+                batch = batch.to(device)
+                with _replaced_forwards(blocks, make_inject):
+                    if use_grad:
+                        out = model(input_ids=batch, labels=batch, use_cache=False)
+                        # summed token loss, as in the full path
+                        (out.loss * (batch.shape[0] * (batch.shape[1] - 1))).backward()
+                        collector.add_weight_grads(head_names)
+                        grads.append(h_top.grad.to("cpu"))
+                    elif head_names:
+                        with torch.no_grad():
+                            model(input_ids=batch, use_cache=False)
+            collector.offload(head_names)
+            if not use_grad:
+                return
+
+            # 4. reverse sweep: recompute each block from its saved input with grad enabled, push the
+            # incoming gradient through it (hooks record activations and output gradients, then the
+            # per-batch weight gradients are squared and added), pass the input gradient down
+            for i in progress(range(n_blocks - 1, -1, -1), desc="calibration backward", unit="block", leave=False):
+                block = blocks[i]
+                block.to(device)
+                collector.allocate(block_names[i], device)
+                for b in range(len(batches)):
+                    args, kwargs = calls[b][i]
+                    x = inputs[i][b].to(device).detach().requires_grad_(True)
+                    with torch.enable_grad():
+                        y = _block_output(block(x, *args, **kwargs))
+                    torch.autograd.backward(y, grads[b].to(device))
+                    collector.add_weight_grads(block_names[i])
+                    grads[b] = x.grad.to("cpu")
+                collector.offload(block_names[i])
+                inputs[i] = []
+                block.to(home[i])
+    finally:
+        # an error half-way must not leave blocks on the device
+        for block, dev in zip(blocks, home):
+            block.to(dev)

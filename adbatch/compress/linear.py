@@ -4,7 +4,10 @@ Work per layer is two pure functions of (weight, statistics, config) -- :func:`a
 (scores -> proxy loss of 2:4 and 1:4, i.e. the layer importance) and :func:`compress_layer`
 (mask -> INT4 with chosen group sizes -> packed) -- mapped over layers by a :class:`LayerExecutor`.
 The library runs them in a loop (:class:`SequentialExecutor`); ``pipelines/compress.py`` runs the
-same functions as Ray tasks, which is why they take plain tensors and return plain results.
+same functions as Ray tasks, which is why they take plain tensors and return plain results. The math
+runs on whatever device the inputs are on: ``SequentialExecutor(device="cuda")`` moves one layer at
+a time there and its results back to CPU (same bytes layout; floating-point reductions may round
+differently on the GPU, so the CPU path is the reference the Ray path is tested against).
 
 Tied embeddings / lm_head: left dense (see docs/compress.md). The lm_head is tied to the input
 embedding table in SmolLM2, so compressing it would either alter the embeddings or untie (store)
@@ -21,7 +24,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import nn
 
-from adbatch.compress.calibration import CalibrationStats, LayerStats, compressible_linears
+from adbatch.compress.calibration import CalibrationStats, LayerStats, compressible_linears, progress
 from adbatch.compress.quantization import quantize_rows
 from adbatch.compress.recipe import (
     CompressConfig, CompressionRecipe, LayerRecipe, PatternPolicy, ScoreMethod,
@@ -86,6 +89,13 @@ class LayerInput:
     #: a fixed N:M mask bool [N, K] (e.g. learned by progressive sparsity in training): kept as is
     mask: torch.Tensor | None = None
 
+    def to(self, device: torch.device | str) -> "LayerInput":
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return LayerInput(name=self.name, weight=self.weight.to(device), bias=mv(self.bias),
+                          stats=None if self.stats is None else self.stats.to(device), mask=mv(self.mask))
+
 
 @dataclass
 class LayerAnalysis:
@@ -100,6 +110,10 @@ class LayerResult:
     bias: torch.Tensor | None
     recipe: LayerRecipe
 
+    def to(self, device: torch.device | str) -> "LayerResult":
+        return LayerResult(name=self.name, packed=self.packed.to(device),
+                           bias=None if self.bias is None else self.bias.to(device), recipe=self.recipe)
+
 
 class LayerExecutor(Protocol):
     """Maps a per-layer function over layers. ``put`` stores the inputs once (e.g. in Ray's object
@@ -111,15 +125,28 @@ class LayerExecutor(Protocol):
 
 
 class SequentialExecutor:
-    """The in-process loop (with a progress bar)."""
+    """The in-process loop (with a progress bar).
+
+    ``device``: where the per-layer math runs. None = where the inputs are (CPU). Otherwise each
+    layer's inputs are copied there just before its work and its :class:`LayerResult` copied back
+    to CPU, so the device holds one layer at a time.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = None if device is None else torch.device(device)
 
     def put(self, items: Sequence[LayerInput]) -> list[Any]:
         return list(items)
 
     def map(self, fn, handles, args, desc: str = "layers"):
-        from tqdm.auto import tqdm
-
-        return [fn(h, a) for h, a in tqdm(list(zip(handles, args)), desc=desc, unit="layer", leave=False)]
+        out = []
+        for h, a in progress(list(zip(handles, args)), desc=desc, unit="layer", leave=False):
+            if self.device is None:
+                out.append(fn(h, a))
+                continue
+            res = fn(h.to(self.device), a)
+            out.append(res.to("cpu") if isinstance(res, LayerResult) else res)
+        return out
 
 
 def _scores(item: LayerInput, config: CompressConfig) -> torch.Tensor:
@@ -161,7 +188,7 @@ def analyze_layer(item: LayerInput, config: CompressConfig) -> LayerAnalysis:
     summary: dict[str, float] = {}
     if _sparsifiable(item):
         scores = _scores(item, config)
-        col = st.col_moment if st is not None else torch.ones(k_in)
+        col = st.col_moment if st is not None else torch.ones(k_in, device=item.weight.device)
         row = st.row_moment if st is not None else None
         for pattern in (SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR):
             losses[pattern] = proxy_loss(item.weight, nm_mask(scores, pattern.n), col, row)
@@ -184,12 +211,12 @@ def compress_layer(item: LayerInput, plan: tuple[SparsityPattern, CompressConfig
         # a fixed mask has exactly n ones per group, so ranking it selects exactly its positions
         scores = item.mask.float() if item.mask is not None else _scores(item, config)
         pos = kept_positions(scores, pattern.n)  # uint8 [N, Kk]
-        kk = torch.arange(pos.shape[1])
+        kk = torch.arange(pos.shape[1], device=pos.device)
         cols = (kk // pattern.n).unsqueeze(0) * M + pos.to(torch.int64)  # [N, Kk]
         values = weight.gather(1, cols)
     else:
         pos = None
-        cols = torch.arange(k_in).unsqueeze(0).expand(n_out, -1)
+        cols = torch.arange(k_in, device=weight.device).unsqueeze(0).expand(n_out, -1)
         values = weight
     sens = None
     if st is not None:

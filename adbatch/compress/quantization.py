@@ -107,7 +107,7 @@ def _lagrangian_choice(err: torch.Tensor, bits: torch.Tensor, budget: float) -> 
     while total(pick(hi)) > budget and hi < scale * 2.0 ** 80:
         hi *= 2.0
     if total(pick(hi)) > budget:
-        return torch.full((err.shape[1],), cheapest, dtype=torch.long)
+        return torch.full((err.shape[1],), cheapest, dtype=torch.long, device=err.device)
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if total(pick(mid)) <= budget:
@@ -124,7 +124,7 @@ def choose_group_sizes(err: torch.Tensor, sizes: tuple[int, ...], kept: int, bud
     budget_bits: total bits allowed for the layer's values + scales/zeros.
     Returns int32 [N] group sizes (total bits <= budget_bits whenever the largest size fits).
     """
-    sizes_t = torch.tensor(sizes, dtype=torch.int64)
+    sizes_t = torch.tensor(sizes, dtype=torch.int64, device=err.device)
     bits = row_bits(kept, sizes_t)  # [S]
     idx = _lagrangian_choice(err, bits, budget_bits)
     used = float(bits[idx].sum())
@@ -162,7 +162,7 @@ def quantize_rows(values: torch.Tensor, weight: torch.Tensor | None, policy: Gro
     rows, kept = values.shape
     policy = GroupPolicy(policy)
     if policy is GroupPolicy.UNIFORM:
-        chosen = torch.full((rows,), reference_size, dtype=torch.int32)
+        chosen = torch.full((rows,), reference_size, dtype=torch.int32, device=values.device)
     else:
         sizes = tuple(sorted(sizes))
         err = torch.stack([quantize_fixed(values, g, weight)[4] for g in sizes])  # [S, N]
@@ -173,21 +173,23 @@ def quantize_rows(values: torch.Tensor, weight: torch.Tensor | None, policy: Gro
 
 def _quantize_with_sizes(values: torch.Tensor, weight: torch.Tensor | None, chosen: torch.Tensor) -> QuantizedRows:
     rows, kept = values.shape
-    q = torch.empty(rows, kept, dtype=torch.uint8)
-    deq = torch.empty(rows, kept, dtype=torch.float32)
-    error = torch.empty(rows, dtype=torch.float64)
+    dev = values.device
+    chosen = chosen.to(dev)
+    q = torch.empty(rows, kept, dtype=torch.uint8, device=dev)
+    deq = torch.empty(rows, kept, dtype=torch.float32, device=dev)
+    error = torch.empty(rows, dtype=torch.float64, device=dev)
     groups = (kept + chosen.to(torch.int64) - 1) // chosen.to(torch.int64)
-    ptr = torch.zeros(rows + 1, dtype=torch.int64)
+    ptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
     ptr[1:] = torch.cumsum(groups, 0)
-    scale = torch.empty(int(ptr[-1]), dtype=torch.float16)
-    zero = torch.empty(int(ptr[-1]), dtype=torch.float16)
+    scale = torch.empty(int(ptr[-1]), dtype=torch.float16, device=dev)
+    zero = torch.empty(int(ptr[-1]), dtype=torch.float16, device=dev)
     # one vectorized pass per distinct size (at most 4), not per row
     for g in sorted(set(chosen.tolist())):
         sel = torch.nonzero(chosen == g).squeeze(1)
         w = weight[sel] if weight is not None else None
         qs, sc, zs, dq, er = quantize_fixed(values[sel], int(g), w)
         q[sel], deq[sel], error[sel] = qs, dq, er
-        slots = (ptr[sel].unsqueeze(1) + torch.arange(sc.shape[1]).unsqueeze(0)).reshape(-1)
+        slots = (ptr[sel].unsqueeze(1) + torch.arange(sc.shape[1], device=dev).unsqueeze(0)).reshape(-1)
         scale[slots] = sc.reshape(-1)
         zero[slots] = zs.reshape(-1)
     return QuantizedRows(q=q, scale=scale, zero=zero, group_size=chosen.to(torch.int32), dequant=deq, error=error)
@@ -199,7 +201,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gr
     rows, kept = q.shape
     gs = group_size.to(torch.int64)
     groups = (kept + gs - 1) // gs
-    ptr = torch.zeros(rows + 1, dtype=torch.int64)
+    ptr = torch.zeros(rows + 1, dtype=torch.int64, device=q.device)
     ptr[1:] = torch.cumsum(groups, 0)
-    gidx = ptr[:-1].unsqueeze(1) + torch.arange(kept).unsqueeze(0) // gs.unsqueeze(1)
+    gidx = ptr[:-1].unsqueeze(1) + torch.arange(kept, device=q.device).unsqueeze(0) // gs.unsqueeze(1)
     return (q.float() - zero.float()[gidx]) * scale.float()[gidx]

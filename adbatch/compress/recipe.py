@@ -16,7 +16,7 @@ from adbatch.config import ConfigBase, ConfigError
 from kernels.nm_int4 import GROUP_SIZES, SparsityPattern
 
 __all__ = [
-    "CalibrationConfig", "CompressConfig", "CompressionRecipe", "GroupPolicy", "LayerRecipe",
+    "CalibrationConfig", "CalibrationMode", "CompressConfig", "CompressionRecipe", "GroupPolicy", "LayerRecipe",
     "PatternPolicy", "ScoreMethod", "SparsityPattern", "PATTERN_DENSITY",
 ]
 
@@ -50,6 +50,15 @@ class GroupPolicy(str, enum.Enum):
     ADAPTIVE = "adaptive"  #: per-row sizes from ``group_sizes`` at the bits of ``reference_group_size``
 
 
+class CalibrationMode(str, enum.Enum):
+    """How the calibration pass walks the model (both give the same statistics)."""
+
+    FULL = "full"  #: whole model on the compute device, one forward + backward per batch
+    LAYERWISE = "layerwise"  #: weights stay where loaded; decoder blocks visit the device one at a time
+    AUTO = "auto"  #: layerwise when the full path's estimated memory exceeds ``auto_memory_fraction``
+    #: of the compute device's free memory (CPU: MemAvailable), else full
+
+
 @dataclasses.dataclass
 class CalibrationConfig(ConfigBase):
     """Which texts go through the model to collect the statistics, and how many."""
@@ -63,11 +72,28 @@ class CalibrationConfig(ConfigBase):
     use_gradients: bool = dataclasses.field(default=True, metadata={
         "help": "backpropagate the LM loss to collect |dE/dW| and output-gradient moments"})
     seed: int = dataclasses.field(default=0, metadata={"help": "sampling seed"})
+    mode: CalibrationMode = dataclasses.field(default=CalibrationMode.AUTO, metadata={
+        "help": "full | layerwise | auto (layerwise when the full pass would need more than "
+                "auto_memory_fraction of the device's free memory); same statistics either way"})
+    device: str | None = dataclasses.field(default=None, metadata={
+        "help": "compute device of the calibration pass (e.g. cuda, cuda:1, cpu); None = where the "
+                "model's parameters are. The model is returned where it was"})
+    auto_memory_fraction: float = dataclasses.field(default=0.5, metadata={
+        "help": "mode=auto: largest share of the device's free memory the full pass may need"})
 
     def validate(self) -> None:
         for name in ("num_texts", "seq_len", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"CalibrationConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 < self.auto_memory_fraction <= 1.0:
+            raise ConfigError(f"CalibrationConfig.auto_memory_fraction must be in (0, 1], got {self.auto_memory_fraction}")
+        if self.device is not None:
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as exc:
+                raise ConfigError(f"CalibrationConfig.device: {self.device!r} is not a torch device ({exc})") from exc
 
 
 @dataclasses.dataclass
