@@ -47,7 +47,8 @@ def test_span_pseudo_queries_are_distinct_spans_and_deterministic():
     assert [q for q, _ in alone] == by_row[0]
     other = span_pseudo_queries(TITLES, cfg.replace(seed=8))
     assert other != pairs[: len(other)]
-    assert span_pseudo_queries(TITLES, PseudoQueryConfig()) == []
+    assert span_pseudo_queries(TITLES, PseudoQueryConfig(per_ad=0)) == []
+    assert PseudoQueryConfig().per_ad == 8  # on by default
     with pytest.raises(ConfigError):
         PseudoQueryConfig(min_words=3, max_words=2).validate()
 

@@ -161,6 +161,7 @@ class TrainStats:
     micro_batches_per_epoch: int = 0
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, epoch, metric)
     best: dict[str, Any] = field(default_factory=dict)
+    eval_seconds: float = 0.0  # validation time, excluded from ``seconds`` (and so from tokens/s)
 
     def summary(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
         nonemb, emb = count_params(model)
@@ -180,6 +181,7 @@ class TrainStats:
         if self.evals:
             out["evals"] = self.evals
             out["best"] = self.best
+            out["eval_seconds"] = round(self.eval_seconds, 3)
         return out
 
 
@@ -326,7 +328,9 @@ def train_loop(
         last = step == total_steps - 1
         if selector is not None and ((step + 1) % eval_steps == 0 or last):
             eligible = sparsity is None or sparsity.frozen
+            t_eval = time.perf_counter()
             metric = selector(model, step, eligible, autocast, device)
+            stats.eval_seconds += time.perf_counter() - t_eval
             stats.evals.append((step, round(stats.micro_batches / per_epoch, 3), metric))
             log.info("step %d (epoch %.2f): validation %.4f%s", step, stats.micro_batches / per_epoch, metric,
                      "" if eligible else " (masks not frozen: not eligible)")
@@ -334,14 +338,14 @@ def train_loop(
                 stats.stopped_early = True
                 log.info("early stop: %d evaluations without improvement", selector.patience)
                 break
-        if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:
+        if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:  # wall, evals included
             stats.stopped_early = step + 1 < total_steps
             if stats.stopped_early:
                 log.warning("time budget %.0f s reached after %d of %d steps", config.time_budget_s, step + 1, total_steps)
             break
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    stats.seconds = time.perf_counter() - t0
+    stats.seconds = time.perf_counter() - t0 - stats.eval_seconds
     if bar is not None:
         bar.close()
     if selector is not None and selector.state is not None:
