@@ -225,7 +225,8 @@ def write_report(out_dir: Path, recipe: CompressionRecipe, quality: dict[str, fl
         "# Compression report", "",
         f"Model: `{info.get('model')}`. Calibration: {recipe.calibration.get('sequences')} x "
         f"{recipe.calibration.get('seq_len')} tokens ({recipe.calibration.get('path')}), "
-        f"{recipe.calibration.get('seconds')} s, peak RSS {recipe.calibration.get('peak_rss_mb')} MB.",
+        f"{recipe.calibration.get('seconds')} s, peak RSS {recipe.calibration.get('peak_rss_mb')} MB, "
+        f"peak device {recipe.calibration.get('peak_device_mb') or '-'} MB; mode: {recipe.calibration.get('mode_reason')}.",
         f"Recipe: score={recipe.config.score.value}, patterns={recipe.config.pattern_policy.value} "
         f"(target density {recipe.config.target_density}), groups={recipe.config.group_policy.value} "
         f"(<= g{recipe.config.reference_group_size} bits). Embeddings/lm_head kept dense "
