@@ -384,6 +384,48 @@ def profile_launches() -> dict:
     return {}
 
 
+def host_probe(n: int = 576, k: int = 1536, calls: int = 2000) -> dict:
+    """Host cost per call (eager, no L2 flush): enqueue-only and drained us/call for F.linear and ours at
+    B = 1, whether the bound fast path is taken, and a cProfile of 500 calls (round 3 saw eager do_bench
+    times of ours far above their CUDA-graph times on small shapes; this isolates the host side)."""
+    import cProfile
+    import io
+    import pstats
+
+    from kernels import sparse_gemv as sg
+    from kernels.nm_int4 import SparsityPattern, random_packed
+
+    out: dict = {}
+    w = torch.randn(n, k, device="cuda").half()
+    x = torch.randn(1, k, device="cuda").half()
+    for pat in (SparsityPattern.TWO_FOUR, SparsityPattern.DENSE):
+        p = random_packed(n, k, pat, device="cuda")
+        for name, f in (("cublas_fp16", lambda: F.linear(x, w)), (f"ours_{pat.value}", lambda p=p: sg.nm_int4_linear_triton(x, p))):
+            for _ in range(20):
+                f()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            out[name] = dict(enqueue_us=1e6 * (t1 - t0) / calls, drained_us=1e6 * (t2 - t0) / calls)
+            print(f"host {name}: enqueue {out[name]['enqueue_us']:.1f} us/call, drained {out[name]['drained_us']:.1f} us/call", flush=True)
+        bound = next((b for key, b in sg._BOUND.items() if b.ref() is p), None)
+        out[f"fast_path_{pat.value}"] = bound is not None and bound(x, None) is not None
+        print(f"bound fast path taken for {pat.value}: {out[f'fast_path_{pat.value}']}", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            sg.nm_int4_linear_triton(x, p)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(10)
+        print(buf.getvalue()[:2500], flush=True)
+    return out
+
+
 # ---- report -----------------------------------------------------------------------------------
 def table(rows: list[dict], env: dict, copy_gbs: float) -> str:
     lines = [
@@ -421,6 +463,31 @@ def table(rows: list[dict], env: dict, copy_gbs: float) -> str:
     return "\n".join(lines)
 
 
+def compact(rows: list[dict]) -> str:
+    """One line per (shape, B): fp16 us, then per format us and speedup, eager / CUDA graph."""
+    methods = ["torch_int4_g128", "ours_2:4", "ours_1:4", "ours_4:4"]
+    lines = ["| shape | B | fp16 us (graph) | " + " | ".join(f"{m} us x (graph us x)" for m in methods) + " |",
+             "|---|---|---|" + "---|" * len(methods)]
+    idx = {(r["shape"], r.get("B"), r["method"]): r for r in rows}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for b in sorted({r["B"] for r in rows if r["shape"] == shape and "B" in r}):
+            f = idx.get((shape, b, "cublas_fp16"), {})
+            cells = [f"{f.get('us', float('nan')):.1f} ({f.get('graph_us') or float('nan'):.1f})"]
+            for m in methods:
+                r = idx.get((shape, b, m))
+                if r is None or "us" not in r:
+                    cells.append("-")
+                    continue
+                c = f"{r['us']:.1f} {r.get('speedup_vs_fp16', 0):.2f}x"
+                if r.get("graph_us"):
+                    c += f" ({r['graph_us']:.1f} {r.get('graph_speedup_vs_fp16', 0):.2f}x)"
+                if not (r.get("rel_err", 0) <= 2e-2):
+                    c += f" ERR {r.get('rel_err')}"
+                cells.append(c)
+            lines.append(f"| {shape} | {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
@@ -430,7 +497,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--no-precompile", action="store_true")
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timings")
     ap.add_argument("--profile", action="store_true", help="launch a few kernels once each (run under ncu)")
+    ap.add_argument("--host", action="store_true", help="only the host launch-cost probe (B = 1, 576x1536)")
     ap.add_argument("--time-budget", type=float, default=540.0, help="skip remaining work after this many s")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -438,6 +507,11 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.profile:
         return profile_launches()
+    if args.host:
+        os.environ.setdefault("ADBATCH_CACHE", "/tmp/adbatch-bench-cache")
+        res = host_probe()
+        (args.out / "kernels_host.json").write_text(json.dumps(res, indent=1))
+        return res
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("ADBATCH_CACHE", "/tmp/adbatch-bench-cache")
@@ -466,12 +540,11 @@ def main(argv: list[str] | None = None) -> dict:
                 log.warning("time budget spent: skipping %dx%d", n, k)
                 results.setdefault("skipped", []).append(f"{n}x{k}")
                 continue
-            small = n * k <= 4096 * 4096
-            results["rows"] += bench_shape(n, k, batches, timer, copy_gbs, graph=small or args.smoke)
+            results["rows"] += bench_shape(n, k, batches, timer, copy_gbs, graph=not args.no_graph)
             (args.out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
             log.info("shape %dx%d done at %.0f s", n, k, time.time() - t0)
         md = table(results["rows"], env, copy_gbs)
-        (args.out / "kernels.md").write_text(md)
+        (args.out / "kernels.md").write_text(md + "\n" + compact(results["rows"]))
     if not args.no_decode and time.time() - t0 < args.time_budget:
         results["decode"] = decode_bench([1, 2] if args.smoke else [1, 8, 32], timer, args.smoke)
     (args.out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
@@ -480,7 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
         for f in cache.glob("*.json"):
             (args.out / f.name).write_text(f.read_text())
     if not args.decode_only:
-        print(table(results["rows"], env, copy_gbs))
+        print(compact(results["rows"]))
     for r in results.get("decode", []):
         print(f"decode {r['variant']:<50} B={r['B']:>3} {r.get('us', float('nan')):9.1f} us "
               f"{r.get('tokens_per_s', float('nan')):9.1f} tok/s {r.get('mode', r.get('error', ''))}")

@@ -263,7 +263,11 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
                                      calibration=config.compress.calibration,
                                      eval_texts=config.compress.eval_texts,
                                      eval_seq_len=config.compress.eval_seq_len, num_cpus=config.num_cpus)
-        inputs = {"model": model_in}
+        # the packed byte layout's version is an input: a checkpoint of an older layout is rebuilt
+        # rather than skipped and then refused by the loader
+        from kernels.nm_int4 import FORMAT_VERSION
+
+        inputs = {"model": model_in, "packed_format_version": str(FORMAT_VERSION)}
         if comp_job.calib:
             inputs["calib"] = sha256_file(comp_job.calib)
         runner.run(Stage.COMPRESS, comp_job, inputs, compressed_dir / "manifest.json",

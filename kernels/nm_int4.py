@@ -10,15 +10,20 @@ with one fp16 ``(scale, zero)`` pair per *quantization group* of kept values. Ro
 group size ``group_size[r]`` in {32, 64, 128, 256} (adaptive groups: sensitive rows get smaller
 groups); its ``ceil(Kk / group_size[r])`` groups are stored consecutively, rows in order.
 
-Byte layout of :class:`PackedNMInt4` (what the Triton kernels read directly):
+Byte layout of :class:`PackedNMInt4` (format version 2; what the Triton kernels read directly):
 
 - ``qweight`` int32 ``[Kp / 8, N]``: word ``(i, r)`` holds kept values ``8i .. 8i+7`` of row ``r``,
-  value ``8i + j`` in bits ``4j .. 4j+3`` (low nibble first). The *row index is the fast axis*, so a
-  warp that reads one word-row for consecutive output rows reads consecutive int32 words, and a
-  thread holding 4 neighbouring rows issues one 16-byte load (coalesced, vectorised).
-- ``qpos`` int32 ``[Kp / 16, N]`` (``[0, N]`` for DENSE): word ``(i, r)`` holds the 2-bit positions of
-  kept values ``16i .. 16i+15`` of row ``r``, value ``16i + j`` in bits ``2j .. 2j+1``. Same
-  coalescing as ``qweight``.
+  *pair-interleaved*: value ``8i + 2t + h`` (t = 0..3, h = 0/1) sits in bits ``16h + 4t .. 16h + 4t + 3``.
+  So one ``lop3`` on ``word >> 4t`` (masks ``0x000F000F``) yields the two values ``(2t, 2t+1)`` of a kept
+  pair in the two 16-bit halves, i.e. directly an fp16x2 / bf16x2 operand for packed math. The *row
+  index is the fast axis*, so a warp reading one word-row for consecutive output rows reads consecutive
+  int32 words (coalesced, 16-byte vector loads for 4 neighbouring rows).
+- ``qpos`` int32 ``[Kp / 16, N]`` (``[0, N]`` for DENSE): word ``(i, r)`` holds the 2-bit positions of kept
+  values ``16i .. 16i+15`` of row ``r``, *byte-spread*: value ``16i + 8h + 2t + e`` (h, e = 0/1, t = 0..3)
+  sits in bits ``16h + 8e + 2t .. +1``. ``(word >> 2t) & 0x03030303`` then holds the positions of pair t
+  of both value words in its 4 bytes, and one multiply-add (``* 0x22 + 0x10101010``) turns them into the
+  ``prmt`` byte selectors that pick the activations (see ``kernels/sparse_gemv.py``). Same coalescing as
+  ``qweight``.
 - ``scale_zero`` fp16 ``[G, 2]``: ``(scale, zero)`` of every group, rows in order, groups of a row
   consecutive; interleaved so the kernel fetches both with one 4-byte load.
 - ``group_ptr`` int32 ``[N + 1]``: row ``r``'s groups are ``scale_zero[group_ptr[r]:group_ptr[r+1]]``
@@ -26,11 +31,16 @@ Byte layout of :class:`PackedNMInt4` (what the Triton kernels read directly):
 - ``group_shift`` int32 ``[N]``: ``group_size[r] == 1 << group_shift[r]`` (a shift, not a division,
   inside the kernel).
 
-``Kp`` is ``Kk`` rounded up to :data:`KK_ALIGN` (128) kept values so that the kernels' K loop has no
-tail: padding slots hold ``q = 0``, ``pos = 0`` and map to columns ``>= K`` (sparse) or ``>= K``
-(dense); the kernels mask activations there to 0, so padding contributes exact zeros. Padding is
-never returned by :func:`unpack_nm_int4` or :func:`dequantize_nm_int4`. The kernels read a group of
-32 kept values with one ``(scale, zero)``, which is why group sizes are at least 32 and powers of 2.
+``Kp`` is ``Kk`` rounded up to :data:`KK_ALIGN` (32) kept values: the kernels mask whole 16-value
+blocks past ``Kp``, and the alignment keeps every 32-value sub-block inside one quantization group.
+Padding slots hold ``q = 0``, ``pos = 0`` and map to columns ``>= K``; the kernels mask activations
+there to 0, so padding contributes exact zeros. Padding is never returned by :func:`unpack_nm_int4` or
+:func:`dequantize_nm_int4`. The kernels read a sub-block of 32 kept values with one ``(scale, zero)``,
+which is why group sizes are at least 32 and powers of 2.
+
+Version history: 1 had plain nibble order (value ``8i + j`` in bits ``4j``), plain position order
+(value ``16i + j`` in bits ``2j``) and ``KK_ALIGN = 128`` (+24 % bits on 576-wide layers); version 2
+is the layout above. Checkpoints carry the version; loaders reject other versions.
 
 Sizes per weight of the dense matrix (group size g): DENSE 4 + 32/g bits; 2:4 (4 + 2)/2 + 16/g bits
 (about 3.1 at g = 128); 1:4 (4 + 2)/4 + 8/g bits. Plain CSR with int32 columns and fp16 values costs
@@ -47,9 +57,9 @@ import math
 import torch
 
 FORMAT_NAME = "adbatch.nm_int4"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 GROUP_SIZES = (32, 64, 128, 256)
-KK_ALIGN = 128  # kept values; multiple of every kernel BLOCK_KK and of 8 (nibbles) and 16 (positions)
+KK_ALIGN = 32  # kept values: one scale sub-block; a multiple of 8 (nibbles) and 16 (positions)
 M = 4
 
 
@@ -204,12 +214,22 @@ class PackedNMInt4:
 
 
 # ---- bit packing primitives -------------------------------------------------------------------
+# Field slot -> value index inside one packed int32 word (see the module docstring):
+# 4-bit: slot s (bits 4s) holds value 2 * (s % 4) + s // 4; 2-bit: slot f (bits 2f) holds value
+# 8 * (f // 8) + 2 * (f % 4) + (f // 4) % 2.
+_SLOT_TO_VALUE = {
+    4: tuple(2 * (s % 4) + s // 4 for s in range(8)),
+    2: tuple(8 * (f // 8) + 2 * (f % 4) + (f // 4) % 2 for f in range(16)),
+}
+
+
 def _pack_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 [N, Kp] with values < 2**bits -> int32 [Kp * bits / 32, N] (field j of a word = column
-    per_word*i + j, low bits first)."""
+    """uint8 [N, Kp] with values < 2**bits -> int32 [Kp * bits / 32, N]; inside word i, slot s (bits
+    ``bits * s``) holds column ``per_word * i + _SLOT_TO_VALUE[bits][s]``."""
     per_word = 32 // bits
     n_rows, kp = v.shape
     v = v.to(torch.int64).reshape(n_rows, kp // per_word, per_word)
+    v = v[..., list(_SLOT_TO_VALUE[bits])]  # slot order
     shifts = torch.arange(per_word, device=v.device, dtype=torch.int64) * bits
     words = (v << shifts).sum(dim=-1)  # fields are disjoint, so sum == bitwise or; < 2**32
     words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as signed int32
@@ -221,7 +241,9 @@ def _unpack_bits(words: torch.Tensor, bits: int) -> torch.Tensor:
     per_word = 32 // bits
     w = words.t().to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(per_word, device=w.device, dtype=torch.int64) * bits
-    v = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    slots = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    v = torch.empty_like(slots)
+    v[..., list(_SLOT_TO_VALUE[bits])] = slots
     return v.reshape(w.shape[0], -1).to(torch.uint8)
 
 

@@ -53,8 +53,18 @@ def test_pack_unpack_round_trip_exact(pattern, shape):
     assert torch.equal(s2, scale) and torch.equal(z2, zero) and torch.equal(gs2, gs)
     # layout: Kk padded to the kernel alignment; padding holds q = 0
     assert p.qweight.shape == (-(-kk // KK_ALIGN) * KK_ALIGN // 8, n_out)
+    # format v2: value 2t + h of a word in bits 16h + 4t (pair-interleaved nibbles)
     first_word = p.qweight[0, 0].item() & 0xFFFFFFFF
-    assert first_word & 0xF == q[0, 0].item() and (first_word >> 4) & 0xF == q[0, 1].item()
+    for j in range(min(8, kk)):
+        t, h = divmod(j, 2)
+        assert (first_word >> (16 * h + 4 * t)) & 0xF == q[0, j].item()
+    if pos is not None and kk >= 16:
+        # value 8h + 2t + e of a position word in bits 16h + 8e + 2t (byte-spread)
+        pw = p.qpos[0, 0].item() & 0xFFFFFFFF
+        for j in range(16):
+            h, rem = divmod(j, 8)
+            t, e = divmod(rem, 2)
+            assert (pw >> (16 * h + 8 * e + 2 * t)) & 3 == pos[0, j].item()
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

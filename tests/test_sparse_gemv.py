@@ -43,15 +43,29 @@ SHAPES = [(40, 264), (19, 520)]
 
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 6])
 def test_gemv_path(pattern, dtype, batch):
     p = random_packed(*SHAPES[0], pattern, generator=torch.Generator().manual_seed(11))
-    block_b = 1 if batch == 1 else 4
+    block_b = {1: 1, 3: 4, 6: 8}[batch]
     for cfg in (
         sg.KernelConfig(block_b, 64, 64, 1, False),
-        sg.KernelConfig(block_b, 16, 128, 2, False),  # split-K (atomic fp32 partials)
+        sg.KernelConfig(block_b, 16, 128, 2, False),  # split-K: partial tiles + last-arriving reduction
+        sg.KernelConfig(max(1, block_b // 2), 32, 32, 3, False),  # 3 splits; B=3/6: two batch tiles
     ):
         _check(p, batch, dtype, cfg, seed=batch)
+
+
+@pytest.mark.parametrize("pattern", list(SparsityPattern))
+def test_gemv_even_path(pattern):
+    """Shapes with N % BLOCK_N == 0 and no padding take the mask-free (EVEN) loads and the clamped
+    prefetch of the last step; split-K boundaries included."""
+    p = random_packed(64, 512, pattern, generator=torch.Generator().manual_seed(31))
+    assert p.kept == p.padded_kept and p.padded_kept % 64 == 0
+    for cfg in (sg.KernelConfig(2, 64, 64, 1, False), sg.KernelConfig(4, 32, 32, 2, False), sg.KernelConfig(1, 64, 64, 4, False)):
+        _, meta = sg._kernel_args(torch.zeros(2, 512, dtype=torch.float16), p, None, torch.zeros(2, 64), None, None, cfg,
+                                  sg._Plan.of(p, cfg))
+        assert meta["EVEN"]
+        _check(p, 3, torch.float16, cfg, seed=32)
 
 
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
@@ -94,7 +108,7 @@ def test_buckets_and_candidates_valid():
             for c in cands:
                 c.validate(pattern)
                 assert c.block_b >= min(batch, c.block_b)
-            assert any(c.use_dot for c in cands) and (batch > 4 or any(not c.use_dot for c in cands))
+            assert (batch < 8 or any(c.use_dot for c in cands)) and (batch > 16 or any(not c.use_dot for c in cands))
 
 
 def test_tune_cache_round_trip(tmp_path, monkeypatch):
@@ -122,8 +136,13 @@ def test_rejects_unsupported():
         sg.nm_int4_linear_triton(torch.randn(2, 60).half(), p)
     with pytest.raises(ValueError, match="bias"):
         sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, torch.randn(9).half())
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="block_b in"):
         sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, config=sg.KernelConfig(3, 16, 64, 1, False))
+    with pytest.raises(ValueError, match="power of two"):
+        sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, config=sg.KernelConfig(16, 24, 64, 1, True))
+    dense_odd = random_packed(8, 66, SparsityPattern.DENSE)  # K % 4 != 0: only the tl.dot kernel
+    with pytest.raises(ValueError, match="in_features % 4"):
+        sg.nm_int4_linear_triton(torch.randn(2, 66).half(), dense_odd, config=sg.KernelConfig(1, 16, 64, 1, False))
     with pytest.raises(ValueError, match="tl.dot"):
         sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, config=sg.KernelConfig(4, 16, 64, 1, True))
 
@@ -150,26 +169,33 @@ def test_gemv_two_batch_tiles_and_misaligned_rows(pattern):
 
 
 def test_selector_and_prmt_emulation():
-    """The prmt selectors the GEMV kernel builds pick x[p] for every position (checked on all 256
-    combinations of four 2-bit positions, through the same emulation the interpreter runs)."""
+    """The prmt selectors the GEMV kernel builds from a position word (format v2 byte-spread layout) pick
+    x[p0] into the low and x[p1] into the high half of every kept pair (2:4), checked on 512 random
+    position words (every one of the 16 (p0, p1) codes in every pair slot), through the same emulation
+    the interpreter runs."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _k(pp_ptr, lo_ptr, hi_ptr, out_ptr):
-        i = tl.arange(0, 256)
-        pp = tl.load(pp_ptr + i)
-        sel = sg._selectors4(pp)
+    def _k(pw_ptr, lo_ptr, hi_ptr, out_ptr):
+        i = tl.arange(0, 512)
+        pw = tl.load(pw_ptr + i)
+        sel = sg._selectors16(pw, False)
         lo = tl.load(lo_ptr + i * 0)
         hi = tl.load(hi_ptr + i * 0)
-        for u in tl.static_range(4):
-            v = sg._pick1(lo, hi, sel >> (8 * u), False, False)
-            tl.store(out_ptr + i * 4 + u, v)
+        for u in tl.static_range(8):
+            tl.store(out_ptr + i * 8 + u, sg._prmt_emul(lo, hi, sel[u]))
 
     xs = torch.tensor([1.5, -2.25, 3.0, 0.125], dtype=torch.float16)
     words = xs.view(torch.int32)
-    pp = torch.arange(256, dtype=torch.int32)
-    out = torch.empty(256 * 4, dtype=torch.float32)
-    _k[(1,)](pp, words[:1].clone(), words[1:].clone(), out)
-    pos = torch.stack([(pp >> (2 * u)) & 3 for u in range(4)], dim=1).reshape(-1)
-    assert torch.equal(out, xs.float()[pos.long()])
+    pw = torch.randint(-(2**31), 2**31 - 1, (512,), generator=torch.Generator().manual_seed(3), dtype=torch.int64)
+    pw = pw.to(torch.int32)
+    out = torch.empty(512 * 8, dtype=torch.int32)
+    _k[(1,)](pw, words[:1].clone(), words[1:].clone(), out)
+    got = out.view(torch.float16).reshape(512, 8, 2).float()
+    u = pw.to(torch.int64) & 0xFFFFFFFF
+    for pair in range(8):
+        h, t = divmod(pair, 4)
+        for e in range(2):
+            pos = (u >> (16 * h + 8 * e + 2 * t)) & 3
+            assert torch.equal(got[:, pair, e], xs.float()[pos])
