@@ -171,14 +171,23 @@ def fresh_copy(base: tuple[Any, Any]) -> tuple[Any, Any]:
     return copy.deepcopy(model), copy.deepcopy(tok)
 
 
-def int4_compress(model: Any, examples_tokens: Any, device: str) -> dict[str, Any]:
-    """Adaptive INT4 on top of the trained masks (uniform 2:4 magnitude keeps exactly the nonzeros)."""
+def int4_compress(model: Any, examples_tokens: Any, device: str, summary: dict | None = None) -> dict[str, Any]:
+    """INT4 with the trained masks kept, the group policy following the training ``summary``.
+
+    ``summary`` (``train_on_index``'s): with ``sparsity.patterns`` every pruned layer keeps its
+    trained n:4 mask (rebuilt from the nonzeros: the top-n magnitudes of each group of 4), the
+    others stay dense (no sparsity: INT4 only); with ``qat`` the groups are uniform at QAT's size
+    (the grid training saw), else adaptive at g128's bits -- the compression stage's rule
+    (:func:`adbatch.compress.recipe.follow_training_qat`).
+    """
     import torch
 
-    from adbatch.compress import (CalibrationConfig, CompressConfig, GroupPolicy, PatternPolicy,
-                                  ScoreMethod, calibrate, compress_)
-    from kernels.nm_int4 import SparsityPattern
+    from adbatch.compress import (CalibrationConfig, CompressConfig, PatternPolicy, ScoreMethod, calibrate,
+                                  compress_)
+    from adbatch.compress.recipe import follow_training_qat
+    from adbatch.compress.sparsity import nm_mask
 
+    summary = summary or {}
     t0 = time.perf_counter()
     seq = 128
     n_blocks = min(64, examples_tokens.numel() // seq)
@@ -186,10 +195,17 @@ def int4_compress(model: Any, examples_tokens: Any, device: str) -> dict[str, An
     cal = CalibrationConfig(num_texts=n_blocks, seq_len=seq, batch_size=16, use_gradients=False)
     model.float()
     stats = calibrate(model, blocks, cal)
-    cfg = CompressConfig(score=ScoreMethod.MAGNITUDE, pattern_policy=PatternPolicy.UNIFORM,
-                         uniform_pattern=SparsityPattern.TWO_FOUR, group_policy=GroupPolicy.ADAPTIVE)
+    cfg, note = follow_training_qat(CompressConfig(score=ScoreMethod.MAGNITUDE, pattern_policy=PatternPolicy.NONE),
+                                    summary)
+    if note:
+        log.info("%s", note)
     model.cpu()
-    recipe = compress_(model, cfg, stats)
+    masks = {}
+    for name, pattern in ((summary.get("sparsity") or {}).get("patterns") or {}).items():
+        n = int(pattern.split(":")[0])
+        if n < 4:
+            masks[name] = nm_mask(model.get_submodule(name).weight.detach().abs(), n)
+    recipe = compress_(model, cfg, stats, masks=masks or None)
     packed = sum(layer.packed_bytes for layer in recipe.layers)
     # Quality is measured on the exact INT4 values dequantized into nn.Linear (densify_): the
     # packed kernel's speed is the kernels/decoding benches' business, and the GEMV kernel is not
@@ -198,7 +214,8 @@ def int4_compress(model: Any, examples_tokens: Any, device: str) -> dict[str, An
 
     densify_(model)
     model.to(device)
-    return {"seconds": round(time.perf_counter() - t0, 2), "packed_bytes": packed}
+    return {"seconds": round(time.perf_counter() - t0, 2), "packed_bytes": packed,
+            "group_policy": f"{cfg.group_policy.value}-g{cfg.reference_group_size}"}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -282,7 +299,7 @@ def run(args: argparse.Namespace) -> None:
 
                 idx = small["indexes"][best]
                 ex, _ = build_examples(t, idx.ad_ids, idx.sequences(), small["ad_texts"], small["labelled"][:2000])
-                info = int4_compress(m, ex.tokens, device)
+                info = int4_compress(m, ex.tokens, device, s)
                 eval_row(f"trained + progressive 2:4/1:4 + INT4 ({best} ids)", m, t, idx, small["qrels"],
                          {"density": dens, **{f"int4_{k}": v for k, v in info.items()}})
             except Exception as exc:  # report, keep the other numbers
@@ -320,7 +337,8 @@ def sweep(args: argparse.Namespace) -> None:
     ``--configs``: a JSON list (inline or a file) of dicts with keys ``name``, ``catalogue``
     ("5000"/"full"), ``scheme``, ``lr``, ``epochs``, ``pseudo`` (span pseudo-queries per ad),
     ``max_words``, ``eval_every``, ``patience``, ``batch_tokens``, ``sparse`` (progressive 2:4/1:4),
-    ``one_four``, ``int4`` (then adaptive INT4 with the masks kept), ``init`` (a model folder saved
+    ``one_four``, ``int4`` (then INT4 with the masks kept: uniform groups at QAT's size after QAT, else
+    adaptive), ``qat`` / ``qat_start`` / ``qat_group`` (quantization-aware final phase), ``init`` (a model folder saved
     by an earlier config, e.g. the dense model to sparsify), ``save`` (save the selected model under
     ``--save-dir``). Model selection uses the *validation* queries only; test queries are scored
     once per selected model.
@@ -329,6 +347,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     from adbatch.training import SparsityScheduleConfig, TrainConfig, train_on_index
     from adbatch.training.pseudo_queries import PseudoQueryConfig
+    from adbatch.training.quant_aware import QuantAwareConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -364,7 +383,9 @@ def sweep(args: argparse.Namespace) -> None:
                           warmup_fraction=0.05, log_every=10, eval_every=c.get("eval_every", 2.0),
                           early_stop_patience=c.get("patience", 0), valid_max_queries=c.get("valid_queries"),
                           time_budget_s=max(20.0, left - c.get("eval_reserve_s", 40)), sparsity=sp,
-                          pseudo_queries=PseudoQueryConfig(per_ad=c.get("pseudo", 0), max_words=c.get("max_words", 4)))
+                          pseudo_queries=PseudoQueryConfig(per_ad=c.get("pseudo", 0), max_words=c.get("max_words", 4)),
+                          qat=QuantAwareConfig(enabled=bool(c.get("qat")), start_fraction=c.get("qat_start", 0.8),
+                                               group_size=c.get("qat_group", 128)))
         if c.get("init"):
             from adbatch.models import load_causal_lm
 
@@ -401,7 +422,7 @@ def sweep(args: argparse.Namespace) -> None:
                 from adbatch.training.data import build_examples
 
                 ex, _ = build_examples(t, index.ad_ids, index.sequences(), data["ad_texts"], data["labelled"][:2000])
-                info = int4_compress(m, ex.tokens, device)
+                info = int4_compress(m, ex.tokens, device, summary)
                 if device == "cuda":
                     m.to(torch.bfloat16)
                 r2 = evaluate(m, t, index, data["qrels"], args.max_queries, args.beams) | extra | {

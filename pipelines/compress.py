@@ -115,6 +115,16 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         executor = SequentialExecutor(config.layer_device)
     with timer.phase("load"):
         model, tok = load_causal_lm(config.model, dtype=torch.float32, device="cpu")
+    src = resolve_model(config.model)
+    from adbatch.compress.recipe import follow_training_qat
+    from adbatch.training.checkpoint import read_training_record
+
+    record = read_training_record(src)
+    # a model trained with QAT is quantized on the grid it trained on (uniform groups of its size),
+    # unless the config asks otherwise (rule: adbatch.compress.recipe.follow_training_qat)
+    compress_cfg, qat_note = follow_training_qat(config.compress, record)
+    if qat_note:
+        log.info("%s", qat_note)
     with timer.phase("calibrate"):
         texts = load_calibration_texts(calib_cfg)
         stats = calibrate(model, token_blocks(tok, texts, calib_cfg.seq_len), calib_cfg, config.compress.skip_modules)
@@ -135,7 +145,7 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
             masks = load_masks(resolve_model(config.model)) or None
             if masks:
                 log.info("keeping %d N:M masks learned in training", len(masks))
-        recipe = compress_(model, config.compress, stats, executor, masks=masks)
+        recipe = compress_(model, compress_cfg, stats, executor, masks=masks)
     with timer.phase("eval_compressed"):
         # a dequantized copy holds exactly the packed values (tests/test_compress_checkpoint.py checks
         # it against the CompressedLinear forward) and evaluates ~2x faster than unpacking per call
@@ -145,7 +155,6 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         del evaluated
     quality = {**comp_q, **{f"dense_{k}": v for k, v in dense_q.items()}}
     sizes = size_report(recipe)
-    src = resolve_model(config.model)
     inputs = {"model_config": sha256_file(src / "config.json")}
     if calib_cfg.path is None:
         inputs["calibration_corpus"] = sha256_file(EXAMPLE_CORPUS)
@@ -154,9 +163,6 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
     with timer.phase("save"):
         extra = {"job_config": config.to_dict(), "source_inputs": inputs, "quality": quality, "sizes": sizes}
         # a model trained on an index stays bound to it after compression (generation checks this)
-        from adbatch.training.checkpoint import read_training_record
-
-        record = read_training_record(src)
         if record is not None:
             extra["trained_on_index"] = record["trained_on_index"]
         manifest = save_compressed(model, tok, recipe, out, extra_manifest=extra)
@@ -172,6 +178,8 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         "sizes": sizes,
         "summary": recipe.summary(),
         "calibration": recipe.calibration,
+        "group_policy": {"policy": compress_cfg.group_policy.value, "size": compress_cfg.reference_group_size,
+                         "note": qat_note},
         "timings_s": {k: round(v, 2) for k, v in timer.seconds.items()} | {"total": round(total, 2)},
         "shards": sorted(manifest["shards"]),
     }

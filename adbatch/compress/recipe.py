@@ -17,7 +17,7 @@ from kernels.nm_int4 import GROUP_SIZES, SparsityPattern
 
 __all__ = [
     "CalibrationConfig", "CalibrationMode", "CompressConfig", "CompressionRecipe", "GroupPolicy", "LayerRecipe",
-    "PatternPolicy", "ScoreMethod", "SparsityPattern", "PATTERN_DENSITY",
+    "PatternPolicy", "ScoreMethod", "SparsityPattern", "PATTERN_DENSITY", "follow_training_qat",
 ]
 
 #: fraction of the weights of a layer kept by each pattern
@@ -119,6 +119,10 @@ class CompressConfig(ConfigBase):
         "help": "candidate group sizes (kept values per group)"})
     reference_group_size: int = dataclasses.field(default=128, metadata={
         "help": "uniform group size; the adaptive policy spends at most this size's bits per layer"})
+    follow_training_qat: bool = dataclasses.field(default=True, metadata={
+        "help": "when the model was trained with QAT at group size g (its training record says so) and "
+                "group_policy/reference_group_size are left at their defaults, quantize with uniform "
+                "groups of g, the grid training saw (false = always use group_policy as given)"})
     skip_modules: tuple[str, ...] = dataclasses.field(default=("lm_head",), metadata={
         "help": "linear modules (name suffixes) left dense in their original dtype"})
     dense_dtype: str = dataclasses.field(default="float16", metadata={
@@ -246,3 +250,33 @@ class CompressionRecipe:
             "bits_per_weight": 8.0 * packed / params,
             "pattern_counts": counts,
         }
+
+
+def follow_training_qat(config: CompressConfig, record: dict[str, Any] | None) -> tuple[CompressConfig, str | None]:
+    """The config to compress a model with, given its training record (``adbatch_training.json``).
+
+    A model trained with a quantization-aware final phase (record ``qat`` = ``{"group_size": g,
+    "steps": s > 0, ...}``) learned weights that round well on the uniform g-group INT4 grid; the
+    adaptive per-row choice would quantize them on another grid. Rule: the record's grid is used
+    (``group_policy=uniform``, ``reference_group_size=g``) unless the user said otherwise, i.e.
+    ``follow_training_qat`` is false or ``group_policy`` / ``reference_group_size`` differ from
+    their defaults; an explicit config always wins. Returns ``(config to use, a log message or None
+    when the record has no QAT)``.
+    """
+    qat = (record or {}).get("qat") or {}
+    if not qat.get("steps"):
+        return config, None
+    g = int(qat["group_size"])
+    default = CompressConfig()
+    explicit = (config.group_policy is not default.group_policy
+                or config.reference_group_size != default.reference_group_size)
+    if not config.follow_training_qat or explicit:
+        same = config.group_policy is GroupPolicy.UNIFORM and config.reference_group_size == g
+        why = "follow_training_qat=false" if not config.follow_training_qat else "group policy set explicitly"
+        return config, (f"model trained with QAT at INT4 group size {g}; {why}: keeping group_policy="
+                        f"{config.group_policy.value}, reference_group_size={config.reference_group_size}"
+                        + ("" if same else " (not the grid training saw)"))
+    return (config.replace(group_policy=GroupPolicy.UNIFORM, reference_group_size=g),
+            f"model trained with QAT at INT4 group size {g} ({qat['steps']} steps): quantizing with "
+            f"uniform groups of {g} (the grid training saw) instead of {config.group_policy.value}; "
+            "set compress.follow_training_qat=false to keep it")

@@ -14,10 +14,11 @@ from typing import Any, Hashable, Iterable, Mapping
 
 from adbatch.training.checkpoint import (IndexMismatchError, check_index_compat, load_masks,
                                          read_training_record, save_trained)
+from adbatch.training.quant_aware import QuantAwareConfig
 from adbatch.training.sparsity import SparsityScheduleConfig
 from adbatch.training.trainer import TrainConfig
 
-__all__ = ["TrainConfig", "SparsityScheduleConfig", "train_on_index", "check_index_compat",
+__all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "train_on_index", "check_index_compat",
            "IndexMismatchError", "read_training_record", "load_masks", "save_trained", "scheme_name"]
 
 log = logging.getLogger(__name__)
@@ -141,13 +142,16 @@ def train_on_index(
                "index_hash": index.index_hash, "losses": stats.losses, "density": stats.density}
     if stats.sparsity:
         summary["sparsity"] = stats.sparsity
+    # None unless QAT ran; the compression stage reads it to use the same INT4 grid (uniform groups)
+    summary["qat"] = stats.qat
     if out_dir is not None and rank == 0:
         record = {"trained_on_index": index.index_hash, "scheme": info["scheme"],
                   "num_ads": len(index.ad_ids), "init_model": str(init_model) if init_model else "default",
                   "warm_started_from_index": warm_from, "config": config.to_dict(),
                   "train": summary["train"], "data": data_stats,
                   "sparsity": {k: v for k, v in (stats.sparsity or {}).items() if k != "patterns"},
-                  "layer_patterns": (stats.sparsity or {}).get("patterns", {})}
+                  "layer_patterns": (stats.sparsity or {}).get("patterns", {}),
+                  "qat": stats.qat}
         save_trained(model, tokenizer, out_dir, record, masks=sparsity.masks if sparsity is not None else None)
         summary["model_dir"] = str(out_dir)
     return model, tokenizer, summary

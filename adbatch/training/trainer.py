@@ -16,7 +16,10 @@ already initialised there):
   (a DSI model over-fits its train pairs long before the loss stops falling, so the last step is
   rarely the best one), with optional early stopping after ``early_stop_patience`` evaluations
   without improvement. With progressive sparsity only evaluations after the masks froze compete,
-  so the restored weights are exactly N:M.
+  so the restored weights are exactly N:M; with QAT only those after it started;
+- optional quantization-aware final phase (``qat``, :mod:`adbatch.training.quant_aware`): the
+  prunable linears compute with their INT4 weights (straight-through gradient) from
+  ``qat.start_fraction`` of the steps on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import nn
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.data import TrainingExamples, collate, token_budget_batches
 from adbatch.training.pseudo_queries import PseudoQueryConfig
+from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
 from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,8 @@ class TrainConfig(ConfigBase):
                                              metadata={"help": "progressive N:M sparsity"})
     pseudo_queries: PseudoQueryConfig = field(default_factory=PseudoQueryConfig,
                                               metadata={"help": "span pseudo-queries of every ad"})
+    qat: QuantAwareConfig = field(default_factory=QuantAwareConfig,
+                                  metadata={"help": "quantization-aware final phase (INT4 fake-quant, STE)"})
     eval_every: float = field(default=0.0, metadata={
         "help": "epochs between validation evaluations (0 = none; needs an evaluate callback)"})
     valid_metric: str = field(default="recall@10", metadata={
@@ -93,6 +99,10 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
         if not (self.indexing or self.retrieval):
             raise ConfigError("TrainConfig: at least one of indexing / retrieval must be on")
+        if self.qat.enabled and self.sparsity.enabled and self.qat.start_fraction < self.sparsity.end_fraction:
+            # QAT quantizes the kept values of the *final* masks: they must be frozen first
+            raise ConfigError(f"TrainConfig: qat.start_fraction ({self.qat.start_fraction}) must be >= "
+                              f"sparsity.end_fraction ({self.sparsity.end_fraction})")
 
 
 def lr_lambda(step: int, total: int, warmup: int, min_ratio: float) -> float:
@@ -162,6 +172,7 @@ class TrainStats:
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, epoch, metric)
     best: dict[str, Any] = field(default_factory=dict)
     eval_seconds: float = 0.0  # validation time, excluded from ``seconds`` (and so from tokens/s)
+    qat: dict[str, Any] | None = None  # QuantAwareTraining.summary() when QAT ran
 
     def summary(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
         nonemb, emb = count_params(model)
@@ -267,6 +278,10 @@ def train_loop(
     opt = make_optimizer(model, config)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, total_steps, warmup, config.min_lr_ratio))
     sparsity = ProgressiveSparsity(model, config.sparsity, total_steps) if config.sparsity.enabled else None
+    qat = None
+    if config.qat.enabled:  # never before the masks froze (tiny runs can round the two starts together)
+        qat = QuantAwareTraining(model, config.qat, total_steps, config.sparsity.skip_modules,
+                                 not_before=sparsity.end if sparsity is not None else 0)
     autocast = device.type == "cuda" and config.bf16
     stats = TrainStats(micro_batches_per_epoch=per_epoch)
     selector = BestWeights(evaluate, config.early_stop_patience) if evaluate is not None and config.eval_every > 0 else None
@@ -289,6 +304,8 @@ def train_loop(
     t0 = time.perf_counter()
     loss_acc = torch.zeros((), device=device)
     for step in range(total_steps):
+        if qat is not None:
+            qat.maybe_attach(step, sparsity.masks if sparsity is not None else None)
         want_stats = sparsity is not None and sparsity.wants_stats(step)
         if want_stats:
             sparsity.start_stats()
@@ -327,13 +344,14 @@ def train_loop(
             bar.update(1)
         last = step == total_steps - 1
         if selector is not None and ((step + 1) % eval_steps == 0 or last):
-            eligible = sparsity is None or sparsity.frozen
+            # only weights trained under the final masks / the INT4 grid compete (both when on)
+            eligible = (sparsity is None or sparsity.frozen) and (qat is None or qat.active)
             t_eval = time.perf_counter()
             metric = selector(model, step, eligible, autocast, device)
             stats.eval_seconds += time.perf_counter() - t_eval
             stats.evals.append((step, round(stats.micro_batches / per_epoch, 3), metric))
             log.info("step %d (epoch %.2f): validation %.4f%s", step, stats.micro_batches / per_epoch, metric,
-                     "" if eligible else " (masks not frozen: not eligible)")
+                     "" if eligible else " (masks not frozen / QAT not started: not eligible)")
             if selector.should_stop and not last:
                 stats.stopped_early = True
                 log.info("early stop: %d evaluations without improvement", selector.patience)
@@ -357,5 +375,10 @@ def train_loop(
         if not sparsity.frozen:  # a time budget cut the schedule short: still leave exact masks
             log.warning("progressive sparsity did not reach its final masks (stopped at step %d)", stats.steps)
         stats.sparsity = sparsity.summary()
+    if qat is not None:  # plain forwards again: the caller saves / compresses the fp32 weights
+        qat.detach()
+        stats.qat = qat.summary()
+        if stats.qat is None:
+            log.warning("QAT never started (stopped at step %d, QAT start %d)", stats.steps, qat.start)
     model.eval()
     return stats, sparsity
