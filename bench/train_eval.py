@@ -126,22 +126,9 @@ def load_bundle(bundle: Path, name: str) -> dict[str, Any]:
 
 
 def evaluate(model: Any, tok: Any, index: Any, qrels: dict, max_queries: int | None, beams: int) -> dict[str, float]:
-    import torch
+    from adbatch.targeting_eval import evaluate_targeting, generative_ranker
 
-    from adbatch.decoding import TargetSearchConfig, VerifyMode, search_targets
-    from adbatch.prompts import encode_targeting_prompt
-    from adbatch.targeting_eval import evaluate_targeting
-
-    ad_ids = index.ad_ids
-    cfg = TargetSearchConfig(num_beams=beams, top_k=10, verify=VerifyMode.OFF, batch_size=64)
-    trie = index.trie
-
-    def rank(batch: list[str]) -> list[list[int]]:
-        prompts = [encode_targeting_prompt(tok, q) for q in batch]
-        with torch.inference_mode():
-            res = search_targets(model, prompts, trie, cfg)
-        return [[ad_ids[r] for r in row if r >= 0] for row in res.rows.tolist()]
-
+    rank = generative_ranker(model, tok, index, num_beams=beams, top_k=10, batch_size=64)
     return evaluate_targeting(rank, qrels, batch_size=64, max_queries=max_queries)
 
 
@@ -180,8 +167,6 @@ def int4_compress(model: Any, examples_tokens: Any, device: str, summary: dict |
     (the grid training saw), else adaptive at g128's bits -- the compression stage's rule
     (:func:`adbatch.compress.recipe.follow_training_qat`).
     """
-    import torch
-
     from adbatch.compress import (CalibrationConfig, CompressConfig, PatternPolicy, ScoreMethod, calibrate,
                                   compress_)
     from adbatch.compress.recipe import follow_training_qat
@@ -325,10 +310,7 @@ def run(args: argparse.Namespace) -> None:
             del m
     results["total_seconds"] = round(time.perf_counter() - budget.t0, 1)
     save()
-    table = render_table(results)
-    (out / "table.md").write_text(table)
-    plot_curves(results, out / "curves.png")
-    print(table)
+    finish(results, out)
 
 
 def sweep(args: argparse.Namespace) -> None:
@@ -438,6 +420,11 @@ def sweep(args: argparse.Namespace) -> None:
         save()
     results["total_seconds"] = round(time.perf_counter() - budget.t0, 1)
     save()
+    finish(results, out)
+
+
+def finish(results: dict, out: Path) -> None:
+    """Write ``table.md`` and ``curves.png`` under ``out`` and print the table."""
     table = render_table(results)
     (out / "table.md").write_text(table)
     plot_curves(results, out / "curves.png")
