@@ -61,6 +61,19 @@ def test_compressed_forward_equals_densified(tiny_compressed):
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_view_is_stable_until_buffers_change(tiny_compressed):
+    """The kernel binds its launcher to the packed object: one object per set of buffers."""
+    _, model, _, _ = tiny_compressed
+    layer = next(m for m in model.modules() if isinstance(m, CompressedLinear))
+    first = layer.packed
+    assert layer.packed is first and first.qweight is layer.qweight
+    clone = copy.deepcopy(layer)  # new buffers -> a new packed view over them
+    assert clone.packed is not first and clone.packed.qweight is clone.qweight
+    layer._apply(lambda t: t.clone())  # what .to()/.cuda() do: replace every buffer
+    assert layer.packed is not first and layer.packed.qweight is layer.qweight
+    assert torch.equal(layer.packed.qweight, first.qweight)
+
+
 def test_save_load_round_trip(tiny_compressed, saved):
     _, model, recipe, x = tiny_compressed
     loaded, tok = load_compressed(saved)

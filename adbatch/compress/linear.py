@@ -65,11 +65,21 @@ class CompressedLinear(nn.Module):
 
     @property
     def packed(self) -> PackedNMInt4:
-        return PackedNMInt4(
+        """The packed weight over this module's buffers. One object is kept while the buffers are the
+        same tensors: the CUDA kernel binds its launcher to the packed object (``id`` + weakref), so a
+        fresh object per forward would re-bind on every call (host time per token); ``.to()`` /
+        ``load_state_dict`` replace the buffers, which rebuilds it."""
+        bufs = (self.qweight, self.qpos, self.scale_zero, self.group_ptr, self.group_shift)
+        cached = self.__dict__.get("_packed_cache")
+        if cached is not None and all(a is b for a, b in zip(cached[0], bufs)):
+            return cached[1]
+        packed = PackedNMInt4(
             qweight=self.qweight, qpos=self.qpos, scale_zero=self.scale_zero, group_ptr=self.group_ptr,
             group_shift=self.group_shift, pattern=self.pattern, in_features=self.in_features,
             out_features=self.out_features, kept=self.kept,
         )
+        self.__dict__["_packed_cache"] = (bufs, packed)
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nm_int4_linear(x, self.packed, self.bias)
