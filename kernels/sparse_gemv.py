@@ -94,6 +94,16 @@ def _f32_to_half(v, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _row_groups(gptr_ptr, gshift_ptr, offs_n, n_mask):
+    """[1, BLOCK_N] first and last group index and log2 group size of each row of the tile (masked
+    rows get a harmless one-group row of size 32)."""
+    gp0 = tl.load(gptr_ptr + offs_n, mask=n_mask, other=0)[None, :]
+    gp_last = tl.load(gptr_ptr + offs_n + 1, mask=n_mask, other=1)[None, :] - 1
+    gsh = tl.load(gshift_ptr + offs_n, mask=n_mask, other=5)[None, :]
+    return gp0, gp_last, gsh
+
+
+@triton.jit
 def _scale_zero(sz_ptr, gp0, gp_last, gsh, kk_first, n_mask, IS_BF16: tl.constexpr):
     """Per row (last axis) at kept offset ``kk_first``: ``(scale fp32, zero fp32, zz)`` where ``zz`` packs
     ``16 + zero`` rounded to x's 16-bit type into both halves of an int32 (the GEMV dequant operand).
@@ -463,9 +473,7 @@ def _nm_int4_gemv_kernel(
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     n_mask = offs_n < N
     nm2 = n_mask[None, :]
-    gp0 = tl.load(gptr_ptr + offs_n, mask=n_mask, other=0)[None, :]
-    gp_last = tl.load(gptr_ptr + offs_n + 1, mask=n_mask, other=1)[None, :] - 1
-    gsh = tl.load(gshift_ptr + offs_n, mask=n_mask, other=5)[None, :]
+    gp0, gp_last, gsh = _row_groups(gptr_ptr, gshift_ptr, offs_n, n_mask)
     e_idx = tl.arange(0, E)[:, None]  # [E, 1]
     row0 = pid_b * BLOCK_B
     # rows past B re-read row B-1 (their results are masked at the store): no per-row load masks
@@ -575,9 +583,7 @@ def _nm_int4_dot_kernel(
     n_mask = offs_n < N
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     b_mask = offs_b < B
-    gp0 = tl.load(gptr_ptr + offs_n, mask=n_mask, other=0)[None, :]
-    gp_last = tl.load(gptr_ptr + offs_n + 1, mask=n_mask, other=1)[None, :] - 1
-    gsh = tl.load(gshift_ptr + offs_n, mask=n_mask, other=5)[None, :]
+    gp0, gp_last, gsh = _row_groups(gptr_ptr, gshift_ptr, offs_n, n_mask)
 
     SB: tl.constexpr = BLOCK_KK // 32  # 32-value sub-blocks: one (scale, zero) per row each
     BLOCK_G: tl.constexpr = BLOCK_KK // NKEEP  # column groups of 4 covered by a tile

@@ -142,7 +142,7 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         if config.keep_training_masks:
             from adbatch.training.checkpoint import load_masks
 
-            masks = load_masks(resolve_model(config.model)) or None
+            masks = load_masks(src) or None
             if masks:
                 log.info("keeping %d N:M masks learned in training", len(masks))
         recipe = compress_(model, compress_cfg, stats, executor, masks=masks)

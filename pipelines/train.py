@@ -58,8 +58,8 @@ class TrainJobConfig(ConfigBase):
             raise ConfigError(f"TrainJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
 
 
-def read_labelled_queries(path: str | Path) -> list[tuple[str, Any]]:
-    """(query, ad_id) pairs from a Parquet with ``query`` and ``ad_id`` columns (nulls rejected)."""
+def _read_pairs(path: str | Path) -> tuple[Any, list[tuple[str, Any]]]:
+    """The Parquet table and its (query, ad_id) pairs (``query`` and ``ad_id`` columns, nulls rejected)."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
@@ -70,7 +70,12 @@ def read_labelled_queries(path: str | Path) -> list[tuple[str, Any]]:
     bad = next((i for i, (q, a) in enumerate(zip(queries, ads)) if q is None or a is None or not str(q).strip()), None)
     if bad is not None:
         raise ValueError(f"{path}: row {bad} has an empty query or a null ad_id")
-    return list(zip(queries, ads))
+    return table, list(zip(queries, ads))
+
+
+def read_labelled_queries(path: str | Path) -> list[tuple[str, Any]]:
+    """(query, ad_id) pairs from a Parquet with ``query`` and ``ad_id`` columns (nulls rejected)."""
+    return _read_pairs(path)[1]
 
 
 def read_ad_texts(path: str | Path, columns: dict[str, Any] | None = None) -> dict[Any, str]:
@@ -89,11 +94,8 @@ def read_ad_texts(path: str | Path, columns: dict[str, Any] | None = None) -> di
 def read_validation_qrels(path: str | Path) -> dict[str, dict[Any, float]]:
     """query -> {ad_id: grade} from a Parquet of validation pairs; without a ``grade`` column every
     listed pair counts as relevant (grade 3, the top of the Home Depot scale)."""
-    import pyarrow.parquet as pq
-
-    pairs = read_labelled_queries(path)
-    names = pq.read_schema(path).names
-    grades = pq.read_table(path, columns=["grade"]).column("grade").to_pylist() if "grade" in names else [3.0] * len(pairs)
+    table, pairs = _read_pairs(path)
+    grades = table.column("grade").to_pylist() if "grade" in table.column_names else [3.0] * len(pairs)
     qrels: dict[str, dict[Any, float]] = {}
     for (q, a), g in zip(pairs, grades):
         qrels.setdefault(str(q), {})[a] = float(g if g is not None else 3.0)

@@ -78,3 +78,19 @@ def ray_local():
     yield ray
     if started:
         ray.shutdown()
+
+
+def assert_same_packed(a, b) -> int:
+    """Every CompressedLinear of model ``a`` has bit-identical packed tensors in ``b``; returns how many."""
+    import torch
+
+    from adbatch.compress import CompressedLinear
+
+    n = 0
+    for name, m in a.named_modules():
+        if isinstance(m, CompressedLinear):
+            other = b.get_submodule(name)
+            for k in CompressedLinear.PACKED_KEYS:
+                assert torch.equal(getattr(m, k), getattr(other, k)), (name, k)
+            n += 1
+    return n

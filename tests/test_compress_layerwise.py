@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from adbatch.compress import CalibrationConfig, CompressConfig, CompressedLinear, calibrate, compress_
+from adbatch.compress import CalibrationConfig, CompressConfig, calibrate, compress_
 from adbatch.compress import calibration as calib_mod
 from adbatch.compress.linear import SequentialExecutor
-from conftest import make_tiny_llama
+from conftest import assert_same_packed, make_tiny_llama
 
 
 def _tiny_qwen2(seed: int = 0):
@@ -121,14 +121,7 @@ def test_layerwise_and_full_compress_identically(config):
     r_layer = compress_(m_layer, config, layer)
     assert [x.pattern for x in r_full.layers] == [x.pattern for x in r_layer.layers]
     assert [x.group_size_counts for x in r_full.layers] == [x.group_size_counts for x in r_layer.layers]
-    n = 0
-    for name, m in m_full.named_modules():
-        if isinstance(m, CompressedLinear):
-            other = m_layer.get_submodule(name)
-            for k in CompressedLinear.PACKED_KEYS:
-                assert torch.equal(getattr(m, k), getattr(other, k)), (name, k)
-            n += 1
-    assert n == 14
+    assert assert_same_packed(m_full, m_layer) == 14
 
 
 def test_executor_with_device_matches_plain_loop():
@@ -140,10 +133,7 @@ def test_executor_with_device_matches_plain_loop():
     ra = compress_(a, CompressConfig(), stats)
     rb = compress_(b, CompressConfig(), stats, executor=SequentialExecutor(device="cpu"))
     assert [x.to_dict() for x in ra.layers] == [x.to_dict() for x in rb.layers]
-    for name, m in a.named_modules():
-        if isinstance(m, CompressedLinear):
-            for k in CompressedLinear.PACKED_KEYS:
-                assert torch.equal(getattr(m, k), getattr(b.get_submodule(name), k)), (name, k)
+    assert_same_packed(a, b)
 
 
 def test_auto_mode_follows_the_documented_rule(monkeypatch):

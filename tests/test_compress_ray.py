@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adbatch.compress import CalibrationConfig, CompressConfig, CompressedLinear, calibrate, compress_, load_compressed
-from conftest import make_tiny_llama
+from conftest import assert_same_packed, make_tiny_llama
 
 
 @pytest.mark.parametrize("config", [
@@ -26,14 +26,7 @@ def test_ray_matches_sequential_bit_for_bit(ray_local, config):
     r_seq = compress_(seq_model, config, stats)
     r_ray = compress_(ray_model, config, stats, executor=RayLayerExecutor())
     assert [x.to_dict() for x in r_seq.layers] == [x.to_dict() for x in r_ray.layers]
-    n = 0
-    for name, m in seq_model.named_modules():
-        if isinstance(m, CompressedLinear):
-            other = ray_model.get_submodule(name)
-            for k in CompressedLinear.PACKED_KEYS:
-                assert torch.equal(getattr(m, k), getattr(other, k)), (name, k)
-            n += 1
-    assert n == 14
+    assert assert_same_packed(seq_model, ray_model) == 14
 
 
 def test_run_compress_end_to_end(ray_local, tmp_path, default_tokenizer):

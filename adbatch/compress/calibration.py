@@ -39,6 +39,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from adbatch.compress.recipe import CalibrationConfig, CalibrationMode
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LayerStats", "CalibrationStats", "calibrate", "load_calibration_texts",
            "example_corpus_split", "token_blocks", "compressible_linears", "decoder_blocks",
-           "choose_mode", "full_path_bytes", "free_memory_bytes", "progress", "EXAMPLE_CORPUS"]
+           "choose_mode", "full_path_bytes", "free_memory_bytes", "EXAMPLE_CORPUS"]
 
 EXAMPLE_CORPUS = Path(__file__).resolve().parents[2] / "examples" / "slogan_ads.parquet"
 
@@ -183,16 +184,6 @@ def token_blocks(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor
     if rows == 0:
         return flat.unsqueeze(0)
     return flat[: rows * seq_len].reshape(rows, seq_len)
-
-
-def progress(iterable: Iterable, **kwargs: Any) -> Iterable:
-    """A tqdm progress bar when tqdm is installed, else the iterable itself (tqdm is optional on the
-    GPU machines)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, **kwargs)
 
 
 def peak_rss_mb() -> float:
@@ -407,6 +398,13 @@ def calibrate(model: torch.nn.Module, blocks: torch.Tensor, config: CalibrationC
     return CalibrationStats(layers=collector.stats, info=info)
 
 
+def _summed_loss_backward(model: nn.Module, batch: torch.Tensor) -> None:
+    """Backward of the batch's *summed* (not mean) next-token loss, so the statistics do not depend
+    on the batch size; both paths use it, so their |dE/dW| agree."""
+    out = model(input_ids=batch, labels=batch, use_cache=False)
+    (out.loss * (batch.shape[0] * (batch.shape[1] - 1))).backward()
+
+
 def _calibrate_full(model: nn.Module, batches: list[torch.Tensor], collector: _StatsCollector,
                     device: torch.device, model_device: torch.device) -> None:
     """One forward (+ backward of the summed token loss) per batch over the whole model."""
@@ -416,13 +414,10 @@ def _calibrate_full(model: nn.Module, batches: list[torch.Tensor], collector: _S
         model.to(device)
     try:
         collector.allocate(names, device)
-        for batch in progress(batches, desc="calibration", unit="batch", leave=False):
+        for batch in tqdm(batches, desc="calibration", unit="batch", leave=False):
             batch = batch.to(device)
             if collector.use_grad:
-                out = model(input_ids=batch, labels=batch)
-                # summed (not mean) token loss, so the statistics do not depend on the batch size
-                n_pred = batch.shape[0] * (batch.shape[1] - 1)
-                (out.loss * n_pred).backward()
+                _summed_loss_backward(model, batch)
                 collector.add_weight_grads(names)
             else:
                 with torch.no_grad():
@@ -537,7 +532,7 @@ def _calibrate_layerwise(model: nn.Module, batches: list[torch.Tensor], collecto
             # 2. forward sweep without grad, keeping every block's input (CPU); without gradients this
             # is where the statistics are recorded
             inputs: list[list[torch.Tensor]] = []
-            for i, block in enumerate(progress(blocks, desc="calibration forward", unit="block", leave=False)):
+            for i, block in enumerate(tqdm(blocks, desc="calibration forward", unit="block", leave=False)):
                 block.to(device)
                 collector.active = not use_grad
                 if not use_grad:
@@ -569,9 +564,7 @@ def _calibrate_layerwise(model: nn.Module, batches: list[torch.Tensor], collecto
                 batch = batch.to(device)
                 with _replaced_forwards(blocks, make_inject):
                     if use_grad:
-                        out = model(input_ids=batch, labels=batch, use_cache=False)
-                        # summed token loss, as in the full path
-                        (out.loss * (batch.shape[0] * (batch.shape[1] - 1))).backward()
+                        _summed_loss_backward(model, batch)
                         collector.add_weight_grads(head_names)
                         grads.append(h_top.grad.to("cpu"))
                     elif head_names:
@@ -584,7 +577,7 @@ def _calibrate_layerwise(model: nn.Module, batches: list[torch.Tensor], collecto
             # 4. reverse sweep: recompute each block from its saved input with grad enabled, push the
             # incoming gradient through it (hooks record activations and output gradients, then the
             # per-batch weight gradients are squared and added), pass the input gradient down
-            for i in progress(range(n_blocks - 1, -1, -1), desc="calibration backward", unit="block", leave=False):
+            for i in tqdm(range(n_blocks - 1, -1, -1), desc="calibration backward", unit="block", leave=False):
                 block = blocks[i]
                 block.to(device)
                 collector.allocate(block_names[i], device)

@@ -23,8 +23,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
-from adbatch.compress.calibration import CalibrationStats, LayerStats, compressible_linears, progress
+from adbatch.compress.calibration import CalibrationStats, LayerStats, compressible_linears
 from adbatch.compress.quantization import quantize_rows
 from adbatch.compress.recipe import (
     CompressConfig, CompressionRecipe, LayerRecipe, PatternPolicy, ScoreMethod,
@@ -150,7 +151,7 @@ class SequentialExecutor:
 
     def map(self, fn, handles, args, desc: str = "layers"):
         out = []
-        for h, a in progress(list(zip(handles, args)), desc=desc, unit="layer", leave=False):
+        for h, a in tqdm(list(zip(handles, args)), desc=desc, unit="layer", leave=False):
             if self.device is None:
                 out.append(fn(h, a))
                 continue

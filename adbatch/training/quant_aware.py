@@ -131,14 +131,10 @@ class QuantAwareTraining:
 
     def __init__(self, model: nn.Module, config: QuantAwareConfig, total_steps: int,
                  skip: tuple[str, ...] = ("lm_head",), not_before: int = 0) -> None:
-        from adbatch.training.sparsity import _unwrap, prunable_linears
+        from adbatch.training.sparsity import prunable_linears, unwrap_ddp
 
         self.config = config
-        core = _unwrap(model)
-        emb = core.get_input_embeddings() if hasattr(core, "get_input_embeddings") else None
-        emb_w = getattr(emb, "weight", None)
-        # a linear sharing the input embedding table (tied lm_head under another name) stays exact
-        self.layers = {n: m for n, m in prunable_linears(core, skip).items() if m.weight is not emb_w}
+        self.layers = prunable_linears(unwrap_ddp(model), skip)
         if not self.layers:
             raise ValueError("QAT: the model has no prunable nn.Linear (in_features % 4 == 0)")
         self.total_steps = max(1, total_steps)

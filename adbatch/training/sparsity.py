@@ -64,12 +64,17 @@ class SparsityScheduleConfig(ConfigBase):
 
 
 def prunable_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> dict[str, nn.Linear]:
-    """Every ``nn.Linear`` whose name contains none of ``skip`` and whose in_features % 4 == 0."""
+    """Every ``nn.Linear`` whose name contains none of ``skip``, whose in_features % 4 == 0 and whose
+    weight is not the input embedding table (a tied head stays exact, as in compression)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb_w = getattr(emb, "weight", None)
     return {name: mod for name, mod in model.named_modules()
-            if isinstance(mod, nn.Linear) and not any(s in name for s in skip) and mod.in_features % M == 0}
+            if isinstance(mod, nn.Linear) and not any(s in name for s in skip) and mod.in_features % M == 0
+            and mod.weight is not emb_w}
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_ddp(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (the model itself otherwise)."""
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
 
 
@@ -83,7 +88,7 @@ class ProgressiveSparsity:
 
     def __init__(self, model: nn.Module, config: SparsityScheduleConfig, total_steps: int) -> None:
         self.config, self.total_steps = config, max(1, total_steps)
-        self.layers = prunable_linears(_unwrap(model), config.skip_modules)
+        self.layers = prunable_linears(unwrap_ddp(model), config.skip_modules)
         if not self.layers:
             raise ValueError("progressive sparsity: the model has no prunable nn.Linear (in_features % 4 == 0)")
         self.start = math.floor(config.start_fraction * self.total_steps)

@@ -37,7 +37,7 @@ from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.data import TrainingExamples, collate, token_budget_batches
 from adbatch.training.pseudo_queries import PseudoQueryConfig
 from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
-from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig
+from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig, unwrap_ddp
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def target_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
     positions only when the model exposes them (``get_decoder()`` / ``get_output_embeddings()``),
     else a plain forward with labels.
     """
-    core = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    core = unwrap_ddp(model)
     shift_labels = labels[:, 1:]
     sel = shift_labels != -100
     n = int(sel.sum())
@@ -151,7 +151,7 @@ def target_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
 
 def count_params(model: nn.Module) -> tuple[int, int]:
     """(non-embedding parameters, embedding rows × width) — the MFU model's two terms."""
-    core = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+    core = unwrap_ddp(model)
     emb = core.get_input_embeddings().weight.numel() if hasattr(core, "get_input_embeddings") else 0
     total = sum(p.numel() for p in core.parameters())
     return total - emb, emb
@@ -207,7 +207,7 @@ class BestWeights:
         self.since_best = 0
 
     def __call__(self, model: nn.Module, step: int, eligible: bool, autocast: bool, device: torch.device) -> float:
-        core = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+        core = unwrap_ddp(model)
         core.eval()
         with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
             metric = float(self.evaluate(core))
@@ -225,7 +225,7 @@ class BestWeights:
         return self.patience > 0 and self.since_best >= self.patience
 
     def restore(self, model: nn.Module) -> None:
-        core = model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+        core = unwrap_ddp(model)
         if self.state is not None:
             core.load_state_dict(self.state)
 
