@@ -110,7 +110,8 @@ class ModelSpec:
             # A compressed checkpoint may carry the binding in its manifest instead.
             manifest = json.loads((folder / "manifest.json").read_text())
             if manifest.get("trained_on_index"):
-                record = {"trained_on_index": manifest["trained_on_index"]}
+                record = {"trained_on_index": manifest["trained_on_index"],
+                          "targeting_prompt_version": manifest.get("targeting_prompt_version", 1)}
         return record
 
 
@@ -138,6 +139,14 @@ def check_model_index(spec: ModelSpec, index: Any) -> dict[str, Any] | None:
         raise IndexMismatchError(
             f"model {spec.folder()} was trained on index {str(have)[:12]}, not on {want[:12]} "
             f"({index.directory}): retrain on this index or pass the index it was trained on")
+    from adbatch.prompts import TARGETING_PROMPT_VERSION
+
+    # records written before the version existed were trained on rendering 1
+    trained_prompt = int(record.get("targeting_prompt_version", 1))
+    if trained_prompt != TARGETING_PROMPT_VERSION:
+        raise IndexMismatchError(
+            f"model {spec.folder()} was trained on targeting prompts of version {trained_prompt}, this code "
+            f"renders version {TARGETING_PROMPT_VERSION}: retrain (or warm-start) it on index {want[:12]}")
     return record
 
 

@@ -318,7 +318,7 @@ def sweep(args: argparse.Namespace) -> None:
 
     ``--configs``: a JSON list (inline or a file) of dicts with keys ``name``, ``catalogue``
     ("5000"/"full"), ``scheme``, ``lr``, ``epochs``, ``pseudo`` (span pseudo-queries per ad),
-    ``max_words``, ``eval_every``, ``patience``, ``batch_tokens``, ``sparse`` (progressive 2:4/1:4),
+    ``max_words``, ``subset_share`` / ``typo_rate`` (pseudo-query augmentations), ``eval_every``, ``patience``, ``batch_tokens``, ``sparse`` (progressive 2:4/1:4),
     ``one_four``, ``int4`` (then INT4 with the masks kept: uniform groups at QAT's size after QAT, else
     adaptive), ``qat`` / ``qat_start`` / ``qat_group`` (quantization-aware final phase), ``init`` (a model folder saved
     by an earlier config, e.g. the dense model to sparsify), ``save`` (save the selected model under
@@ -365,7 +365,9 @@ def sweep(args: argparse.Namespace) -> None:
                           warmup_fraction=0.05, log_every=10, eval_every=c.get("eval_every", 2.0),
                           early_stop_patience=c.get("patience", 0), valid_max_queries=c.get("valid_queries"),
                           time_budget_s=max(20.0, left - c.get("eval_reserve_s", 40)), sparsity=sp,
-                          pseudo_queries=PseudoQueryConfig(per_ad=c.get("pseudo", 0), max_words=c.get("max_words", 4)),
+                          pseudo_queries=PseudoQueryConfig(per_ad=c.get("pseudo", 0), max_words=c.get("max_words", 4),
+                                                            subset_share=c.get("subset_share", 0.0),
+                                                            typo_rate=c.get("typo_rate", 0.0)),
                           qat=QuantAwareConfig(enabled=bool(c.get("qat")), start_fraction=c.get("qat_start", 0.8),
                                                group_size=c.get("qat_group", 128)))
         if c.get("init"):

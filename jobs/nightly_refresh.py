@@ -244,7 +244,10 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
                                    train=config.train.config, ads=ads,
                                    queries=_abs(config.train.queries), num_workers=config.train.num_workers,
                                    num_cpus=config.num_cpus)
-        inputs = {"index": index_in, "base_model": base_hash}
+        from adbatch.prompts import TARGETING_PROMPT_VERSION
+
+        # a new prompt rendering invalidates the trained model even when nothing else changed
+        inputs = {"index": index_in, "base_model": base_hash, "targeting_prompt_version": str(TARGETING_PROMPT_VERSION)}
         if train_job.queries:
             inputs["queries"] = sha256_file(train_job.queries)
         runner.run(Stage.TRAIN, train_job, inputs, model_out / "adbatch_training.json",

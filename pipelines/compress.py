@@ -165,6 +165,7 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         # a model trained on an index stays bound to it after compression (generation checks this)
         if record is not None:
             extra["trained_on_index"] = record["trained_on_index"]
+            extra["targeting_prompt_version"] = record.get("targeting_prompt_version", 1)
         manifest = save_compressed(model, tok, recipe, out, extra_manifest=extra)
     with timer.phase("report"):
         plots = plot_layers(recipe, out)

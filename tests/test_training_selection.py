@@ -53,6 +53,44 @@ def test_span_pseudo_queries_are_distinct_spans_and_deterministic():
         PseudoQueryConfig(min_words=3, max_words=2).validate()
 
 
+def _is_ordered_subset(small: list[str], big: list[str]) -> bool:
+    it = iter(big)
+    return all(w in it for w in small)
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """b is a with one deletion, one doubled letter or one swap of neighbours."""
+    if len(b) == len(a) - 1:
+        return any(a[:j] + a[j + 1:] == b for j in range(len(a)))
+    if len(b) == len(a) + 1:
+        return any(b[:j] + b[j + 1:] == a and b[j] == b[j - 1] for j in range(1, len(b)))
+    return len(a) == len(b) and any(a[:j] + a[j + 1] + a[j] + a[j + 2:] == b for j in range(len(a) - 1))
+
+
+def test_pseudo_query_subsets_and_typos():
+    titles = TITLES + ["BEHR Premium 1 gal. Deck Stain Cedar Naturaltone"]
+    cfg = PseudoQueryConfig(per_ad=6, max_words=4, subset_share=1.0, typo_rate=1.0, seed=3)
+    pairs = span_pseudo_queries(titles, cfg)
+    assert pairs == span_pseudo_queries(titles, cfg)
+    edited = 0
+    for q, r in pairs:
+        words, got = title_words(titles[r]), q.split()
+        diff = [i for i, w in enumerate(got) if w not in words]
+        assert len(diff) <= 1, (q, words)  # at most one word carries a typo
+        if diff:
+            edited += 1
+            typo = got[diff[0]]
+            assert any(_one_edit(w, typo) for w in words if len(w) >= 4 and w.isalpha()), (typo, words)
+            got = [w for w in got if w != typo]
+        assert _is_ordered_subset(got, words), (q, words)  # title words, in title order
+    assert edited >= len(pairs) // 2  # titles with a 4+ letter word always get their edit
+    # non-contiguous picks do occur
+    assert any(not any(title_words(titles[r])[i:i + len(q.split())] == q.split() for i in range(20))
+               for q, r in span_pseudo_queries(titles, cfg.replace(typo_rate=0.0)))
+    with pytest.raises(ConfigError):
+        PseudoQueryConfig(typo_rate=1.5).validate()
+
+
 def test_build_examples_adds_pseudo_queries(tok):
     idx = fake_index(tok, "text")
     targets = idx.ad_codes.column("token_ids").to_pylist()

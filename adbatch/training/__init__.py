@@ -145,7 +145,10 @@ def train_on_index(
     # None unless QAT ran; the compression stage reads it to use the same INT4 grid (uniform groups)
     summary["qat"] = stats.qat
     if out_dir is not None and rank == 0:
+        from adbatch.prompts import TARGETING_PROMPT_VERSION
+
         record = {"trained_on_index": index.index_hash, "scheme": info["scheme"],
+                  "targeting_prompt_version": TARGETING_PROMPT_VERSION,
                   "num_ads": len(index.ad_ids), "init_model": str(init_model) if init_model else "default",
                   "warm_started_from_index": warm_from, "config": config.to_dict(),
                   "train": summary["train"], "data": data_stats,

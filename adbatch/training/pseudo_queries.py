@@ -9,6 +9,13 @@ every ad query-shaped inputs pointing at it, which is the role docT5query-style 
 play in DSI-QG / NCI. Spans are cheaper than generating with the creative model (no GPU pass over
 the corpus) and are what we measure; generated queries are not implemented.
 
+Two optional augmentations move the inputs closer to real search terms (both off by default until
+measured, see bench/RESULTS.md): ``subset_share`` draws that share of the pseudo-queries as *ordered
+word subsets* instead of contiguous spans (queries often pair a brand or size with the product noun:
+"behr deck stain" for "BEHR Premium 1 gal. Deck Stain"), and ``typo_rate`` gives that share of them
+one character edit in a word of 4+ letters (a deletion, a doubled letter or two swapped neighbours;
+labelled queries carry such typos: "toliet", "couplingg").
+
 Spans are drawn per ad with a ``numpy`` generator seeded from ``(seed, row)``, so the same ad gets
 the same pseudo-queries whatever the order or sharding of the corpus (a re-run is identical).
 """
@@ -35,9 +42,15 @@ class PseudoQueryConfig(ConfigBase):
     per_ad: int = dataclasses.field(default=8, metadata={"help": "span pseudo-queries per ad (0 = off)"})
     min_words: int = dataclasses.field(default=1, metadata={"help": "shortest span, in words"})
     max_words: int = dataclasses.field(default=4, metadata={"help": "longest span, in words"})
+    subset_share: float = dataclasses.field(
+        default=0.0, metadata={"help": "share drawn as ordered non-contiguous word subsets instead of spans"})
+    typo_rate: float = dataclasses.field(default=0.0, metadata={"help": "share given one character edit"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the span sampling"})
 
     def validate(self) -> None:
+        for name in ("subset_share", "typo_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"PseudoQueryConfig.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.per_ad < 0:
             raise ConfigError(f"PseudoQueryConfig.per_ad must be >= 0, got {self.per_ad}")
         if not 1 <= self.min_words <= self.max_words:
@@ -73,11 +86,36 @@ def span_pseudo_queries(texts: Sequence[str], config: PseudoQueryConfig) -> list
         # a few extra draws: duplicates are dropped, and tiny titles have few distinct spans
         for _ in range(config.per_ad * 3):
             length = int(rng.integers(lo, hi + 1))
-            start = int(rng.integers(0, n - length + 1))
-            span = " ".join(words[start:start + length])
+            if config.subset_share > 0 and rng.random() < config.subset_share:
+                picked = np.sort(rng.choice(n, size=length, replace=False))
+                chosen = [words[i] for i in picked]
+            else:
+                start = int(rng.integers(0, n - length + 1))
+                chosen = words[start:start + length]
+            if config.typo_rate > 0 and rng.random() < config.typo_rate:
+                chosen = _with_typo(chosen, rng)
+            span = " ".join(chosen)
             if span not in seen:
                 seen.add(span)
                 out.append((span, row))
                 if len(seen) == config.per_ad:
                     break
     return out
+
+
+def _with_typo(words: list[str], rng: np.random.Generator) -> list[str]:
+    """``words`` with one character edit in a random alphabetic word of 4+ letters (unchanged if none)."""
+    candidates = [i for i, w in enumerate(words) if len(w) >= 4 and w.isalpha()]
+    if not candidates:
+        return words
+    i = candidates[int(rng.integers(len(candidates)))]
+    w = words[i]
+    j = int(rng.integers(1, len(w) - 1))  # keep the first letter: typos there are rare in search logs
+    kind = int(rng.integers(3))
+    if kind == 0:
+        w = w[:j] + w[j + 1:]  # deletion
+    elif kind == 1:
+        w = w[:j] + w[j] + w[j:]  # doubled letter
+    else:
+        w = w[:j] + w[j + 1] + w[j] + w[j + 2:]  # swapped neighbours
+    return [*words[:i], w, *words[i + 1:]]

@@ -1,0 +1,79 @@
+"""Targeting prompt rendering (version 2) and the guard against models trained on another rendering."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from adbatch.prompts import TARGETING_INSTRUCTION, TARGETING_PROMPT_VERSION, encode_targeting_prompt
+
+
+def test_targeting_prompt_puts_instruction_in_system_turn(default_tokenizer):
+    ids = encode_targeting_prompt(default_tokenizer, "  angle bracket ")
+    text = default_tokenizer.decode(ids)
+    # the instruction replaces the template's default system prompt (the v1 prompt was 45 tokens)
+    assert text.startswith(f"<|im_start|>system\n{TARGETING_INSTRUCTION}<|im_end|>")
+    assert "SmolLM" not in text
+    assert "<|im_start|>user\nQuery: angle bracket<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert len(ids) == 28
+
+
+class _NoSystemRoleTokenizer:
+    """A chat template that rejects a system turn, as Gemma's does."""
+
+    chat_template = "<user>...</user>"
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, text, **kw):
+        return self.tok(text, **kw)
+
+    def apply_chat_template(self, messages, **kw):
+        if any(m["role"] == "system" for m in messages):
+            raise ValueError("System role not supported")
+        return self.tok("".join(f"<user>{m['content']}</user>" for m in messages), add_special_tokens=False)["input_ids"]
+
+
+def test_template_without_system_role_gets_instruction_in_user_turn(default_tokenizer):
+    ids = encode_targeting_prompt(_NoSystemRoleTokenizer(default_tokenizer), "drill")
+    assert default_tokenizer.decode(ids) == f"<user>{TARGETING_INSTRUCTION}\nQuery: drill</user>"
+
+
+class _PlainTokenizer:
+    """A tokenizer without a chat template (base models)."""
+
+    chat_template = None
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, text, **kw):
+        return self.tok(text, **kw)
+
+
+def test_plain_tokenizer_frame(default_tokenizer):
+    ids = encode_targeting_prompt(_PlainTokenizer(default_tokenizer), "saw")
+    assert default_tokenizer.decode(ids) == f"{TARGETING_INSTRUCTION}\nQuery: saw\nAd:"
+
+
+@pytest.mark.parametrize("version, ok", [(None, False), (1, False), (TARGETING_PROMPT_VERSION, True)])
+def test_model_trained_on_other_prompt_version_is_refused(tmp_path, version, ok):
+    from adbatch.generation import ModelSpec, check_model_index
+    from adbatch.training import IndexMismatchError
+
+    record = {"trained_on_index": "ab" * 32}
+    if version is not None:
+        record["targeting_prompt_version"] = version
+    (tmp_path / "adbatch_training.json").write_text(json.dumps(record))
+    (tmp_path / "config.json").write_text("{}")
+    index = types.SimpleNamespace(index_hash="ab" * 32, scheme="text", directory=tmp_path)
+    spec = ModelSpec(model=str(tmp_path))
+    if ok:
+        assert check_model_index(spec, index)["trained_on_index"] == "ab" * 32
+    else:
+        with pytest.raises(IndexMismatchError, match="targeting prompts of version 1"):
+            check_model_index(spec, index)
