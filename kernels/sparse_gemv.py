@@ -14,9 +14,13 @@ Two kernels, specialised by constexprs, read the packed format (version 2) direc
   fp32 and accumulated in fp32 across the K loop (``fp16 partial sums of 16 products, fp32 beyond``).
   Under ``TRITON_INTERPRET=1`` the constexpr ``ASM`` selects an emulation with the same bit operations
   and fp16/bf16 rounding after every packed operation.
-- :func:`_nm_int4_dot_kernel`, the *tensor-core* path for larger B: the kept tile is dequantized,
-  scattered into a dense ``[4 * BLOCK_KK / n, BLOCK_N]`` tile in registers and fed to ``tl.dot`` with
-  an x tile of ``BLOCK_B`` (>= 16) rows.
+- :func:`_nm_int4_tc_kernel`, the *tensor-core* path for B >= 8 (batch tiles of 16-64 rows), "swap
+  AB": ``out^T = W_dense @ x^T`` with the weight rows on the MMA's M side. Per unit of 16 kept values
+  one inline-PTX block dequantizes with the GEMV's shift + ``lop3`` and applies the group scale in the
+  same ``fma.rn.f16x2``, then scatters each kept pair into its dense column group with two ``prmt``
+  (selectors from the positions by a rotate); see the comment above :func:`_tc_asm`.
+- :func:`_nm_int4_dot_kernel`, the round-3 tensor-core kernel (fp32 dequantization, compare/select
+  scatter), kept selectable with ``KernelConfig(legacy_dot=True)``; the tuner does not time it.
 
 Split-K (``SPLIT``): each of the ``n_split`` programs of an output tile writes its fp32 partial tile to
 a scratch buffer, then increments the tile's counter; the program that sees the count reach
@@ -61,7 +65,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_BATCH_TILES = (1, 2, 4, 8)  # batch tiles of the GEMV kernel
 GEMV_MAX_BATCH = GEMV_BATCH_TILES[-1]
 GEMV_TUNE_MAX_BATCH = 16  # largest bucket whose tuner also times GEMV configs (several batch tiles)
-KERNEL_VERSION = 3  # part of the tuning-cache file name: configs tuned for older kernels are not reused
+KERNEL_VERSION = 4  # part of the tuning-cache file name: configs tuned for older kernels are not reused
 
 
 # ---- small helpers shared by both kernels -----------------------------------------------------------
@@ -641,6 +645,260 @@ def _nm_int4_dot_kernel(
             n_split, tile_id, part_stride, SPLIT, HAS_BIAS)
 
 
+# ---- tensor-core path: dequantize + densify in inline PTX, swap AB ----------------------------------
+# The unit of work is 16 kept values of one output row (two ``qweight`` words + one ``qpos`` word, as in
+# the GEMV). One inline-PTX block per unit turns them into the unit's *dense* columns (16 / 32 / 64
+# fp16 or bf16 values for dense / 2:4 / 1:4), already scaled, with per kept pair:
+#   shift + lop3 (nibble pair into the mantissas of 16.0) and one ``fma.rn.f16x2`` = (16 + q) * s -
+#   (16 + zero) * s -- the group scale is applied here, in packed half math, so the fp32 accumulator
+#   needs no per-group rescale and a K step may span several groups;
+#   2:4 / 1:4: ``prmt`` with byte selectors built from the positions scatters the pair into its
+#   dense column group(s) (zeros elsewhere): the selector of a column group is the constant
+#   0x44444410 (bytes 0-1 of the pair into column 0, everything else from the zero operand) rotated
+#   left by 8 * p0 bytes-bits (one ``shf.l.wrap``), minus 0x12 << 8 * p1 for the pair's second value
+#   (2:4); the low 16 bits select columns 0-1, ``>> 16`` columns 2-3. The rotate amounts of four
+#   values come out of one shift + mask of the position word (byte-spread layout).
+# The dense tile [BLOCK_N, 4 * BLOCK_KK / n] is the *A* operand ("swap AB": out^T = W @ x^T), so the
+# weight rows fill the M = 64 side of a Hopper wgmma and the batch (16..64) is the N side.
+
+def _tc_asm(nkeep: int, bf16: bool) -> str:
+    """PTX for one unit: outputs $0..$(nout-1) (16-bit, dense columns in order); inputs value words w0,
+    w1 ($nout, $nout+1), position word ($nout+2, ignored for dense), s2 = scale in both halves
+    ($nout+3), nzs2 = -(16 + zero) * scale in both halves ($nout+4), all fp16."""
+    nout = 16 * 4 // nkeep
+    w_in, p_in, s_in, z_in = f"${nout}", f"${nout + 2}", f"${nout + 3}", f"${nout + 4}"
+    ops = [("shl.b32", 6), ("shl.b32", 2), ("shr.u32", 2), ("shr.u32", 6)]
+    amt_ops = [("shl.b32", 3), ("shl.b32", 1), ("shr.u32", 1), ("shr.u32", 3)]
+    body = ["mov.b32 kz, 0;"]
+    if nkeep == 2:
+        body.append("mov.b32 kc, 0x44444410; mov.b32 k12, 0x12;")
+    elif nkeep == 1:
+        body.append("mov.b32 kc, 0x44444410; mov.b32 kd, 0x44444432;")
+    for t, (op, amount) in enumerate(ops):
+        if nkeep < 4:
+            # byte 2h+e of am: 8 * position of value 8h + 2t + e (bits 3-4; bits 0-2 and 5-7 zero)
+            aop, ash = amt_ops[t]
+            body.append(f"{aop} am, {p_in}, {ash}; and.b32 am, am, 0x18181818; "
+                        "shr.u32 a1, am, 8; shr.u32 a2, am, 16; shr.u32 a3, am, 24;")
+        for h in range(2):
+            w = f"${nout + h}"
+            body.append(f"{op} d, {w}, {amount}; lop3.b32 d, d, 0x03C003C0, 0x4C004C00, 0xEA; "
+                        f"fma.rn.f16x2 d, d, {s_in}, {z_in};")
+            if bf16:
+                body.append("mov.b32 {l, hh}, d; cvt.f32.f16 fl, l; cvt.f32.f16 fh, hh; cvt.rn.bf16x2.f32 d, fh, fl;")
+            ra, rb = ("am", "a1") if h == 0 else ("a2", "a3")
+            if nkeep == 4:
+                c = 8 * h + 2 * t
+                body.append(f"mov.b32 {{${c}, ${c + 1}}}, d;")
+            elif nkeep == 2:
+                c = 16 * h + 4 * t
+                body.append(f"shf.l.wrap.b32 s, kc, kc, {ra}; shf.l.wrap.b32 u, kz, k12, {rb}; sub.u32 s, s, u; "
+                            f"prmt.b32 lo, d, kz, s; shr.u32 s, s, 16; prmt.b32 hi, d, kz, s; "
+                            f"mov.b32 {{${c}, ${c + 1}}}, lo; mov.b32 {{${c + 2}, ${c + 3}}}, hi;")
+            else:
+                for e, (k, r) in enumerate((("kc", ra), ("kd", rb))):
+                    c = 32 * h + 8 * t + 4 * e
+                    body.append(f"shf.l.wrap.b32 s, {k}, {k}, {r}; prmt.b32 lo, d, kz, s; shr.u32 s, s, 16; "
+                                f"prmt.b32 hi, d, kz, s; mov.b32 {{${c}, ${c + 1}}}, lo; mov.b32 {{${c + 2}, ${c + 3}}}, hi;")
+    decl = ("{ .reg .b32 d, s, u, lo, hi, am, a1, a2, a3, kz, kc, kd, k12; .reg .b16 l, hh; .reg .f32 fl, fh; ")
+    return decl + " ".join(body) + " }"
+
+
+_TC_ASM = {(n, bf): tl.constexpr(_tc_asm(n, bf)) for n in (1, 2, 4) for bf in (False, True)}
+_TC_ASM_4_F16, _TC_ASM_4_BF16 = _TC_ASM[4, False], _TC_ASM[4, True]
+_TC_ASM_2_F16, _TC_ASM_2_BF16 = _TC_ASM[2, False], _TC_ASM[2, True]
+_TC_ASM_1_F16, _TC_ASM_1_BF16 = _TC_ASM[1, False], _TC_ASM[1, True]
+# outputs: 16-bit registers ("=h"), one per dense column of the unit; inputs w0, w1, pw, s2, nzs2
+_TC_CONS_4 = tl.constexpr("=h," * 16 + "r,r,r,r,r")
+_TC_CONS_2 = tl.constexpr("=h," * 32 + "r,r,r,r,r")
+_TC_CONS_1 = tl.constexpr("=h," * 64 + "r,r,r,r,r")
+_TC_DT_4_F16, _TC_DT_4_BF16 = tl.constexpr((tl.float16,) * 16), tl.constexpr((tl.bfloat16,) * 16)
+_TC_DT_2_F16, _TC_DT_2_BF16 = tl.constexpr((tl.float16,) * 32), tl.constexpr((tl.bfloat16,) * 32)
+_TC_DT_1_F16, _TC_DT_1_BF16 = tl.constexpr((tl.float16,) * 64), tl.constexpr((tl.bfloat16,) * 64)
+
+
+@triton.jit
+def _emu_rotl(c, amt):
+    """``shf.l.wrap.b32 d, c, c, amt`` for a constant c < 2**31 and amt in {0, 8, 16, 24} (+ junk >= 32)."""
+    v = c.to(tl.int64) << (amt & 31).to(tl.int64)
+    return ((v | (v >> 32)) & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _emu_tc_pair(w, t: tl.constexpr, s2, nzs2, IS_BF16: tl.constexpr):
+    """Emulation of one kept pair's dequantization in _tc_asm: fp16 fma, then bf16 conversion."""
+    d = _emu_fma2(_emu_nibble_pair(w, t, False), s2, nzs2, False)
+    if IS_BF16:
+        lo = _f32_to_half(_half_to_f32(d, False), True)
+        hi = _f32_to_half(_half_to_f32(d >> 16, False), True)
+        d = lo | (hi << 16)
+    return d
+
+
+@triton.jit
+def _emu_halves(v, IS_BF16: tl.constexpr):
+    """int32 word -> (low, high) 16-bit halves as fp16 / bf16 tensors."""
+    lo = (v & 0xFFFF).to(tl.int16)
+    hi = ((v >> 16) & 0xFFFF).to(tl.int16)
+    if IS_BF16:
+        return lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+    else:
+        return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _tc_unit(w0, w1, pw, s2, nzs2, NKEEP: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr):
+    """Dense columns (tuple of 16 * 4 / NKEEP fp16/bf16 tensors, column order) of one unit; see _tc_asm."""
+    if ASM:
+        if NKEEP == 4:
+            return tl.inline_asm_elementwise(
+                asm=_TC_ASM_4_BF16 if IS_BF16 else _TC_ASM_4_F16, constraints=_TC_CONS_4, args=[w0, w1, pw, s2, nzs2],
+                dtype=_TC_DT_4_BF16 if IS_BF16 else _TC_DT_4_F16, is_pure=True, pack=1)
+        elif NKEEP == 2:
+            return tl.inline_asm_elementwise(
+                asm=_TC_ASM_2_BF16 if IS_BF16 else _TC_ASM_2_F16, constraints=_TC_CONS_2, args=[w0, w1, pw, s2, nzs2],
+                dtype=_TC_DT_2_BF16 if IS_BF16 else _TC_DT_2_F16, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                asm=_TC_ASM_1_BF16 if IS_BF16 else _TC_ASM_1_F16, constraints=_TC_CONS_1, args=[w0, w1, pw, s2, nzs2],
+                dtype=_TC_DT_1_BF16 if IS_BF16 else _TC_DT_1_F16, is_pure=True, pack=1)
+    else:
+        out = ()
+        zero = tl.zeros_like(pw)
+        for h in tl.static_range(2):
+            w = w0 if h == 0 else w1
+            for t in tl.static_range(4):
+                d = _emu_tc_pair(w, t, s2, nzs2, IS_BF16)
+                if NKEEP == 4:
+                    a, b = _emu_halves(d, IS_BF16)
+                    out = out + (a, b)
+                else:
+                    if t < 2:  # the same shifts as _tc_asm (a left shift by 3 - 2t would drop the top position)
+                        am = (pw << (3 - 2 * t)) & 0x18181818
+                    else:
+                        am = (pw.to(tl.uint32, bitcast=True) >> (2 * t - 3)).to(tl.int32, bitcast=True) & 0x18181818
+                    am = (am.to(tl.uint32, bitcast=True) >> (16 * h)).to(tl.int32, bitcast=True)
+                    if NKEEP == 2:
+                        s = _emu_rotl(zero + 0x44444410, am) - ((zero + 0x12) << ((am >> 8) & 31))
+                        lo = _prmt_emul(d, zero, s)
+                        hi = _prmt_emul(d, zero, (s.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True))
+                        c0, c1 = _emu_halves(lo, IS_BF16)
+                        c2, c3 = _emu_halves(hi, IS_BF16)
+                        out = out + (c0, c1, c2, c3)
+                    else:
+                        for e in tl.static_range(2):
+                            s = _emu_rotl(zero + (0x44444410 if e == 0 else 0x44444432), am >> (8 * e))
+                            lo = _prmt_emul(d, zero, s)
+                            hi = _prmt_emul(d, zero, (s.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True))
+                            c0, c1 = _emu_halves(lo, IS_BF16)
+                            c2, c3 = _emu_halves(hi, IS_BF16)
+                            out = out + (c0, c1, c2, c3)
+        return out
+
+
+@triton.jit
+def _join_tree(v, LOG: tl.constexpr):
+    """Stack the 2**LOG same-shape tensors of tuple v along new trailing axes, v[i] at flat index i."""
+    cur = v
+    for lvl in tl.static_range(LOG):
+        nxt = ()
+        for i in tl.static_range(1 << (LOG - 1 - lvl)):
+            nxt = nxt + (tl.join(cur[i], cur[i + (1 << (LOG - 1 - lvl))]),)
+        cur = nxt
+    return cur[0]
+
+
+@triton.jit(do_not_specialize=["B", "part_stride"])
+def _nm_int4_tc_kernel(
+    x_ptr,  # [B, K] fp16/bf16, stride (stride_xb, 1)
+    qw_ptr,  # int32 [KP/8, N]
+    qp_ptr,  # int32 [KP/16, N] (unused when NKEEP == 4)
+    sz_ptr,  # int32 [G] (= fp16 [G, 2] scale_zero)
+    gptr_ptr,  # int32 [N+1]
+    gshift_ptr,  # int32 [N]
+    bias_ptr,  # [N] or dummy
+    out_ptr,  # [B, N] in x's dtype
+    part_ptr,
+    cnt_ptr,
+    B,
+    N,
+    K,
+    KP,
+    stride_xb,
+    stride_ob,
+    kk_per_split,
+    n_split,
+    part_stride,
+    NKEEP: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # batch rows: the N side of the MMA (>= 16)
+    BLOCK_N: tl.constexpr,  # weight rows: the M side of the MMA (64 fills one Hopper warpgroup)
+    BLOCK_KK: tl.constexpr,  # kept values per row per K step (multiple of 32)
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    ASM: tl.constexpr,  # inline PTX (GPU) or its emulation (interpreter)
+    DOT_F32: tl.constexpr,  # interpreter only: numpy has no bf16 matmul
+):
+    """Tensor-core path, swap AB: acc^T [BLOCK_N, BLOCK_B] += dense W tile [BLOCK_N, 4*BLOCK_KK/n] @ x^T.
+    Tiles are 3-D [BLOCK_N, SB, 2] over units (16 kept values; SB = BLOCK_KK / 32 sub-blocks of one
+    (scale, zero) each), so a sub-block's scale broadcasts over its two units without a layout change."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    SB: tl.constexpr = BLOCK_KK // 32
+    NOUT: tl.constexpr = 64 // NKEEP  # dense columns per unit
+    LOG: tl.constexpr = 4 if NKEEP == 4 else (5 if NKEEP == 2 else 6)
+    DCOL: tl.constexpr = 4 * BLOCK_KK // NKEEP
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = offs_b < B
+    n2 = offs_n[:, None]
+    nm2 = n_mask[:, None]
+    gp0 = tl.load(gptr_ptr + n2, mask=nm2, other=0)
+    gp_last = tl.load(gptr_ptr + n2 + 1, mask=nm2, other=1) - 1
+    gsh = tl.load(gshift_ptr + n2, mask=nm2, other=5)
+    n3 = offs_n[:, None, None]
+    nm3 = n_mask[:, None, None]
+    sb3 = tl.arange(0, SB)[None, :, None]
+    u3 = tl.arange(0, 2)[None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)
+
+    k_lo = pid_k * kk_per_split
+    k_hi = tl.minimum(k_lo + kk_per_split, KP)
+    for kk0 in range(k_lo, k_hi, BLOCK_KK):
+        # unit (sb, u) = kept values kk0 + 32 sb + 16 u ..: value words 2 * unit, 2 * unit + 1; position word unit
+        unit = (kk0 // 16) + 2 * sb3 + u3  # [1, SB, 2]
+        m3 = nm3 & (unit < KP // 16)
+        w0 = tl.load(qw_ptr + (2 * unit) * N + n3, mask=m3, other=0)
+        w1 = tl.load(qw_ptr + (2 * unit + 1) * N + n3, mask=m3, other=0)
+        if NKEEP == 4:
+            pw = w0
+        else:
+            pw = tl.load(qp_ptr + unit * N + n3, mask=m3, other=0)
+        # (scale, zero) of each sub-block: s2 = scale, nzs2 = -(16 + zero) * scale, both halves, fp16
+        gidx = tl.minimum(gp0 + ((kk0 + 32 * tl.arange(0, SB)[None, :]) >> gsh), gp_last)  # [BLOCK_N, SB]
+        v = tl.load(sz_ptr + gidx, mask=nm2, other=0)
+        s = _half_to_f32(v, False)
+        z = _half_to_f32(v >> 16, False)
+        sh = v & 0xFFFF
+        zh = _f32_to_half(-(z + 16.0) * s, False)
+        s2 = (sh | (sh << 16))[:, :, None]
+        nzs2 = (zh | (zh << 16))[:, :, None]
+        cols = _tc_unit(w0, w1, pw, s2, nzs2, NKEEP, IS_BF16, ASM)
+        wt = tl.reshape(_join_tree(cols, LOG), [BLOCK_N, DCOL])
+        offs_k = (kk0 // NKEEP) * 4 + tl.arange(0, DCOL)
+        xt = tl.load(x_ptr + offs_b[None, :] * stride_xb + offs_k[:, None], mask=(offs_k < K)[:, None] & b_mask[None, :],
+                     other=0.0)  # [DCOL, BLOCK_B]
+        if DOT_F32:
+            acc += tl.dot(wt.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(wt, xt, acc)
+    tile_id = pid_b * tl.num_programs(0) + pid_n
+    _finish(tl.trans(acc), offs_b, b_mask, offs_n, n_mask, N, out_ptr, bias_ptr, part_ptr, cnt_ptr, stride_ob, pid_k,
+            n_split, tile_id, part_stride, SPLIT, HAS_BIAS)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters of the GEMV or tensor-core kernel (see the module docstring)."""
@@ -652,6 +910,7 @@ class KernelConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
+    legacy_dot: bool = False  # use_dot only: the round-3 compare/select kernel instead of _nm_int4_tc_kernel
 
     def validate(self, pattern: SparsityPattern) -> None:
         if self.block_kk not in (32, 64, 128):
@@ -664,6 +923,10 @@ class KernelConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
+        if self.legacy_dot and not self.use_dot:
+            raise ValueError(f"legacy_dot needs use_dot: {self}")
+        if self.use_dot and not self.legacy_dot and self.block_kk % 32:
+            raise ValueError(f"the tensor-core kernel takes whole 32-value sub-blocks: {self}")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k} must be >= 1")
 
@@ -705,36 +968,54 @@ def _gemv_ok(p: PackedNMInt4) -> bool:
     return p.in_features % 4 == 0
 
 
+def tc_block_kk(pattern: SparsityPattern) -> int:
+    """Kept values per K step of the tensor-core kernel: a 128-column dense tile for every pattern (4
+    sub-blocks of dense, 2 of 2:4, 1 of 1:4). Longer steps amortize the per-step barriers, scale loads
+    and address math: sm_90 SASS per kept value at BLOCK_N = 64, B = 16 (bench/kernel_sass.py): dense
+    6.5 -> 4.9 (64 -> 128), 2:4 16.8 -> 12.9 (32 -> 64)."""
+    return 128 * pattern.n // 4
+
+
 def heuristic_config(p: PackedNMInt4, batch: int, num_sms: int) -> KernelConfig:
-    """A reasonable config without timing (interpreter, or autotuning disabled)."""
+    """A reasonable config without timing (interpreter, or autotuning disabled): the GEMV up to 8 rows,
+    the tensor-core kernel above (or where the GEMV cannot run)."""
     bucket = batch_bucket(batch)
     use_dot = bucket > GEMV_MAX_BATCH or not _gemv_ok(p)
     block_b = max(16, bucket) if use_dot else bucket
-    block_kk = max(32, 128 * p.pattern.n // 4) if use_dot else 64
-    block_n = 64
+    block_kk = tc_block_kk(p.pattern) if use_dot else 64
+    block_n = 128 if use_dot else 64  # see candidate_configs
     n_bblocks = triton.cdiv(batch, block_b)
     split = _split_for(p, block_n, block_kk, n_bblocks, num_sms)
     return KernelConfig(block_b, block_n, block_kk, split, use_dot)
 
 
 def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelConfig]:
-    """The small set of configs the autotuner times for this (shape, batch bucket): GEMV tiles up to
-    bucket 16 (several 8-row batch tiles above 8), tensor-core tiles from bucket 8 up; each without
-    split-K and with splits giving about 4 and 16 programs per SM. The tuner keeps the fastest family."""
+    """The configs the autotuner times for this (shape, batch bucket), at most 12: GEMV tiles up to
+    bucket 16 (fewer where tensor-core tiles compete), tensor-core tiles from bucket 8 up (one batch
+    tile of max(16, bucket) rows: the MMA's N side); each without split-K and with splits giving about
+    4 and 16 programs per SM. The round-3 compare/select kernel (``legacy_dot``) is not a candidate."""
     bucket = batch_bucket(batch)
     out: list[KernelConfig] = []
     if bucket <= GEMV_TUNE_MAX_BATCH and _gemv_ok(p):
-        for block_n, block_kk, warps in ((64, 64, 4), (128, 64, 4), (128, 32, 4), (64, 128, 4)):
+        tiles = ((64, 64, 4), (128, 64, 4), (128, 32, 4), (64, 128, 4))
+        tiles = tiles[: {8: 2, 16: 1}.get(bucket, 4)]
+        for block_n, block_kk, warps in tiles:
             cfg = KernelConfig(min(bucket, GEMV_MAX_BATCH), block_n, block_kk, 1, False, warps)
             out += _with_splits(p, batch, cfg, num_sms)
     if bucket >= 8 or not _gemv_ok(p):
-        kk128 = 128 * p.pattern.n // 4  # kept values whose dense tile is 128 columns wide
-        for block_b in sorted({max(16, bucket), 16}):
-            for block_n, warps in ((32, 4), (64, 4), (64, 8)):
-                if block_b * block_n > 64 * 64:
-                    continue
-                cfg = KernelConfig(block_b, block_n, max(32, kk128), 1, True, warps)
-                out += _with_splits(p, batch, cfg, num_sms)
+        kk = tc_block_kk(p.pattern)
+        kk2 = 2 * kk if 2 * kk <= 128 else kk // 2
+        # (block_n, block_kk, warps): 64 weight rows fill one warpgroup's wgmma M side; 128 rows on one
+        # warpgroup amortize the per-step overhead best (sm_90 SASS per kept value at B = 16: 2:4 11.4
+        # vs 13.5, 1:4 17.9 vs 22.4, dense 4.1 vs 5.3); the longer K step spills at 64 batch rows
+        if bucket <= 16:
+            tiles = [(128, kk, 4), (128, kk2, 4), (64, kk, 4), (64, kk2, 4)]
+        else:
+            tiles = [(128, kk, 4), (64, kk, 4), (64, kk2, 4), (128, kk, 8)]
+        tiles = tiles[: {8: 2, 16: 3}.get(bucket, 4)] if _gemv_ok(p) else tiles
+        for block_n, block_kk, warps in tiles:
+            cfg = KernelConfig(max(16, bucket), block_n, block_kk, 1, True, warps)
+            out += _with_splits(p, batch, cfg, num_sms)
     return list(dict.fromkeys(out))
 
 
@@ -823,7 +1104,10 @@ def _kernel_args(x2: torch.Tensor, p: PackedNMInt4, bias, out, part, cnt, cfg: K
                 *common_tail, p.in_features, p.padded_kept, x2.stride(0), out.stride(0), plan.kk_per_split, plan.n_split,
                 batch * n_out]
         meta = dict(NKEEP=p.pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
-                    HAS_BIAS=bias is not None, DOT_F32=_interpreting() and x2.dtype == torch.bfloat16)
+                    HAS_BIAS=bias is not None)
+        if not cfg.legacy_dot:
+            meta.update(IS_BF16=x2.dtype == torch.bfloat16, ASM=not _interpreting())
+        meta.update(DOT_F32=_interpreting() and x2.dtype == torch.bfloat16)
     else:
         xw = _x_words(x2)
         args = [xw, p.qweight, p.qpos if p.pattern.is_sparse else p.qweight, p.scale_zero_words, p.group_ptr, p.group_shift,
@@ -833,6 +1117,12 @@ def _kernel_args(x2: torch.Tensor, p: PackedNMInt4, bias, out, part, cnt, cfg: K
                     HAS_BIAS=bias is not None, IS_BF16=x2.dtype == torch.bfloat16, ASM=not _interpreting(),
                     EVEN=n_out % cfg.block_n == 0 and p.padded_kept % cfg.block_kk == 0 and p.kept == p.padded_kept)
     return args, meta
+
+
+def _kernel_fn(cfg: KernelConfig):
+    if not cfg.use_dot:
+        return _nm_int4_gemv_kernel
+    return _nm_int4_dot_kernel if cfg.legacy_dot else _nm_int4_tc_kernel
 
 
 def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: KernelConfig, _return_kernel: bool = False):
@@ -846,9 +1136,23 @@ def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: Ke
                              plan.grid0 * triton.cdiv(batch, cfg.block_b))
     args, meta = _kernel_args(x2, p, bias, out, part, cnt, cfg, plan)
     grid = (plan.grid0, plan.n_split, triton.cdiv(batch, cfg.block_b))
-    fn = _nm_int4_dot_kernel if cfg.use_dot else _nm_int4_gemv_kernel
+    fn = _kernel_fn(cfg)
     kernel = fn[grid](*args, **meta, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return (out, kernel) if _return_kernel else out
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a launch hook (a profiler such as proton) is registered: then the normal launcher runs,
+    which calls it. Triton 3.4+ keeps the hooks in a ``HookChain`` that is never None, so an empty
+    chain counts as none (testing ``is not None`` made the bound fast path dead code: the H200 host
+    probe measured 80-134 us per eager call through the normal launcher instead)."""
+    from triton import knobs
+
+    hook = knobs.runtime.launch_enter_hook
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
 
 
 class _Bound:
@@ -873,7 +1177,7 @@ class _Bound:
         self.bias = bias  # keeps the tensor alive while its pointer is baked in
         dummy_out = torch.empty(1, self.n_out, dtype=x2.dtype, device=x2.device)
         args, meta = _kernel_args(x2[:1], p, bias, dummy_out, self.part, self.cnt, cfg, self.plan)
-        names = (_nm_int4_dot_kernel if cfg.use_dot else _nm_int4_gemv_kernel).arg_names
+        names = _kernel_fn(cfg).arg_names
         args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args] + [meta[n] for n in names[len(args):]]  # all constexprs are passed explicitly
         self.args = args
         self.i_x, self.i_bias, self.i_out = 0, 6, 7
@@ -882,9 +1186,7 @@ class _Bound:
         self.keep = (p.qweight, p.qpos, p.scale_zero_words, p.group_ptr, p.group_shift)
 
     def __call__(self, x2: torch.Tensor, bias):
-        from triton import knobs
-
-        if knobs.runtime.launch_enter_hook is not None or x2.get_device() != self.dev or x2.stride(-1) != 1:
+        if _launch_hooks_set() or x2.get_device() != self.dev or x2.stride(-1) != 1:
             return None
         if (bias is not None) != self.has_bias or (bias is not None and bias is not self.bias):
             return None

@@ -70,14 +70,62 @@ def test_gemv_even_path(pattern):
 
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("batch", [5, 17])
+@pytest.mark.parametrize("batch", [8, 17, 64])
 def test_dot_path(pattern, dtype, batch):
+    """The tensor-core kernel (PTX dequant + prmt densify, emulated): N = 19 and Kp not multiples of the
+    blocks, one / two batch tiles, a partial last K step, split-K with bias."""
     p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
+    block_b = 64 if batch == 64 else 16
     for cfg in (
-        sg.KernelConfig(16, 16, 32 * pattern.n, 1, True),  # B=17: two batch tiles; 128-column dense tile
-        sg.KernelConfig(32, 32, 128, 3, True),  # split-K over 3 programs
+        sg.KernelConfig(block_b, 16, 32, 1, True),  # one 32-value sub-block per step
+        sg.KernelConfig(block_b, 32, 64 if batch == 17 else 128, 3, True),  # several sub-blocks per step, 3 splits
     ):
         _check(p, batch, dtype, cfg, seed=batch, bias=cfg.split_k > 1)
+
+
+@pytest.mark.parametrize("pattern", list(SparsityPattern))
+def test_legacy_dot_path(pattern):
+    """The round-3 compare/select tensor-core kernel stays selectable (``legacy_dot``)."""
+    p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
+    _check(p, 17, torch.float16, sg.KernelConfig(16, 16, 32 * pattern.n, 2, True, legacy_dot=True), seed=5)
+
+
+@pytest.mark.parametrize("pattern", list(SparsityPattern))
+@pytest.mark.parametrize("bf16", [False, True])
+def test_tc_unit_densify(pattern, bf16):
+    """_tc_unit (the emulation of the tensor-core kernel's PTX block) against dequantize_nm_int4 on 64
+    rows of 2 units each: pruned columns exactly zero, kept ones within the fp16 rounding of
+    (16 + zero) * scale and of the value itself."""
+    import triton
+    import triton.language as tl
+
+    from kernels.nm_int4 import dequantize_nm_int4, kept_columns
+
+    @triton.jit
+    def _k(qw_ptr, qp_ptr, sz_ptr, out_ptr, N, NKEEP: tl.constexpr, LOG: tl.constexpr, IS_BF16: tl.constexpr):
+        r = tl.arange(0, 64)[:, None]
+        u = tl.arange(0, 2)[None, :]
+        w0 = tl.load(qw_ptr + (2 * u) * N + r)
+        w1 = tl.load(qw_ptr + (2 * u + 1) * N + r)
+        pw = tl.load(qp_ptr + u * N + r) if NKEEP < 4 else w0
+        v = tl.load(sz_ptr + r)  # one group of 32 values per row
+        s = sg._half_to_f32(v, False)
+        z = sg._half_to_f32(v >> 16, False)
+        zh = sg._f32_to_half(-(z + 16.0) * s, False)
+        cols = sg._tc_unit(w0, w1, pw, (v & 0xFFFF) | (v << 16), zh | (zh << 16), NKEEP, IS_BF16, False)
+        dense = tl.reshape(sg._join_tree(cols, LOG), [64, 128 // NKEEP])
+        tl.store(out_ptr + r * (128 // NKEEP) + tl.arange(0, 128 // NKEEP)[None, :], dense.to(tl.float32))
+
+    n = pattern.n
+    p = random_packed(64, 128 // n, pattern, group_sizes=(32,), generator=torch.Generator().manual_seed(41))
+    out = torch.empty(64, 128 // n)
+    qp = p.qpos if pattern.is_sparse else p.qweight
+    _k[(1,)](p.qweight, qp, p.scale_zero_words, out, 64, NKEEP=n, LOG={4: 4, 2: 5, 1: 6}[n], IS_BF16=bf16)
+    ref = dequantize_nm_int4(p)
+    scale = p.scale_zero[:, 0].float()[:, None]
+    kept = torch.zeros_like(ref, dtype=torch.bool).scatter_(1, kept_columns(p), True)
+    assert (out[~kept] == 0).all()  # pruned columns: exact zeros
+    assert ((out - ref).abs() <= 0.02 * scale + (8e-3 if bf16 else 1e-3) * ref.abs()).all()
 
 
 @pytest.mark.parametrize("batch", [1, 6, 64])
@@ -199,3 +247,28 @@ def test_selector_and_prmt_emulation():
         for e in range(2):
             pos = (u >> (16 * h + 8 * e + 2 * t)) & 3
             assert torch.equal(got[:, pair, e], xs.float()[pos])
+
+
+def test_launch_hook_detection_keeps_bound_fast_path():
+    """An empty hook chain (triton's default) must not disable the bound launcher; a registered hook must."""
+    from triton import knobs
+
+    hooks = knobs.runtime.launch_enter_hook
+    assert sg._launch_hooks_set() is False
+
+    def hook(*_):
+        return None
+
+    if hasattr(hooks, "add"):
+        hooks.add(hook)
+        try:
+            assert sg._launch_hooks_set() is True
+        finally:
+            hooks.remove(hook)
+    else:  # triton versions that keep a plain callable or None
+        knobs.runtime.launch_enter_hook = hook
+        try:
+            assert sg._launch_hooks_set() is True
+        finally:
+            knobs.runtime.launch_enter_hook = hooks
+    assert sg._launch_hooks_set() is False

@@ -1,0 +1,200 @@
+"""SASS instruction mix of the SparseGemv kernels' K loop, per kept weight value (no GPU needed).
+
+Compiles the kernels of ``kernels/sparse_gemv.py`` for sm_90 (Triton compiles for a GPUTarget without a
+device), disassembles the cubin with the ``cuobjdump`` bundled in the Triton wheel, finds the main K
+loop (the backward branch spanning the most instructions) and divides its static instruction counts by
+the kept values one thread handles per iteration (``BLOCK_N * BLOCK_KK / (32 * num_warps)``). Each loop
+instruction runs once per iteration per thread, so this is "instructions per kept value per thread",
+the ALU cost that has to hide under the memory time. It says nothing about stalls or occupancy.
+
+Usage (here or on the device):
+    python3 bench/kernel_sass.py                      # default table: old vs new at B = 8, 16, 64
+    python3 bench/kernel_sass.py --out DIR            # also writes DIR/kernel_sass.md and .json
+    python3 bench/kernel_sass.py --dump DIR           # also the full SASS of every kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU (inline PTX), never the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from kernels import sparse_gemv as sg  # noqa: E402
+from kernels.nm_int4 import SparsityPattern  # noqa: E402
+
+# instruction classes (first matching prefix wins), in table order
+CLASSES = [
+    ("mma", ("HGMMA", "HMMA", "WARPGROUP")),
+    ("lop3", ("LOP3",)),
+    ("prmt", ("PRMT",)),
+    ("shift", ("SHF", "SHL", "SHR")),
+    ("half", ("HFMA2", "HADD2", "HMUL2", "HSET2", "HMNMX2")),
+    ("cvt", ("F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP")),
+    ("fp32", ("FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP")),
+    ("lds", ("LDS", "LDSM")),
+    ("sts", ("STS", "STSM")),
+    ("ldg", ("LDG", "LDGSTS", "UTMALDG", "LDGDEPBAR", "DEPBAR")),
+    ("int/addr", ("IMAD", "IADD3", "LEA", "IABS", "IMNMX", "VIADD", "VIMNMX", "MOV", "UMOV", "UIADD3", "ULEA",
+                  "UIMAD", "S2R", "S2UR", "CS2R", "R2UR", "USHF", "ULOP3", "SGXT")),
+    ("cmp/sel", ("ISETP", "SEL", "PLOP3", "P2R", "R2P", "UISETP", "USEL")),
+    ("sync", ("BAR", "WARPSYNC", "SYNCS", "FENCE", "MEMBAR", "ARRIVES", "UCGABAR")),
+]
+
+
+def _tool(name: str) -> str:
+    here = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+def _signature(fn, meta: dict, int_args: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ASTSource: pointers fp16/int32/fp32 as the launcher passes them,
+    ints as i32, everything in ``meta`` constexpr; pointers and the ints in ``int_args`` marked divisible
+    by 16 (as the launcher specializes them for the large shapes)."""
+    ptr_types = {"x_ptr": "*fp16", "x64_ptr": "*i64", "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in meta:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ptr_types.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if int_args.get(name):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, meta, attrs
+
+
+def compile_sass(cfg: sg.KernelConfig, pattern: SparsityPattern, bf16: bool = False, split: bool = False) -> str:
+    fn = sg._kernel_fn(cfg)
+    meta = dict(NKEEP=pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
+                HAS_BIAS=False)
+    if not cfg.use_dot:
+        meta.update(IS_BF16=bf16, ASM=True, EVEN=True)
+    elif cfg.legacy_dot:
+        meta.update(DOT_F32=False)
+    else:
+        meta.update(IS_BF16=bf16, ASM=True, DOT_F32=False)
+    divisible = {n: True for n in ("N", "K", "KP", "G4", "stride_xb", "stride_x64", "stride_ob", "kk_per_split")}
+    sig, constexprs, attrs = _signature(fn, meta, divisible)
+    if bf16:
+        sig = {k: ("*bf16" if v == "*fp16" else v) for k, v in sig.items()}
+    src = triton.compiler.ASTSource(fn, sig, constexprs, attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(kernel.asm["cubin"])
+        return subprocess.run([_tool("cuobjdump"), "-sass", str(path)], check=True, capture_output=True, text=True).stdout
+
+
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def main_loop(sass: str) -> list[str]:
+    """Opcodes (predicate stripped) of the backward-branch region with the most instructions."""
+    ins: list[tuple[int, str]] = []
+    for m in _LINE.finditer(sass):
+        ins.append((int(m.group(1), 16), m.group(2).strip()))
+    best: tuple[int, int] | None = None
+    for idx, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            start = next(i for i, (a, _) in enumerate(ins) if a >= int(m.group(1), 16))
+            if best is None or idx - start > best[1] - best[0]:
+                best = (start, idx)
+    if best is None:
+        return []
+    ops = []
+    for _, text in ins[best[0]: best[1] + 1]:
+        text = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
+        ops.append(text.split()[0])
+    return ops
+
+
+def classify(ops: list[str]) -> dict[str, int]:
+    out = collections.Counter()
+    for op in ops:
+        base = op.split(".")[0]
+        for name, prefixes in CLASSES:
+            if base.startswith(prefixes):
+                out[name] += 1
+                break
+        else:
+            out["other"] += 1
+    return dict(out)
+
+
+def variants(batches: list[int]) -> list[tuple[str, SparsityPattern, int, sg.KernelConfig]]:
+    """(label, pattern, B, config): the round-3 kernels (GEMV at B = 8, compare/select tl.dot above) and
+    the new tensor-core kernel with the same tile (BLOCK_N = 64) and with BLOCK_N = 128 (the heuristic)."""
+    out = []
+    for pattern in (SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR, SparsityPattern.DENSE):
+        for b in batches:
+            bt = max(16, b)
+            kk_old = max(32, 128 * pattern.n // 4)
+            if b <= sg.GEMV_MAX_BATCH:
+                out.append(("gemv", pattern, b, sg.KernelConfig(b, 64, 64, 1, False)))
+            out.append(("old-dot", pattern, b, sg.KernelConfig(bt, 64, kk_old, 1, True, legacy_dot=True)))
+            out.append(("new-tc", pattern, b, sg.KernelConfig(bt, 64, sg.tc_block_kk(pattern), 1, True)))
+            out.append(("new-tc", pattern, b, sg.KernelConfig(bt, 128, sg.tc_block_kk(pattern), 1, True)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="8,16,64")
+    ap.add_argument("--bf16", action="store_true", help="bf16 activations instead of fp16")
+    ap.add_argument("--out", help="directory for kernel_sass.md / kernel_sass.json")
+    ap.add_argument("--dump", help="directory for the full SASS of every variant")
+    args = ap.parse_args(argv)
+    rows = []
+    names = [c for c, _ in CLASSES] + ["other"]
+    header = "| kernel | pattern | B | config | loop instr | kept/thread | instr/kept | " + " | ".join(names) + " |"
+    lines = [header, "|" + "---|" * (7 + len(names))]
+    for label, pattern, b, cfg in variants([int(v) for v in args.batches.split(",")]):
+        try:
+            sass = compile_sass(cfg, pattern, args.bf16)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"{label} {pattern.value} B={b}: compile failed: {e!r}"[:400], flush=True)
+            continue
+        if args.dump:
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            (Path(args.dump) / f"{label}_{pattern.value.replace(':', 'of')}_B{b}.sass").write_text(sass)
+        ops = main_loop(sass)
+        per_thread = cfg.block_n * cfg.block_kk / (32 * cfg.num_warps)
+        cls = classify(ops)
+        row = dict(kernel=label, pattern=pattern.value, batch=b, config=dict(cfg.__dict__), loop=len(ops),
+                   kept_per_thread=per_thread, per_kept=len(ops) / per_thread,
+                   classes={k: round(v / per_thread, 3) for k, v in cls.items()})
+        rows.append(row)
+        tile = f"b{cfg.block_b} n{cfg.block_n} kk{cfg.block_kk} w{cfg.num_warps}"
+        lines.append(f"| {label} | {pattern.value} | {b} | {tile} | {len(ops)} | {per_thread:g} | {len(ops) / per_thread:.2f} | "
+                     + " | ".join(f"{cls.get(n, 0) / per_thread:.2f}" for n in names) + " |")
+        print(lines[-1], flush=True)
+    text = (f"SASS per kept value in the main K loop (sm_90, triton {triton.__version__}, "
+            f"{'bf16' if args.bf16 else 'fp16'} activations); class columns are per kept value too.\n\n" + "\n".join(lines) + "\n")
+    print()
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "kernel_sass.md").write_text(text)
+        (Path(args.out) / "kernel_sass.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
