@@ -25,7 +25,7 @@ def test_title_words_keep_sizes_whole():
 
 
 def test_span_pseudo_queries_are_distinct_spans_and_deterministic():
-    cfg = PseudoQueryConfig(per_ad=4, min_words=1, max_words=3, seed=7)
+    cfg = PseudoQueryConfig(per_ad=4, min_words=1, max_words=3, subset_share=0.0, typo_rate=0.0, seed=7)
     pairs = span_pseudo_queries(TITLES + ["", "Drill"], cfg)
     assert pairs == span_pseudo_queries(TITLES + ["", "Drill"], cfg)  # same seed, same spans
     by_row: dict[int, list[str]] = {}
@@ -48,7 +48,7 @@ def test_span_pseudo_queries_are_distinct_spans_and_deterministic():
     other = span_pseudo_queries(TITLES, cfg.replace(seed=8))
     assert other != pairs[: len(other)]
     assert span_pseudo_queries(TITLES, PseudoQueryConfig(per_ad=0)) == []
-    assert PseudoQueryConfig().per_ad == 8  # on by default
+    assert PseudoQueryConfig().per_ad == 16  # on by default
     with pytest.raises(ConfigError):
         PseudoQueryConfig(min_words=3, max_words=2).validate()
 

@@ -9,8 +9,8 @@ every ad query-shaped inputs pointing at it, which is the role docT5query-style 
 play in DSI-QG / NCI. Spans are cheaper than generating with the creative model (no GPU pass over
 the corpus) and are what we measure; generated queries are not implemented.
 
-Two optional augmentations move the inputs closer to real search terms (both off by default until
-measured, see bench/RESULTS.md): ``subset_share`` draws that share of the pseudo-queries as *ordered
+Two augmentations move the inputs closer to real search terms (on by default, as part of the best
+measured recipe, see bench/RESULTS.md): ``subset_share`` draws that share of the pseudo-queries as *ordered
 word subsets* instead of contiguous spans (queries often pair a brand or size with the product noun:
 "behr deck stain" for "BEHR Premium 1 gal. Deck Stain"), and ``typo_rate`` gives that share of them
 one character edit in a word of 4+ letters (a deletion, a doubled letter or two swapped neighbours;
@@ -38,13 +38,14 @@ _WORD = re.compile(r"[0-9a-z]+(?:[./\-][0-9a-z]+)*")
 class PseudoQueryConfig(ConfigBase):
     """How many span pseudo-queries each ad gets and how long they are."""
 
-    # 8: the best of {0, 4, 8} measured on Home Depot (bench/results/train.md)
-    per_ad: int = dataclasses.field(default=8, metadata={"help": "span pseudo-queries per ad (0 = off)"})
+    # 16 with subsets 0.5 + typos 0.1: the best measured on Home Depot (recall@10 0.511 vs 0.43-0.45 at 8
+    # spans/ad and 0.39 at 4; bench/results/train.md, rounds 2-3)
+    per_ad: int = dataclasses.field(default=16, metadata={"help": "span pseudo-queries per ad (0 = off)"})
     min_words: int = dataclasses.field(default=1, metadata={"help": "shortest span, in words"})
     max_words: int = dataclasses.field(default=4, metadata={"help": "longest span, in words"})
     subset_share: float = dataclasses.field(
-        default=0.0, metadata={"help": "share drawn as ordered non-contiguous word subsets instead of spans"})
-    typo_rate: float = dataclasses.field(default=0.0, metadata={"help": "share given one character edit"})
+        default=0.5, metadata={"help": "share drawn as ordered non-contiguous word subsets instead of spans"})
+    typo_rate: float = dataclasses.field(default=0.1, metadata={"help": "share given one character edit"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the span sampling"})
 
     def validate(self) -> None:
