@@ -69,6 +69,11 @@ def test_examples_and_batches(tok):
     assert b.input_ids.shape[0] == 2
     n_target = int((ex.lengths[[0, 9]] - ex.prompt_lens[[0, 9]].long()).sum())
     assert int((b.labels != -100).sum()) == n_target
+    # host-side target positions / token count (no device sync in the training step)
+    assert b.num_tokens == int(b.attention_mask.sum()) == int(ex.lengths[[0, 9]].sum())
+    L = b.labels.shape[1]
+    want = [r * (L - 1) + c for r in range(2) for c in range(L - 1) if int(b.labels[r, c + 1]) != -100]
+    assert b.target_index.tolist() == want and len(want) == n_target
     sub = ex.select(torch.tensor([9, 0]))
     assert sub.tokens[: int(sub.lengths[0])].tolist() == ex.tokens[ex.offsets[9]:ex.offsets[10]].tolist()
 

@@ -43,7 +43,11 @@ def _examples(tok, idx):
 def _loss(model, tok, ex) -> float:
     b = collate(ex, torch.arange(len(ex)), tok.pad_token_id)
     with torch.no_grad():
-        return float(target_loss(model, b.input_ids, b.attention_mask, b.labels)[0])
+        loss, n = target_loss(model, b.input_ids, b.attention_mask, b.labels, b.target_index)
+        # the host-computed positions select exactly what the labels mark
+        again, n2 = target_loss(model, b.input_ids, b.attention_mask, b.labels)
+    assert n == n2 == b.target_index.numel() and torch.equal(loss, again)
+    return float(loss)
 
 
 @pytest.mark.parametrize("n", [4, 2, 1])

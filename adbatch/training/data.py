@@ -178,15 +178,27 @@ def build_examples(
 @dataclass
 class Batch:
     """A padded micro-batch: ``input_ids`` / ``labels`` int64 ``[B, L]`` (labels -100 off-target),
-    ``attention_mask`` int64 ``[B, L]`` (right padding)."""
+    ``attention_mask`` int64 ``[B, L]`` (right padding), ``target_index`` int64 ``[T]``: flat positions
+    into ``[B, L-1]`` whose next token is a target (row-major), and ``num_tokens`` (non-pad tokens).
+
+    ``target_index`` and ``num_tokens`` are computed on the CPU by :func:`collate`, so the training
+    step needs no device -> host sync to select target positions or count tokens (a boolean-mask
+    gather or ``int(mask.sum())`` on the GPU would stall the host every micro-batch).
+    """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
+    target_index: torch.Tensor
+    num_tokens: int
 
     def to(self, device: Any) -> "Batch":
-        return Batch(self.input_ids.to(device, non_blocking=True), self.attention_mask.to(device, non_blocking=True),
-                     self.labels.to(device, non_blocking=True))
+        device = torch.device(device)
+        # pinned host memory makes the non_blocking copies asynchronous (pageable copies wait for the stream)
+        move = ((lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda"
+                else (lambda t: t.to(device)))
+        return Batch(move(self.input_ids), move(self.attention_mask), move(self.labels), move(self.target_index),
+                     self.num_tokens)
 
 
 def collate(ex: TrainingExamples, index: torch.Tensor, pad_id: int) -> Batch:
@@ -199,7 +211,8 @@ def collate(ex: TrainingExamples, index: torch.Tensor, pad_id: int) -> Batch:
     src = (ex.offsets[index][:, None] + pos).clamp(max=int(ex.offsets[-1]) - 1)
     ids = torch.where(valid, ex.tokens[src].long(), torch.full_like(src, pad_id))
     labels = torch.where(valid & (pos >= plen[:, None]), ids, torch.full_like(ids, -100))
-    return Batch(ids, valid.long(), labels)
+    target_index = (labels[:, 1:] != -100).reshape(-1).nonzero().squeeze(1)
+    return Batch(ids, valid.long(), labels, target_index, int(lens.sum()))
 
 
 def token_budget_batches(lengths: torch.Tensor, max_tokens: int, generator: torch.Generator | None = None,

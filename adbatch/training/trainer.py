@@ -125,18 +125,21 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
 
 
 def target_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+                labels: torch.Tensor, target_index: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Mean next-token cross-entropy over target positions.
 
     ``input_ids``/``attention_mask``/``labels``: int64 ``[B, L]`` (labels -100 where no loss).
-    Returns (scalar loss, number of target tokens). Uses the decoder body + LM head at target
-    positions only when the model exposes them (``get_decoder()`` / ``get_output_embeddings()``),
-    else a plain forward with labels.
+    ``target_index``: int64 ``[T]`` flat positions into ``[B, L-1]`` whose next token is a target
+    (:attr:`adbatch.training.data.Batch.target_index`, computed on the host: no device sync here);
+    derived from ``labels`` when None. Returns (scalar loss, number of target tokens). Uses the
+    decoder body + LM head at target positions only when the model exposes them
+    (``get_decoder()`` / ``get_output_embeddings()``), else a plain forward with labels.
     """
     core = unwrap_ddp(model)
     shift_labels = labels[:, 1:]
-    sel = shift_labels != -100
-    n = int(sel.sum())
+    if target_index is None:
+        target_index = (shift_labels != -100).reshape(-1).nonzero().squeeze(1)
+    n = int(target_index.numel())
     decoder = core.get_decoder() if hasattr(core, "get_decoder") else None
     head = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
     if decoder is None or head is None or model is not core:
@@ -144,9 +147,9 @@ def target_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
         out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
         return out.loss, n
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, H]
-    h = hidden[:, :-1][sel]  # [n, H]
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index)  # [n, H]
     logits = head(h).float()  # [n, V]
-    return nn.functional.cross_entropy(logits, shift_labels[sel]), n
+    return nn.functional.cross_entropy(logits, shift_labels.reshape(-1).index_select(0, target_index)), n
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:
@@ -314,11 +317,11 @@ def train_loop(
             idx = next(batch_iter)
             batch = collate(examples, idx, pad_id).to(device)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss, n_tgt = target_loss(model, batch.input_ids, batch.attention_mask, batch.labels)
+                loss, n_tgt = target_loss(model, batch.input_ids, batch.attention_mask, batch.labels, batch.target_index)
             (loss / config.grad_accum).backward()
             loss_acc += loss.detach() / config.grad_accum
             stats.micro_batches += 1
-            stats.tokens += int(batch.attention_mask.sum())
+            stats.tokens += batch.num_tokens
             stats.target_tokens += n_tgt
         if sparsity is not None:
             sparsity.before_optimizer_step(step)
