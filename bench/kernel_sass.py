@@ -8,7 +8,7 @@ instruction runs once per iteration per thread, so this is "instructions per kep
 the ALU cost that has to hide under the memory time. It says nothing about stalls or occupancy.
 
 Usage (here or on the device):
-    python3 bench/kernel_sass.py                      # default table: old vs new at B = 8, 16, 64
+    python3 bench/kernel_sass.py                      # default table: GEMV vs tensor-core kernel at B = 8, 16, 64
     python3 bench/kernel_sass.py --out DIR            # also writes DIR/kernel_sass.md and .json
     python3 bench/kernel_sass.py --dump DIR           # also the full SASS of every kernel
 """
@@ -84,8 +84,6 @@ def compile_sass(cfg: sg.KernelConfig, pattern: SparsityPattern, bf16: bool = Fa
                 HAS_BIAS=False)
     if not cfg.use_dot:
         meta.update(IS_BF16=bf16, ASM=True, EVEN=True)
-    elif cfg.legacy_dot:
-        meta.update(DOT_F32=False)
     else:
         meta.update(IS_BF16=bf16, ASM=True, DOT_F32=False)
     divisible = {n: True for n in ("N", "K", "KP", "G4", "stride_xb", "stride_x64", "stride_ob", "kk_per_split")}
@@ -139,18 +137,16 @@ def classify(ops: list[str]) -> dict[str, int]:
 
 
 def variants(batches: list[int]) -> list[tuple[str, SparsityPattern, int, sg.KernelConfig]]:
-    """(label, pattern, B, config): the round-3 kernels (GEMV at B = 8, compare/select tl.dot above) and
-    the new tensor-core kernel with the same tile (BLOCK_N = 64) and with BLOCK_N = 128 (the heuristic)."""
+    """(label, pattern, B, config): the GEMV at B <= 8 and the tensor-core kernel with BLOCK_N = 64 and
+    with BLOCK_N = 128 (the heuristic)."""
     out = []
     for pattern in (SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR, SparsityPattern.DENSE):
         for b in batches:
             bt = max(16, b)
-            kk_old = max(32, 128 * pattern.n // 4)
             if b <= sg.GEMV_MAX_BATCH:
                 out.append(("gemv", pattern, b, sg.KernelConfig(b, 64, 64, 1, False)))
-            out.append(("old-dot", pattern, b, sg.KernelConfig(bt, 64, kk_old, 1, True, legacy_dot=True)))
-            out.append(("new-tc", pattern, b, sg.KernelConfig(bt, 64, sg.tc_block_kk(pattern), 1, True)))
-            out.append(("new-tc", pattern, b, sg.KernelConfig(bt, 128, sg.tc_block_kk(pattern), 1, True)))
+            out.append(("tc", pattern, b, sg.KernelConfig(bt, 64, sg.tc_block_kk(pattern), 1, True)))
+            out.append(("tc", pattern, b, sg.KernelConfig(bt, 128, sg.tc_block_kk(pattern), 1, True)))
     return out
 
 

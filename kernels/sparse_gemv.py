@@ -19,8 +19,6 @@ Two kernels, specialised by constexprs, read the packed format (version 2) direc
   one inline-PTX block dequantizes with the GEMV's shift + ``lop3`` and applies the group scale in the
   same ``fma.rn.f16x2``, then scatters each kept pair into its dense column group with two ``prmt``
   (selectors from the positions by a rotate); see the comment above :func:`_tc_asm`.
-- :func:`_nm_int4_dot_kernel`, the round-3 tensor-core kernel (fp32 dequantization, compare/select
-  scatter), kept selectable with ``KernelConfig(legacy_dot=True)``; the tuner does not time it.
 
 Split-K (``SPLIT``): each of the ``n_split`` programs of an output tile writes its fp32 partial tile to
 a scratch buffer, then increments the tile's counter; the program that sees the count reach
@@ -65,19 +63,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_BATCH_TILES = (1, 2, 4, 8)  # batch tiles of the GEMV kernel
 GEMV_MAX_BATCH = GEMV_BATCH_TILES[-1]
 GEMV_TUNE_MAX_BATCH = 16  # largest bucket whose tuner also times GEMV configs (several batch tiles)
-KERNEL_VERSION = 4  # part of the tuning-cache file name: configs tuned for older kernels are not reused
+KERNEL_VERSION = 5  # part of the tuning-cache file name: configs tuned for older kernels are not reused
 
 
 # ---- small helpers shared by both kernels -----------------------------------------------------------
-@triton.jit
-def _dot_acc(acc, xt, w, DOT_F32: tl.constexpr):
-    """acc [BB, BN] fp32 += xt [BB, BK] @ w [BK, BN] (w fp32, rounded to x's dtype for the tensor cores)."""
-    if DOT_F32:
-        return acc + tl.dot(xt.to(tl.float32), w.to(xt.dtype).to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(xt, w.to(xt.dtype), acc)
-
-
 @triton.jit
 def _half_to_f32(h, IS_BF16: tl.constexpr):
     """fp32 value of the fp16 / bf16 bit pattern in the low 16 bits of int32 ``h``."""
@@ -550,101 +539,6 @@ def _nm_int4_gemv_kernel(
             n_split, tile_id, part_stride, SPLIT, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["B", "part_stride"])
-def _nm_int4_dot_kernel(
-    x_ptr,  # [B, K] fp16/bf16, stride (stride_xb, 1)
-    qw_ptr,  # int32 [KP/8, N]
-    qp_ptr,  # int32 [KP/16, N] (unused when NKEEP == 4)
-    sz_ptr,  # int32 [G] (= fp16 [G, 2] scale_zero)
-    gptr_ptr,  # int32 [N+1]
-    gshift_ptr,  # int32 [N]
-    bias_ptr,  # [N] or dummy
-    out_ptr,  # [B, N] in x's dtype
-    part_ptr,
-    cnt_ptr,
-    B,
-    N,
-    K,
-    KP,
-    stride_xb,
-    stride_ob,
-    kk_per_split,
-    n_split,
-    part_stride,
-    NKEEP: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_KK: tl.constexpr,
-    SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    DOT_F32: tl.constexpr,  # interpreter only: numpy has no bf16 matmul
-):
-    """Tensor-core path: dequantize + densify a [4*BLOCK_KK/n, BLOCK_N] tile, tl.dot with x."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_b = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    b_mask = offs_b < B
-    gp0, gp_last, gsh = _row_groups(gptr_ptr, gshift_ptr, offs_n, n_mask)
-
-    SB: tl.constexpr = BLOCK_KK // 32  # 32-value sub-blocks: one (scale, zero) per row each
-    BLOCK_G: tl.constexpr = BLOCK_KK // NKEEP  # column groups of 4 covered by a tile
-    j8 = tl.arange(0, 8)
-    nib_shift = 4 * (j8 // 2) + 16 * (j8 % 2)  # value j of a word (format v2, pair-interleaved)
-    j16 = tl.arange(0, 16)
-    pos_shift = 2 * ((j16 // 2) % 4) + 8 * (j16 % 2) + 16 * (j16 // 8)  # value j of a position word
-    acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-
-    k_lo = pid_k * kk_per_split
-    k_hi = tl.minimum(k_lo + kk_per_split, KP)
-    for kk0 in range(k_lo, k_hi, BLOCK_KK):
-        w_rows = kk0 // 8 + tl.arange(0, BLOCK_KK // 8)
-        words = tl.load(qw_ptr + w_rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :] & (w_rows < KP // 8)[:, None], other=0)
-        q = ((words[:, None, :] >> nib_shift[None, :, None]) & 0xF).to(tl.float32)
-        q = tl.reshape(q, [SB, 32, BLOCK_N])
-        s, z, _ = _scale_zero(sz_ptr, gp0, gp_last, gsh, (kk0 + tl.arange(0, SB) * 32)[:, None], n_mask[None, :], False)
-        w = (q - z[:, None, :]) * s[:, None, :]
-        w = tl.reshape(w, [BLOCK_KK, BLOCK_N])
-        if NKEEP == 4:
-            offs_k = kk0 + tl.arange(0, BLOCK_KK)
-            xt = tl.load(
-                x_ptr + offs_b[:, None] * stride_xb + offs_k[None, :],
-                mask=b_mask[:, None] & (offs_k < K)[None, :],
-                other=0.0,
-            )
-            acc = _dot_acc(acc, xt, w, DOT_F32)
-        else:
-            p_rows = kk0 // 16 + tl.arange(0, BLOCK_KK // 16)
-            pwords = tl.load(qp_ptr + p_rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :] & (p_rows < KP // 16)[:, None], other=0)
-            pos = tl.reshape((pwords[:, None, :] >> pos_shift[None, :, None]) & 3, [BLOCK_KK, BLOCK_N])
-            # scatter the kept tile into its dense [4 * BLOCK_G, BLOCK_N] tile (zeros where pruned)
-            wg = tl.reshape(w, [BLOCK_G, NKEEP, BLOCK_N])
-            pg = tl.reshape(pos, [BLOCK_G, NKEEP, BLOCK_N])
-            slot = tl.arange(0, 4)
-            if NKEEP == 1:
-                d = tl.where(pg[:, :, None, :] == slot[None, None, :, None], wg[:, :, None, :], 0.0)
-                dense = tl.reshape(d, [BLOCK_G * 4, BLOCK_N])
-            else:
-                # 2:4 keeps p0 < p1, so each dense slot takes w0, w1 or 0: two selects, no sum
-                w0, w1 = tl.split(tl.permute(wg, [0, 2, 1]))
-                p0, p1 = tl.split(tl.permute(pg, [0, 2, 1]))
-                s3 = slot[None, :, None]
-                dense = tl.where(p0[:, None, :] == s3, w0[:, None, :], tl.where(p1[:, None, :] == s3, w1[:, None, :], 0.0))
-                dense = tl.reshape(dense, [BLOCK_G * 4, BLOCK_N])
-            offs_k = (kk0 // NKEEP) * 4 + tl.arange(0, BLOCK_G * 4)
-            xt = tl.load(
-                x_ptr + offs_b[:, None] * stride_xb + offs_k[None, :],
-                mask=b_mask[:, None] & (offs_k < K)[None, :],
-                other=0.0,
-            )
-            acc = _dot_acc(acc, xt, dense, DOT_F32)
-    tile_id = pid_b * tl.num_programs(0) + pid_n
-    _finish(acc, offs_b, b_mask, offs_n, n_mask, N, out_ptr, bias_ptr, part_ptr, cnt_ptr, stride_ob, pid_k,
-            n_split, tile_id, part_stride, SPLIT, HAS_BIAS)
-
-
 # ---- tensor-core path: dequantize + densify in inline PTX, swap AB ----------------------------------
 # The unit of work is 16 kept values of one output row (two ``qweight`` words + one ``qpos`` word, as in
 # the GEMV). One inline-PTX block per unit turns them into the unit's *dense* columns (16 / 32 / 64
@@ -910,7 +804,6 @@ class KernelConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
-    legacy_dot: bool = False  # use_dot only: the round-3 compare/select kernel instead of _nm_int4_tc_kernel
 
     def validate(self, pattern: SparsityPattern) -> None:
         if self.block_kk not in (32, 64, 128):
@@ -923,9 +816,7 @@ class KernelConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
-        if self.legacy_dot and not self.use_dot:
-            raise ValueError(f"legacy_dot needs use_dot: {self}")
-        if self.use_dot and not self.legacy_dot and self.block_kk % 32:
+        if self.use_dot and self.block_kk % 32:
             raise ValueError(f"the tensor-core kernel takes whole 32-value sub-blocks: {self}")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k} must be >= 1")
@@ -993,7 +884,7 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
     """The configs the autotuner times for this (shape, batch bucket), at most 12: GEMV tiles up to
     bucket 16 (fewer where tensor-core tiles compete), tensor-core tiles from bucket 8 up (one batch
     tile of max(16, bucket) rows: the MMA's N side); each without split-K and with splits giving about
-    4 and 16 programs per SM. The round-3 compare/select kernel (``legacy_dot``) is not a candidate."""
+    4 and 16 programs per SM."""
     bucket = batch_bucket(batch)
     out: list[KernelConfig] = []
     if bucket <= GEMV_TUNE_MAX_BATCH and _gemv_ok(p):
@@ -1104,10 +995,8 @@ def _kernel_args(x2: torch.Tensor, p: PackedNMInt4, bias, out, part, cnt, cfg: K
                 *common_tail, p.in_features, p.padded_kept, x2.stride(0), out.stride(0), plan.kk_per_split, plan.n_split,
                 batch * n_out]
         meta = dict(NKEEP=p.pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
-                    HAS_BIAS=bias is not None)
-        if not cfg.legacy_dot:
-            meta.update(IS_BF16=x2.dtype == torch.bfloat16, ASM=not _interpreting())
-        meta.update(DOT_F32=_interpreting() and x2.dtype == torch.bfloat16)
+                    HAS_BIAS=bias is not None, IS_BF16=x2.dtype == torch.bfloat16, ASM=not _interpreting(),
+                    DOT_F32=_interpreting() and x2.dtype == torch.bfloat16)
     else:
         xw = _x_words(x2)
         args = [xw, p.qweight, p.qpos if p.pattern.is_sparse else p.qweight, p.scale_zero_words, p.group_ptr, p.group_shift,
@@ -1122,7 +1011,7 @@ def _kernel_args(x2: torch.Tensor, p: PackedNMInt4, bias, out, part, cnt, cfg: K
 def _kernel_fn(cfg: KernelConfig):
     if not cfg.use_dot:
         return _nm_int4_gemv_kernel
-    return _nm_int4_dot_kernel if cfg.legacy_dot else _nm_int4_tc_kernel
+    return _nm_int4_tc_kernel
 
 
 def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: KernelConfig, _return_kernel: bool = False):

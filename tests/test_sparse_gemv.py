@@ -84,13 +84,6 @@ def test_dot_path(pattern, dtype, batch):
 
 
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
-def test_legacy_dot_path(pattern):
-    """The round-3 compare/select tensor-core kernel stays selectable (``legacy_dot``)."""
-    p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
-    _check(p, 17, torch.float16, sg.KernelConfig(16, 16, 32 * pattern.n, 2, True, legacy_dot=True), seed=5)
-
-
-@pytest.mark.parametrize("pattern", list(SparsityPattern))
 @pytest.mark.parametrize("bf16", [False, True])
 def test_tc_unit_densify(pattern, bf16):
     """_tc_unit (the emulation of the tensor-core kernel's PTX block) against dequantize_nm_int4 on 64
