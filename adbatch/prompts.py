@@ -29,7 +29,7 @@ def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
 def _chat_or_plain(tokenizer: Any, user_text: str, plain_suffix: str, system: str | None = None) -> list[int]:
     """Chat-template ids of one user turn (``system`` as the system turn when given), or a plain frame.
 
-    A system turn replaces a template's default system prompt (SmolLM2's is 17 tokens), which
+    A system turn replaces a template's default system prompt (SmolLM2's is 16 tokens), which
     matters for training cost: every targeting example repeats the prompt. Templates that reject a
     system role (Gemma) get the instruction folded into the user turn instead.
     """
@@ -60,7 +60,7 @@ def encode_targeting_prompt(tokenizer: Any, query: str, max_query_tokens: int = 
 
     Rendering version :data:`TARGETING_PROMPT_VERSION`: the instruction is the system turn, the
     query the user turn (version 1 put both in the user turn after the template's default system
-    prompt: 45 vs 26 tokens for a two-word query with SmolLM2).
+    prompt: 45 vs 28 tokens for a two-word query with SmolLM2).
     """
     query = truncate_text_tokens(tokenizer, query.strip(), max_query_tokens)
     return _chat_or_plain(tokenizer, f"Query: {query}", "\nAd:", system=TARGETING_INSTRUCTION)
