@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU (inline PTX), never the interpreter
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from kernels import sparse_gemv as sg  # noqa: E402
 from kernels.nm_int4 import SparsityPattern  # noqa: E402
@@ -59,40 +58,8 @@ def _tool(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
-def _signature(fn, meta: dict, int_args: dict) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) for ASTSource: pointers fp16/int32/fp32 as the launcher passes them,
-    ints as i32, everything in ``meta`` constexpr; pointers and the ints in ``int_args`` marked divisible
-    by 16 (as the launcher specializes them for the large shapes)."""
-    ptr_types = {"x_ptr": "*fp16", "x64_ptr": "*i64", "bias_ptr": "*fp16", "out_ptr": "*fp16", "part_ptr": "*fp32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in meta:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = ptr_types.get(name, "*i32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-            if int_args.get(name):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, meta, attrs
-
-
 def compile_sass(cfg: sg.KernelConfig, pattern: SparsityPattern, bf16: bool = False, split: bool = False) -> str:
-    fn = sg._kernel_fn(cfg)
-    meta = dict(NKEEP=pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
-                HAS_BIAS=False)
-    if not cfg.use_dot:
-        meta.update(IS_BF16=bf16, ASM=True, EVEN=True)
-    else:
-        meta.update(IS_BF16=bf16, ASM=True, DOT_F32=False)
-    divisible = {n: True for n in ("N", "K", "KP", "G4", "stride_xb", "stride_x64", "stride_ob", "kk_per_split")}
-    sig, constexprs, attrs = _signature(fn, meta, divisible)
-    if bf16:
-        sig = {k: ("*bf16" if v == "*fp16" else v) for k, v in sig.items()}
-    src = triton.compiler.ASTSource(fn, sig, constexprs, attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    kernel = sg.compile_offline(cfg, pattern, bf16, split)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
         path.write_bytes(kernel.asm["cubin"])

@@ -1014,6 +1014,48 @@ def _kernel_fn(cfg: KernelConfig):
     return _nm_int4_tc_kernel
 
 
+def compile_offline(cfg: KernelConfig, pattern: SparsityPattern, bf16: bool = False, split: bool = False,
+                    arch: int = 90):
+    """Compile one kernel variant for NVIDIA ``sm_<arch>`` without a GPU and return Triton's compiled
+    kernel (``.asm`` holds ``ptx`` and ``cubin``).
+
+    The inline PTX of both kernels only runs on a GPU (the interpreter runs its emulation), so CI
+    assembles every variant through Triton's bundled ``ptxas`` this way; ``bench/kernel_sass.py`` reads
+    the SASS of the result. Pointers are typed as the launcher passes them (activations fp16/bf16,
+    packed words int32, partials fp32) and marked 16-byte aligned, like the large shapes the launcher
+    specializes for. Needs ``TRITON_INTERPRET`` unset when this module was imported.
+    """
+    from triton.backends.compiler import GPUTarget
+
+    cfg.validate(pattern)
+    fn = _kernel_fn(cfg)
+    if not hasattr(fn, "arg_names") or _interpreting():
+        raise RuntimeError("compile_offline needs TRITON_INTERPRET unset when kernels.sparse_gemv is imported")
+    meta = dict(NKEEP=pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
+                HAS_BIAS=False, IS_BF16=bf16, ASM=True)
+    if cfg.use_dot:
+        meta["DOT_F32"] = False
+    else:
+        meta["EVEN"] = True
+    act = "*bf16" if bf16 else "*fp16"
+    ptr_types = {"x_ptr": act, "x64_ptr": "*i64", "bias_ptr": act, "out_ptr": act, "part_ptr": "*fp32"}
+    aligned_ints = {"N", "K", "KP", "G4", "stride_xb", "stride_x64", "stride_ob", "kk_per_split"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in meta:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ptr_types.get(name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if name in aligned_ints:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn, sig, meta, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 128),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
 def launch(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None, cfg: KernelConfig, _return_kernel: bool = False):
     """Run the kernel once with ``cfg`` through Triton's normal launcher (validated by the caller).
     x2: [B, K] fp16/bf16 with unit inner stride (8-byte aligned rows for the GEMV kernel). Returns [B, N]
