@@ -108,10 +108,11 @@ class ModelSpec:
         record = read_training_record(folder)
         if record is None and self.kind is ModelKind.COMPRESSED:
             # A compressed checkpoint may carry the binding in its manifest instead.
+            from adbatch.training.checkpoint import model_binding
+
             manifest = json.loads((folder / "manifest.json").read_text())
             if manifest.get("trained_on_index"):
-                record = {"trained_on_index": manifest["trained_on_index"],
-                          "targeting_prompt_version": manifest.get("targeting_prompt_version", 1)}
+                record = model_binding(manifest)
         return record
 
 
@@ -121,7 +122,7 @@ def check_model_index(spec: ModelSpec, index: Any) -> dict[str, Any] | None:
     An untrained model over a ``codes`` index cannot emit the code tokens at all, so it is refused
     with a message saying what to do.
     """
-    from adbatch.training.checkpoint import IndexMismatchError
+    from adbatch.training.checkpoint import IndexMismatchError, check_binding
 
     record = spec.training_record()
     want = index.index_hash
@@ -134,19 +135,7 @@ def check_model_index(spec: ModelSpec, index: Any) -> dict[str, Any] | None:
         log.warning("model %s is untrained (zero-shot) over text index %s; expect low recall",
                     spec.folder(), str(want)[:12])
         return None
-    have = record.get("trained_on_index")
-    if have != want:
-        raise IndexMismatchError(
-            f"model {spec.folder()} was trained on index {str(have)[:12]}, not on {want[:12]} "
-            f"({index.directory}): retrain on this index or pass the index it was trained on")
-    from adbatch.prompts import TARGETING_PROMPT_VERSION
-
-    # records written before the version existed were trained on rendering 1
-    trained_prompt = int(record.get("targeting_prompt_version", 1))
-    if trained_prompt != TARGETING_PROMPT_VERSION:
-        raise IndexMismatchError(
-            f"model {spec.folder()} was trained on targeting prompts of version {trained_prompt}, this code "
-            f"renders version {TARGETING_PROMPT_VERSION}: retrain (or warm-start) it on index {want[:12]}")
+    check_binding(record, want, f"model {spec.folder()} (decoding index {index.directory})")
     return record
 
 

@@ -347,6 +347,15 @@ def _x_row(x64_row, kk_e, kmask, G, NKEEP: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _interleave(lo, hi, COUNT: tl.constexpr):
+    """(lo[0], hi[0], lo[1], hi[1], ...) over the first COUNT entries: the x operands of _row_asm."""
+    xs = ()
+    for i in tl.static_range(COUNT):
+        xs = xs + (lo[i], hi[i])
+    return xs
+
+
+@triton.jit
 def _row_dot16(d, sel, x_lo, x_hi, NKEEP: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr):
     """fp32 sum of the 16 products of one element with one x row (fp16x2 / bf16x2 partial sums)."""
     if ASM:
@@ -355,16 +364,12 @@ def _row_dot16(d, sel, x_lo, x_hi, NKEEP: tl.constexpr, IS_BF16: tl.constexpr, A
                 asm=_ROW_ASM_4_BF16 if IS_BF16 else _ROW_ASM_4_F16, constraints="=r" + ",r" * 16, args=d + x_lo,
                 dtype=tl.float32, is_pure=True, pack=1)
         elif NKEEP == 2:
-            xs = ()
-            for i in tl.static_range(8):
-                xs = xs + (x_lo[i], x_hi[i])
+            xs = _interleave(x_lo, x_hi, 8)
             return tl.inline_asm_elementwise(
                 asm=_ROW_ASM_2_BF16 if IS_BF16 else _ROW_ASM_2_F16, constraints="=r" + ",r" * 32, args=d + sel + xs,
                 dtype=tl.float32, is_pure=True, pack=1)
         else:
-            xs = ()
-            for i in tl.static_range(16):
-                xs = xs + (x_lo[i], x_hi[i])
+            xs = _interleave(x_lo, x_hi, 16)
             return tl.inline_asm_elementwise(
                 asm=_ROW_ASM_1_BF16 if IS_BF16 else _ROW_ASM_1_F16, constraints="=r" + ",r" * 48, args=d + sel + xs,
                 dtype=tl.float32, is_pure=True, pack=1)
@@ -988,24 +993,28 @@ def _kernel_args(x2: torch.Tensor, p: PackedNMInt4, bias, out, part, cnt, cfg: K
     """Positional arguments and constexprs of one launch (order = the kernel signature)."""
     batch = x2.shape[0]
     n_out = p.out_features
-    split = plan.n_split > 1
-    common_tail = [bias if bias is not None else out, out, part, cnt, batch, n_out]
-    if cfg.use_dot:
-        args = [x2, p.qweight, p.qpos if p.pattern.is_sparse else p.qweight, p.scale_zero_words, p.group_ptr, p.group_shift,
-                *common_tail, p.in_features, p.padded_kept, x2.stride(0), out.stride(0), plan.kk_per_split, plan.n_split,
-                batch * n_out]
-        meta = dict(NKEEP=p.pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
-                    HAS_BIAS=bias is not None, IS_BF16=x2.dtype == torch.bfloat16, ASM=not _interpreting(),
-                    DOT_F32=_interpreting() and x2.dtype == torch.bfloat16)
-    else:
-        xw = _x_words(x2)
-        args = [xw, p.qweight, p.qpos if p.pattern.is_sparse else p.qweight, p.scale_zero_words, p.group_ptr, p.group_shift,
-                *common_tail, p.in_features // 4, p.padded_kept, xw.stride(0), out.stride(0), plan.kk_per_split, plan.n_split,
-                batch * n_out]
-        meta = dict(NKEEP=p.pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
-                    HAS_BIAS=bias is not None, IS_BF16=x2.dtype == torch.bfloat16, ASM=not _interpreting(),
-                    EVEN=n_out % cfg.block_n == 0 and p.padded_kept % cfg.block_kk == 0 and p.kept == p.padded_kept)
+    # the GEMV reads x as int64 words of 4 activations: its K and row stride count words
+    xk = x2 if cfg.use_dot else _x_words(x2)
+    k_arg = p.in_features if cfg.use_dot else p.in_features // 4
+    args = [xk, p.qweight, p.qpos if p.pattern.is_sparse else p.qweight, p.scale_zero_words, p.group_ptr, p.group_shift,
+            bias if bias is not None else out, out, part, cnt, batch, n_out, k_arg, p.padded_kept, xk.stride(0),
+            out.stride(0), plan.kk_per_split, plan.n_split, batch * n_out]
+    even = n_out % cfg.block_n == 0 and p.padded_kept % cfg.block_kk == 0 and p.kept == p.padded_kept
+    meta = _kernel_meta(cfg, p.pattern, plan.n_split > 1, bias is not None, x2.dtype == torch.bfloat16,
+                        asm=not _interpreting(), even=even)
     return args, meta
+
+
+def _kernel_meta(cfg: KernelConfig, pattern: SparsityPattern, split: bool, has_bias: bool, bf16: bool, asm: bool,
+                 even: bool) -> dict:
+    """The constexprs of one kernel variant (a launch and :func:`compile_offline` build them here)."""
+    meta = dict(NKEEP=pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
+                HAS_BIAS=has_bias, IS_BF16=bf16, ASM=asm)
+    if cfg.use_dot:
+        meta["DOT_F32"] = not asm and bf16  # interpreter only: numpy has no bf16 matmul
+    else:
+        meta["EVEN"] = even
+    return meta
 
 
 def _kernel_fn(cfg: KernelConfig):
@@ -1031,12 +1040,7 @@ def compile_offline(cfg: KernelConfig, pattern: SparsityPattern, bf16: bool = Fa
     fn = _kernel_fn(cfg)
     if not hasattr(fn, "arg_names") or _interpreting():
         raise RuntimeError("compile_offline needs TRITON_INTERPRET unset when kernels.sparse_gemv is imported")
-    meta = dict(NKEEP=pattern.n, BLOCK_B=cfg.block_b, BLOCK_N=cfg.block_n, BLOCK_KK=cfg.block_kk, SPLIT=split,
-                HAS_BIAS=False, IS_BF16=bf16, ASM=True)
-    if cfg.use_dot:
-        meta["DOT_F32"] = False
-    else:
-        meta["EVEN"] = True
+    meta = _kernel_meta(cfg, pattern, split, has_bias=False, bf16=bf16, asm=True, even=True)
     act = "*bf16" if bf16 else "*fp16"
     ptr_types = {"x_ptr": act, "x64_ptr": "*i64", "bias_ptr": act, "out_ptr": act, "part_ptr": "*fp32"}
     aligned_ints = {"N", "K", "KP", "G4", "stride_xb", "stride_x64", "stride_ob", "kk_per_split"}
@@ -1076,10 +1080,9 @@ def _launch_hooks_set() -> bool:
     """Whether a launch hook (a profiler such as proton) is registered: then the normal launcher runs,
     which calls it. Triton 3.4+ keeps the hooks in a ``HookChain`` that is never None, so an empty
     chain counts as none (testing ``is not None`` made the bound fast path dead code: the H200 host
-    probe measured 80-134 us per eager call through the normal launcher instead)."""
-    from triton import knobs
-
-    hook = knobs.runtime.launch_enter_hook
+    probe measured 80-134 us per eager call through the normal launcher instead). Runs on every
+    bound call, so it reads the module attribute rather than importing."""
+    hook = triton.knobs.runtime.launch_enter_hook
     if hook is None:
         return False
     calls = getattr(hook, "calls", None)

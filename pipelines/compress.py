@@ -117,7 +117,7 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         model, tok = load_causal_lm(config.model, dtype=torch.float32, device="cpu")
     src = resolve_model(config.model)
     from adbatch.compress.recipe import follow_training_qat
-    from adbatch.training.checkpoint import read_training_record
+    from adbatch.training.checkpoint import model_binding, read_training_record
 
     record = read_training_record(src)
     # a model trained with QAT is quantized on the grid it trained on (uniform groups of its size),
@@ -164,8 +164,7 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         extra = {"job_config": config.to_dict(), "source_inputs": inputs, "quality": quality, "sizes": sizes}
         # a model trained on an index stays bound to it after compression (generation checks this)
         if record is not None:
-            extra["trained_on_index"] = record["trained_on_index"]
-            extra["targeting_prompt_version"] = record.get("targeting_prompt_version", 1)
+            extra.update(model_binding(record))
         manifest = save_compressed(model, tok, recipe, out, extra_manifest=extra)
     with timer.phase("report"):
         plots = plot_layers(recipe, out)

@@ -77,6 +77,32 @@ def load_masks(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return {k: v.bool() for k, v in load_file(str(path)).items()}
 
 
+def model_binding(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What binds a trained model to its decoding setup: the index it learned and the targeting-prompt
+    rendering it learned it with (records written before the version existed were trained on
+    rendering 1). A compressed checkpoint's manifest carries these same keys."""
+    return {"trained_on_index": record.get("trained_on_index"),
+            "targeting_prompt_version": int(record.get("targeting_prompt_version", 1))}
+
+
+def check_binding(record: Mapping[str, Any], index_hash: str, model: str) -> None:
+    """Raise :class:`IndexMismatchError` unless ``record`` (a training record or a compressed
+    manifest) was trained on ``index_hash`` with this code's targeting prompts. ``model`` names the
+    model in the message."""
+    from adbatch.prompts import TARGETING_PROMPT_VERSION
+
+    binding = model_binding(record)
+    have = binding["trained_on_index"]
+    if have != index_hash:
+        raise IndexMismatchError(
+            f"{model} was trained on index {str(have)[:12]}, not on {index_hash[:12]}: retrain (or warm-start) "
+            "it on this index, or decode with the index it was trained on")
+    if binding["targeting_prompt_version"] != TARGETING_PROMPT_VERSION:
+        raise IndexMismatchError(
+            f"{model} was trained on targeting prompts of version {binding['targeting_prompt_version']}, this "
+            f"code renders version {TARGETING_PROMPT_VERSION}: retrain (or warm-start) it on index {index_hash[:12]}")
+
+
 def check_index_compat(model_dir: str | Path, index: Any, *, allow_untrained: bool = False) -> dict[str, Any] | None:
     """Refuse to pair a trained model with an index other than the one it learned.
 
@@ -90,9 +116,5 @@ def check_index_compat(model_dir: str | Path, index: Any, *, allow_untrained: bo
         if allow_untrained:
             return None
         raise IndexMismatchError(f"{model_dir} has no {TRAINING_RECORD}: it was not trained on index {want[:12]}")
-    have = record.get("trained_on_index")
-    if have != want:
-        raise IndexMismatchError(
-            f"{model_dir} was trained on index {str(have)[:12]}, not on {want[:12]}: retrain (or warm-start) "
-            "on this index before decoding with it")
+    check_binding(record, want, str(model_dir))
     return record
