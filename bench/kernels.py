@@ -367,21 +367,26 @@ def decode_bench(batches: list[int], timer: Timer, smoke: bool, context: int = 1
     return out
 
 
-def profile_launches() -> dict:
-    """One launch each of the heuristic GEMV (B=1) and tensor-core (B=16) configs at 4096x14336, for ncu."""
+def profile_launches(shapes: list[tuple[int, int]], batches: list[int]) -> dict:
+    """One launch of each of our formats per (shape, B) with the config the dispatcher picks, for ncu
+    (``ncu -k regex:nm_int4 ...``). Run after a sweep of the same shapes in the same ADBATCH_CACHE so
+    the tuned configs are read from the cache: tuning launches would otherwise be profiled too."""
     from kernels import sparse_gemv as sg
     from kernels.nm_int4 import SparsityPattern, random_packed
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for pat in (SparsityPattern.TWO_FOUR, SparsityPattern.DENSE):
-        p = random_packed(4096, 14336, pat, group_sizes=GROUP_SIZES, device="cuda")
-        for b in (1, 16):
-            x = torch.randn(b, 14336, device="cuda").half()
-            cfg = sg.heuristic_config(p, b, sms)
+    picked = {}
+    for (n, k), pat in itertools.product(shapes, SparsityPattern):
+        p = random_packed(n, k, pat, group_sizes=GROUP_SIZES, device="cuda")
+        for b in batches:
+            x = torch.randn(b, k, device="cuda").half()
+            key = sg.tune_key(p, b, x.dtype)
+            cached = sg._CACHE.get(sg._device_name(0), key) is not None
+            cfg = sg.select_config(x, p, None)
             sg.launch(x, p, None, cfg)
-            print(f"profiled {pat.value} B={b} {cfg}", flush=True)
-    torch.cuda.synchronize()
-    return {}
+            torch.cuda.synchronize()
+            picked[f"{n}x{k} {pat.value} B={b}"] = {"config": repr(cfg), "from_cache": cached}
+            print(f"profiled {n}x{k} {pat.value} B={b} {cfg} (tuned config from cache: {cached})", flush=True)
+    return picked
 
 
 def host_probe(n: int = 576, k: int = 1536, calls: int = 2000) -> dict:
@@ -507,7 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("ADBATCH_CACHE", "/tmp/adbatch-bench-cache")  # tunings of this run, not the user's cache
     if args.profile:
-        return profile_launches()
+        return profile_launches([tuple(int(v) for v in s.split("x")) for s in (args.shapes or "4096x14336").split(",")],
+                                [int(b) for b in (args.batches or "1,16,64").split(",")])
     if args.host:
         res = host_probe()
         (args.out / "kernels_host.json").write_text(json.dumps(res, indent=1))

@@ -318,11 +318,12 @@ def sweep(args: argparse.Namespace) -> None:
 
     ``--configs``: a JSON list (inline or a file) of dicts with keys ``name``, ``catalogue``
     ("5000"/"full"), ``scheme``, ``lr``, ``epochs``, ``pseudo`` (span pseudo-queries per ad),
-    ``max_words``, ``subset_share`` / ``typo_rate`` (pseudo-query augmentations), ``eval_every``, ``patience``, ``batch_tokens``, ``sparse`` (progressive 2:4/1:4),
+    ``max_words``, ``subset_share`` / ``typo_rate`` (pseudo-query augmentations), ``retrieval_repeat`` /
+    ``indexing_repeat`` (copies per epoch), ``eval_every``, ``patience``, ``batch_tokens``, ``sparse`` (progressive 2:4/1:4),
     ``one_four``, ``int4`` (then INT4 with the masks kept: uniform groups at QAT's size after QAT, else
     adaptive), ``qat`` / ``qat_start`` / ``qat_group`` (quantization-aware final phase), ``init`` (a model folder saved
     by an earlier config, e.g. the dense model to sparsify), ``save`` (save the selected model under
-    ``--save-dir``). Model selection uses the *validation* queries only; test queries are scored
+    ``--save-dir``), ``wide_beams`` (also test with this many beams, still top 10: a second row). Model selection uses the *validation* queries only; test queries are scored
     once per selected model.
     """
     import torch
@@ -363,6 +364,7 @@ def sweep(args: argparse.Namespace) -> None:
                                     rescore_every=c.get("rescore_every", 1))
         cfg = TrainConfig(epochs=c.get("epochs", 10), lr=c.get("lr", 1e-3), batch_tokens=c.get("batch_tokens", 32768),
                           warmup_fraction=0.05, log_every=10, eval_every=c.get("eval_every", 2.0),
+                          retrieval_repeat=c.get("retrieval_repeat", 1), indexing_repeat=c.get("indexing_repeat", 1),
                           early_stop_patience=c.get("patience", 0), valid_max_queries=c.get("valid_queries"),
                           time_budget_s=max(20.0, left - c.get("eval_reserve_s", 40)), sparsity=sp,
                           pseudo_queries=PseudoQueryConfig(per_ad=c.get("pseudo", 0), max_words=c.get("max_words", 4),
@@ -400,6 +402,9 @@ def sweep(args: argparse.Namespace) -> None:
         r = evaluate(m, t, index, data["qrels"], args.max_queries, args.beams) | extra
         results["rows"][name] = r
         log.info("%s test: %s", name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+        if c.get("wide_beams") and budget.left() > 30:
+            results["rows"][f"{name} ({c['wide_beams']} beams)"] = evaluate(
+                m, t, index, data["qrels"], args.max_queries, int(c["wide_beams"])) | extra
         save()
         if c.get("int4") and budget.left() > 20:
             try:

@@ -63,7 +63,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_BATCH_TILES = (1, 2, 4, 8)  # batch tiles of the GEMV kernel
 GEMV_MAX_BATCH = GEMV_BATCH_TILES[-1]
 GEMV_TUNE_MAX_BATCH = 16  # largest bucket whose tuner also times GEMV configs (several batch tiles)
-KERNEL_VERSION = 5  # part of the tuning-cache file name: configs tuned for older kernels are not reused
+KERNEL_VERSION = 6  # part of the tuning-cache file name: configs tuned for older kernels are not reused
 
 
 # ---- small helpers shared by both kernels -----------------------------------------------------------
@@ -886,10 +886,10 @@ def heuristic_config(p: PackedNMInt4, batch: int, num_sms: int) -> KernelConfig:
 
 
 def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelConfig]:
-    """The configs the autotuner times for this (shape, batch bucket), at most 12: GEMV tiles up to
+    """The configs the autotuner times for this (shape, batch bucket), at most 18: GEMV tiles up to
     bucket 16 (fewer where tensor-core tiles compete), tensor-core tiles from bucket 8 up (one batch
     tile of max(16, bucket) rows: the MMA's N side); each without split-K and with splits giving about
-    4 and 16 programs per SM."""
+    4 and 16 programs per SM; the first tensor-core tile also with 2 and 4 pipeline stages."""
     bucket = batch_bucket(batch)
     out: list[KernelConfig] = []
     if bucket <= GEMV_TUNE_MAX_BATCH and _gemv_ok(p):
@@ -909,9 +909,12 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
         else:
             tiles = [(128, kk, 4), (64, kk, 4), (64, kk2, 4), (128, kk, 8)]
         tiles = tiles[: {8: 2, 16: 3}.get(bucket, 4)] if _gemv_ok(p) else tiles
-        for block_n, block_kk, warps in tiles:
+        for i, (block_n, block_kk, warps) in enumerate(tiles):
             cfg = KernelConfig(max(16, bucket), block_n, block_kk, 1, True, warps)
             out += _with_splits(p, batch, cfg, num_sms)
+            if i == 0:  # pipeline depth of the weight loads: 2 frees shared memory for wide x tiles, 4 hides more latency
+                out += [dataclasses.replace(c, num_stages=st) for c in _with_splits(p, batch, cfg, num_sms)
+                        for st in (2, 4)]
     return list(dict.fromkeys(out))
 
 

@@ -12,7 +12,7 @@ import torch
 from tests.conftest import make_tiny_llama
 from adbatch.training import (IndexMismatchError, SparsityScheduleConfig, TrainConfig,
                               check_index_compat, load_masks, read_training_record, train_on_index)
-from adbatch.training.data import ExampleKind, build_examples, collate, token_budget_batches
+from adbatch.training.data import ExampleKind, build_examples, collate, repeat_kinds, token_budget_batches
 from adbatch.training.sparsity import ProgressiveSparsity, prunable_linears
 from adbatch.training.trainer import lr_lambda
 
@@ -76,6 +76,13 @@ def test_examples_and_batches(tok):
     assert b.target_index.tolist() == want and len(want) == n_target
     sub = ex.select(torch.tensor([9, 0]))
     assert sub.tokens[: int(sub.lengths[0])].tolist() == ex.tokens[ex.offsets[9]:ex.offsets[10]].tolist()
+    # extra copies per epoch of one kind (retrieval x3): 8 indexing + 3 x 4 retrieval, each copy intact
+    rep = repeat_kinds(ex, {ExampleKind.INDEXING: 1, ExampleKind.RETRIEVAL: 3})
+    assert len(rep) == 8 + 12 and int((rep.kinds == int(ExampleKind.RETRIEVAL)).sum()) == 12
+    assert sorted(rep.rows[rep.kinds == int(ExampleKind.RETRIEVAL)].tolist()) == sorted(
+        ex.rows[ex.kinds == int(ExampleKind.RETRIEVAL)].tolist() * 3)
+    assert rep.tokens[rep.offsets[-2]:].tolist() == ex.tokens[ex.offsets[-2]:].tolist()
+    assert repeat_kinds(ex, {ExampleKind.RETRIEVAL: 1}) is ex
 
 
 def test_lr_schedule():

@@ -175,6 +175,14 @@ def build_examples(
     return ex, stats
 
 
+def repeat_kinds(examples: TrainingExamples, repeats: Mapping[ExampleKind, int]) -> TrainingExamples:
+    """``examples`` plus ``repeats[kind] - 1`` extra copies of every example of that kind (an epoch then
+    sees each such example ``repeats[kind]`` times; the batcher shuffles the copies apart)."""
+    idx = torch.arange(len(examples))
+    extra = [idx[examples.kinds == int(kind)].repeat(r - 1) for kind, r in repeats.items() if r > 1]
+    return examples.select(torch.cat([idx, *extra])) if extra else examples
+
+
 @dataclass
 class Batch:
     """A padded micro-batch: ``input_ids`` / ``labels`` int64 ``[B, L]`` (labels -100 off-target),

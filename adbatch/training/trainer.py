@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.training.data import TrainingExamples, collate, token_budget_batches
+from adbatch.training.data import ExampleKind, TrainingExamples, collate, repeat_kinds, token_budget_batches
 from adbatch.training.pseudo_queries import PseudoQueryConfig
 from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
 from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig, unwrap_ddp
@@ -62,6 +62,9 @@ class TrainConfig(ConfigBase):
     indexing: bool = field(default=True, metadata={"help": "train ad text -> target (every ad)"})
     retrieval: bool = field(default=True, metadata={"help": "train labelled query -> target of a relevant ad"})
     indexing_repeat: int = field(default=1, metadata={"help": "copies of each indexing example per epoch"})
+    retrieval_repeat: int = field(default=1, metadata={
+        "help": "copies of each labelled-query example per epoch (real queries are ~5% of the examples "
+                "next to 16 pseudo-queries per ad; test queries look like them, not like title spans)"})
     append_eos: bool = field(default=False, metadata={"help": "append EOS to every target"})
     max_query_tokens: int = field(default=48, metadata={"help": "query truncation inside the prompt"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast on CUDA"})
@@ -87,6 +90,7 @@ class TrainConfig(ConfigBase):
     def validate(self) -> None:
         positive = {"epochs": self.epochs, "lr": self.lr, "batch_tokens": self.batch_tokens,
                     "grad_accum": self.grad_accum, "indexing_repeat": self.indexing_repeat,
+                    "retrieval_repeat": self.retrieval_repeat,
                     "log_every": self.log_every, "max_query_tokens": self.max_query_tokens}
         for name, value in positive.items():
             if value <= 0:
@@ -261,14 +265,9 @@ def train_loop(
     """
     device = torch.device(device)
     gen = torch.Generator().manual_seed(config.seed)
+    examples = repeat_kinds(examples, {ExampleKind.INDEXING: config.indexing_repeat,
+                                       ExampleKind.RETRIEVAL: config.retrieval_repeat})
     lengths = examples.lengths
-    if config.indexing_repeat > 1:  # repeat indexing examples within each epoch
-        from adbatch.training.data import ExampleKind
-
-        idx = torch.arange(len(examples))
-        extra = idx[examples.kinds == int(ExampleKind.INDEXING)].repeat(config.indexing_repeat - 1)
-        examples = examples.select(torch.cat([idx, extra]))
-        lengths = examples.lengths
     per_epoch = len(token_budget_batches(lengths, config.batch_tokens, gen, shuffle=False)) // world_size
     if per_epoch == 0:
         raise ValueError(f"{len(examples)} examples give no micro-batch per rank for world_size={world_size}")
