@@ -493,6 +493,40 @@ def compact(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot_speedups(rows: list[dict], path: Path) -> bool:
+    """Speedup vs cuBLAS fp16 over B, one panel per shape: L2-flushed medians (solid) and CUDA-graph
+    medians (dotted; L2 warm, so a packed weight that fits in L2 is flattered). False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "cublas_fp16"]
+    cols = min(3, len(shapes))
+    fig, axes = plt.subplots(-(-len(shapes) // cols), cols, figsize=(5 * cols, 3.6 * -(-len(shapes) // cols)),
+                             squeeze=False)
+    for ax, shape in zip(axes.flat, shapes):
+        for i, m in enumerate(methods):
+            pts = sorted((r["B"], r.get("speedup_vs_fp16"), r.get("graph_speedup_vs_fp16")) for r in rows
+                         if r["shape"] == shape and r["method"] == m and r.get("speedup_vs_fp16"))
+            if pts:
+                ax.plot([b for b, _, _ in pts], [v for _, v, _ in pts], marker="o", label=m, color=f"C{i}")
+                ax.plot([b for b, _, g in pts if g], [g for _, _, g in pts if g], ls=":", color=f"C{i}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(xscale="log", yscale="log", title=f"{shape} (N x K)", xlabel="batch rows B", ylabel="speedup vs fp16")
+        ax.set_xticks([1, 2, 4, 8, 16, 32, 64], labels=["1", "2", "4", "8", "16", "32", "64"])
+    for ax in list(axes.flat)[len(shapes):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
@@ -550,6 +584,7 @@ def main(argv: list[str] | None = None) -> dict:
             log.info("shape %dx%d done at %.0f s", n, k, time.time() - t0)
         md = table(results["rows"], env, copy_gbs)
         (args.out / "kernels.md").write_text(md + "\n" + compact(results["rows"]))
+        plot_speedups(results["rows"], args.out / "kernels.png")
     if not args.no_decode and time.time() - t0 < args.time_budget:
         results["decode"] = decode_bench([1, 2] if args.smoke else [1, 8, 32], timer, args.smoke)
     (args.out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))

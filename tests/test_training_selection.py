@@ -48,7 +48,7 @@ def test_span_pseudo_queries_are_distinct_spans_and_deterministic():
     other = span_pseudo_queries(TITLES, cfg.replace(seed=8))
     assert other != pairs[: len(other)]
     assert span_pseudo_queries(TITLES, PseudoQueryConfig(per_ad=0)) == []
-    assert PseudoQueryConfig().per_ad == 16  # on by default
+    assert PseudoQueryConfig().per_ad == 24  # on by default
     with pytest.raises(ConfigError):
         PseudoQueryConfig(min_words=3, max_words=2).validate()
 

@@ -38,9 +38,10 @@ _WORD = re.compile(r"[0-9a-z]+(?:[./\-][0-9a-z]+)*")
 class PseudoQueryConfig(ConfigBase):
     """How many span pseudo-queries each ad gets and how long they are."""
 
-    # 16 with subsets 0.5 + typos 0.1: the best measured on Home Depot (recall@10 0.511 vs 0.43-0.45 at 8
-    # spans/ad and 0.39 at 4; bench/results/train.md, rounds 2-3)
-    per_ad: int = dataclasses.field(default=16, metadata={"help": "span pseudo-queries per ad (0 = off)"})
+    # 24 with subsets 0.5 + typos 0.1: the best measured on Home Depot (test recall@10 0.575 at 6 epochs with
+    # labelled queries x4, vs 0.571 at 32 spans/ad, 0.511 at 16 without the repeat, 0.43-0.45 at 8;
+    # bench/results/train.md, rounds 2-4)
+    per_ad: int = dataclasses.field(default=24, metadata={"help": "span pseudo-queries per ad (0 = off)"})
     min_words: int = dataclasses.field(default=1, metadata={"help": "shortest span, in words"})
     max_words: int = dataclasses.field(default=4, metadata={"help": "longest span, in words"})
     subset_share: float = dataclasses.field(
