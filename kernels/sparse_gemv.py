@@ -32,7 +32,8 @@ Grid: ``(cdiv(N, BLOCK_N), n_split, cdiv(B, BLOCK_B))``.
 :func:`nm_int4_linear_triton` is the entry point. The first call for a (layer, dtype, batch bucket,
 bias) binds a launcher: it picks a :class:`KernelConfig` (timed once per shape and bucket, cached as
 JSON under ``$ADBATCH_CACHE/kernels/``; a heuristic under the interpreter or with
-``ADBATCH_NM_INT4_AUTOTUNE=0``), compiles, and keeps the compiled kernel and every argument that does
+``ADBATCH_NM_INT4_AUTOTUNE=0``; timed with a cold L2 unless ``ADBATCH_NM_INT4_TUNE_L2=warm``, see
+:func:`_time_ms`), compiles, and keeps the compiled kernel and every argument that does
 not change between calls (weight pointers as ints, grid, scratch). Later calls do one dict lookup, a
 few shape checks, ``torch.empty`` for the output and the raw launch (no Triton argument binding,
 specialization or pointer checks).
@@ -1218,14 +1219,33 @@ class _TuneCache:
 _CACHE = _TuneCache()
 
 
+def tune_l2() -> str:
+    """``cold`` (default) or ``warm``: the L2 state the tuner times configs in (``ADBATCH_NM_INT4_TUNE_L2``)."""
+    mode = os.environ.get("ADBATCH_NM_INT4_TUNE_L2", "cold")
+    if mode not in ("cold", "warm"):
+        raise ValueError(f"ADBATCH_NM_INT4_TUNE_L2 must be 'cold' or 'warm', got {mode!r}")
+    return mode
+
+
 def tune_key(p: PackedNMInt4, batch: int, dtype: torch.dtype) -> str:
-    return f"{p.pattern.value}|N{p.out_features}|K{p.in_features}|{str(dtype).removeprefix('torch.')}|B{batch_bucket(batch)}"
+    return (f"{p.pattern.value}|N{p.out_features}|K{p.in_features}|{str(dtype).removeprefix('torch.')}"
+            f"|B{batch_bucket(batch)}|L2{tune_l2()}")
 
 
-def _time_ms(fn) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph (host launch overhead would otherwise swamp the
-    differences between configs); plain events if capture fails."""
-    fn()  # compile / warm up outside the capture
+def _time_ms(fn, l2: str) -> float:
+    """Median ms of ``fn`` with the L2 in state ``l2``.
+
+    ``cold``: Triton's ``do_bench``, which overwrites a 256 MB buffer before every call. A decode step
+    of a large model streams every layer's weights through the 60 MB L2, so a layer never finds its
+    packed weight there; timed warm, the tuner preferred small grids that ran < 1 wave per SM and
+    starved for bytes in flight once the weights came from DRAM (ncu, bench/results/kernels.md round 5).
+    The flush (~80 us on an H200) also hides the host launch cost, so no launch gap is timed.
+    ``warm``: replayed from a CUDA graph (no launch gaps, L2 warm): a model whose packed weights fit
+    in L2 as a whole (the 41 MB default model); plain events if capture fails.
+    """
+    fn()  # compile / warm up outside the timing
+    if l2 == "cold":
+        return triton.testing.do_bench(fn, warmup=3, rep=8, return_mode="median")
     try:
         with torch.cuda.stream(torch.cuda.Stream()):
             return triton.testing.do_bench_cudagraph(fn, rep=5, return_mode="median")
@@ -1237,10 +1257,11 @@ def _time_ms(fn) -> float:
 def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tuple[KernelConfig, float]:
     """Time every candidate on these inputs and return the fastest (config, microseconds)."""
     num_sms = _num_sms(x2.device)
+    l2 = tune_l2()
     best: tuple[float, KernelConfig] | None = None
     for cfg in candidate_configs(p, x2.shape[0], num_sms):
         try:
-            ms = _time_ms(lambda: launch(x2, p, bias, cfg))
+            ms = _time_ms(lambda: launch(x2, p, bias, cfg), l2)
         except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:  # type: ignore[attr-defined]
             log.debug("config %s rejected: %s", cfg, e)
             continue
@@ -1258,7 +1279,7 @@ _FAST: dict[tuple, KernelConfig] = {}
 def select_config(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> KernelConfig:
     """Cached tuned config, tuning on a miss (CUDA, ``ADBATCH_NM_INT4_AUTOTUNE`` != 0), else heuristic."""
     fast_key = (p.pattern, p.out_features, p.in_features, x2.dtype, batch_bucket(x2.shape[0]), x2.device,
-                os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1"))
+                os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1"), os.environ.get("ADBATCH_NM_INT4_TUNE_L2", "cold"))
     cfg = _FAST.get(fast_key)
     if cfg is None:
         cfg = _select_config_slow(x2, p, bias)

@@ -163,10 +163,17 @@ def test_tune_cache_round_trip(tmp_path, monkeypatch):
     assert sg._TuneCache.path("NVIDIA H200").parent == tmp_path / "kernels"
 
 
-def test_tune_key_buckets():
+def test_tune_key_buckets(monkeypatch):
     p = random_packed(8, 64, SparsityPattern.DENSE)
-    assert sg.tune_key(p, 3, torch.bfloat16) == "4:4|N8|K64|bfloat16|B4"
+    monkeypatch.delenv("ADBATCH_NM_INT4_TUNE_L2", raising=False)
+    assert sg.tune_key(p, 3, torch.bfloat16) == "4:4|N8|K64|bfloat16|B4|L2cold"
     assert sg.tune_key(p, 3, torch.bfloat16) == sg.tune_key(p, 4, torch.bfloat16)
+    # configs tuned with a warm L2 (CUDA-graph replay) are kept apart from cold ones
+    monkeypatch.setenv("ADBATCH_NM_INT4_TUNE_L2", "warm")
+    assert sg.tune_key(p, 3, torch.bfloat16).endswith("|B4|L2warm")
+    monkeypatch.setenv("ADBATCH_NM_INT4_TUNE_L2", "hot")
+    with pytest.raises(ValueError, match="cold' or 'warm"):
+        sg.tune_key(p, 3, torch.bfloat16)
 
 
 def test_rejects_unsupported():
