@@ -132,6 +132,27 @@ def evaluate(model: Any, tok: Any, index: Any, qrels: dict, max_queries: int | N
     return evaluate_targeting(rank, qrels, batch_size=64, max_queries=max_queries)
 
 
+def creatives_quality(model: Any, tok: Any, slogans: Any, max_new_tokens: int = 16) -> dict[str, Any]:
+    """Held-out creative quality of ``model``: greedy headlines for the slogan test ads (pyarrow table of
+    ``load_slogan_test``) scored against the human references (corpus BLEU, METEOR exact+stem, as
+    ``adbatch eval``), with throughput and the first five outputs. DSI training must not collapse this."""
+    from adbatch.decoding.config import CreativeConfig
+    from adbatch.decoding.creative import generate_creatives
+    from adbatch.prompts import encode_creative_prompt
+    from adbatch.report import corpus_bleu, meteor_exact_stem
+
+    ads = slogans.to_pylist()
+    prompts = [encode_creative_prompt(tok, ad) for ad in ads]
+    t0 = time.perf_counter()
+    outs = generate_creatives(model, tok, prompts, CreativeConfig(max_new_tokens=max_new_tokens))
+    secs = time.perf_counter() - t0
+    hyps = [o[0][0] if o else "" for o in outs]
+    refs = [ad["reference"] for ad in ads]
+    return {"bleu": corpus_bleu(hyps, refs), "meteor": meteor_exact_stem(hyps, refs), "examples": len(hyps),
+            "requests_per_s": len(hyps) / secs, "empty": sum(not h.strip() for h in hyps),
+            "samples": [{"reference": r, "output": h} for r, h in zip(refs[:5], hyps[:5])]}
+
+
 def load_base(model_src: str | None, smoke: bool, device: str) -> tuple[Any, Any]:
     import torch
 
@@ -323,7 +344,8 @@ def sweep(args: argparse.Namespace) -> None:
     ``one_four``, ``int4`` (then INT4 with the masks kept: uniform groups at QAT's size after QAT, else
     adaptive), ``qat`` / ``qat_start`` / ``qat_group`` (quantization-aware final phase), ``init`` (a model folder saved
     by an earlier config, e.g. the dense model to sparsify), ``save`` (save the selected model under
-    ``--save-dir``), ``wide_beams`` (also test with this many beams, still top 10: a second row). Model selection uses the *validation* queries only; test queries are scored
+    ``--save-dir``), ``wide_beams`` (also test with this many beams, still top 10: a second row),
+    ``creatives`` (with ``--slogans``: held-out creative quality of the selected model vs the base model). Model selection uses the *validation* queries only; test queries are scored
     once per selected model.
     """
     import torch
@@ -348,6 +370,18 @@ def sweep(args: argparse.Namespace) -> None:
     base = load_base(args.model, args.smoke, device)
     results["load_seconds"] = round(time.perf_counter() - t0, 2)
     data_cache: dict[str, dict] = {}
+    slogans = None
+    if args.slogans and any(c.get("creatives") for c in configs):
+        from adbatch.datasets import load_slogan_test
+
+        slogans = load_slogan_test(args.slogans).slice(0, args.creatives_n)
+        m0, t0_ = fresh_copy(base)
+        m0.to(device)
+        if device == "cuda":
+            m0.to(torch.bfloat16)
+        results["creatives"] = {"base model": creatives_quality(m0.eval(), t0_, slogans)}
+        log.info("creatives, base model: %s", {k: v for k, v in results["creatives"]["base model"].items() if k != "samples"})
+        del m0
     for c in configs:
         name = c["name"]
         left = budget.left() - args.reserve_s
@@ -402,6 +436,9 @@ def sweep(args: argparse.Namespace) -> None:
         r = evaluate(m, t, index, data["qrels"], args.max_queries, args.beams) | extra
         results["rows"][name] = r
         log.info("%s test: %s", name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+        if slogans is not None and c.get("creatives") and budget.left() > 30:
+            results["creatives"][name] = creatives_quality(m, t, slogans)
+            log.info("creatives, %s: %s", name, {k: v for k, v in results["creatives"][name].items() if k != "samples"})
         if c.get("wide_beams") and budget.left() > 30:
             results["rows"][f"{name} ({c['wide_beams']} beams)"] = evaluate(
                 m, t, index, data["qrels"], args.max_queries, int(c["wide_beams"])) | extra
@@ -460,6 +497,11 @@ def render_table(results: dict) -> str:
                      f"{tr['final_loss']:.3f}" + (f", density {tr['sparsity_density']:.3f}" if tr.get("sparsity_density") else ""))
     if "full_epoch" in results:
         lines.append(f"- full catalogue: {json.dumps(results['full_epoch'])}")
+    if results.get("creatives"):
+        lines += ["", "| creatives (slogan test, greedy, 16 tokens) | BLEU | METEOR | empty | ads | requests/s |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {r['bleu']:.4f} | {r['meteor']:.4f} | {r['empty']} | {r['examples']} | "
+                  f"{r['requests_per_s']:.1f} |" for name, r in results["creatives"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -509,6 +551,8 @@ def main(argv: list[str] | None = None) -> None:
     sw.add_argument("--save-dir", default=None)
     sw.add_argument("--beams", type=int, default=10)
     sw.add_argument("--max-queries", type=int, default=None)
+    sw.add_argument("--slogans", default=None, help="slogan test-curated.csv, for configs with 'creatives'")
+    sw.add_argument("--creatives-n", type=int, default=200, help="slogan test ads scored per model")
     pr = sub.add_parser("run")
     pr.add_argument("--bundle", required=True)
     pr.add_argument("--out", required=True)
