@@ -345,12 +345,13 @@ def sweep(args: argparse.Namespace) -> None:
     adaptive), ``qat`` / ``qat_start`` / ``qat_group`` (quantization-aware final phase), ``init`` (a model folder saved
     by an earlier config, e.g. the dense model to sparsify), ``save`` (save the selected model under
     ``--save-dir``), ``wide_beams`` (also test with this many beams, still top 10: a second row),
-    ``creatives`` (with ``--slogans``: held-out creative quality of the selected model vs the base model). Model selection uses the *validation* queries only; test queries are scored
+    ``creatives`` (with ``--slogans``: held-out creative quality of the selected model vs the base model),
+    ``distill`` / ``distill_alpha`` / ``distill_t`` (distil from a frozen copy of the ``init`` model). Model selection uses the *validation* queries only; test queries are scored
     once per selected model.
     """
     import torch
 
-    from adbatch.training import SparsityScheduleConfig, TrainConfig, train_on_index
+    from adbatch.training import DistillConfig, SparsityScheduleConfig, TrainConfig, train_on_index
     from adbatch.training.pseudo_queries import PseudoQueryConfig
     from adbatch.training.quant_aware import QuantAwareConfig
 
@@ -405,7 +406,9 @@ def sweep(args: argparse.Namespace) -> None:
                                                             subset_share=c.get("subset_share", 0.0),
                                                             typo_rate=c.get("typo_rate", 0.0)),
                           qat=QuantAwareConfig(enabled=bool(c.get("qat")), start_fraction=c.get("qat_start", 0.8),
-                                               group_size=c.get("qat_group", 128)))
+                                               group_size=c.get("qat_group", 128)),
+                          distill=DistillConfig(enabled=bool(c.get("distill")), alpha=c.get("distill_alpha", 0.5),
+                                                temperature=c.get("distill_t", 2.0)))
         if c.get("init"):
             from adbatch.models import load_causal_lm
 

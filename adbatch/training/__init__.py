@@ -14,11 +14,12 @@ from typing import Any, Hashable, Iterable, Mapping
 
 from adbatch.training.checkpoint import (IndexMismatchError, check_index_compat, load_masks,
                                          read_training_record, save_trained)
+from adbatch.training.distill import DistillConfig
 from adbatch.training.quant_aware import QuantAwareConfig
 from adbatch.training.sparsity import SparsityScheduleConfig
 from adbatch.training.trainer import TrainConfig
 
-__all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "train_on_index", "check_index_compat",
+__all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "DistillConfig", "train_on_index", "check_index_compat",
            "IndexMismatchError", "read_training_record", "load_masks", "save_trained", "scheme_name"]
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,8 @@ def train_on_index(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     warm_from = None
-    if model is None or tokenizer is None:
+    loaded_given = model is not None and tokenizer is not None
+    if not loaded_given:
         from adbatch.models import load_causal_lm
 
         model, tokenizer = load_causal_lm(init_model, dtype=torch.float32, device="cpu")
@@ -130,13 +132,22 @@ def train_on_index(
 
         evaluate = validation_metric(tokenizer, index, valid_qrels, metric=config.valid_metric,
                                      max_queries=config.valid_max_queries)
+    teacher = None
+    if config.distill.enabled:
+        import copy
+
+        if init_model is None and not loaded_given:
+            log.warning("distilling from the untrained default model: start from a model trained on this index")
+        teacher = copy.deepcopy(model)  # frozen copy of the starting weights, already on the device
     trained = model
     if world_size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
     stats, sparsity = train_loop(trained, examples, config, pad_id=tokenizer.pad_token_id, device=device,
-                                 rank=rank, world_size=world_size, evaluate=evaluate, progress=progress)
+                                 rank=rank, world_size=world_size, evaluate=evaluate, progress=progress,
+                                 teacher=teacher)
+    del teacher
     summary = {**info, "data": data_stats, "train": stats.summary(model, torch.device(device)),
                "prepare_seconds": round(prep_s, 3), "warm_started_from_index": warm_from,
                "index_hash": index.index_hash, "losses": stats.losses, "density": stats.density}

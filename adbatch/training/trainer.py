@@ -19,7 +19,9 @@ already initialised there):
   so the restored weights are exactly N:M; with QAT only those after it started;
 - optional quantization-aware final phase (``qat``, :mod:`adbatch.training.quant_aware`): the
   prunable linears compute with their INT4 weights (straight-through gradient) from
-  ``qat.start_fraction`` of the steps on.
+  ``qat.start_fraction`` of the steps on;
+- optional distillation (``distill``, :mod:`adbatch.training.distill`) from a frozen copy of the
+  starting model, for sparsifying a model already trained on the index.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.data import ExampleKind, TrainingExamples, collate, repeat_kinds, token_budget_batches
+from adbatch.training.distill import DistillConfig, distill_loss
 from adbatch.training.pseudo_queries import PseudoQueryConfig
 from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
 from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig, unwrap_ddp
@@ -79,6 +82,8 @@ class TrainConfig(ConfigBase):
                                               metadata={"help": "span pseudo-queries of every ad"})
     qat: QuantAwareConfig = field(default_factory=QuantAwareConfig,
                                   metadata={"help": "quantization-aware final phase (INT4 fake-quant, STE)"})
+    distill: DistillConfig = field(default_factory=DistillConfig,
+                                   metadata={"help": "distil from a frozen copy of the starting model"})
     eval_every: float = field(default=0.0, metadata={
         "help": "epochs between validation evaluations (0 = none; needs an evaluate callback)"})
     valid_metric: str = field(default="recall@10", metadata={
@@ -131,32 +136,38 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
 
 
-def target_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor, target_index: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """Mean next-token cross-entropy over target positions.
+def target_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  labels: torch.Tensor, target_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits ``[n, V]`` at the ``n`` target positions and their targets (int64 ``[n]``).
 
     ``input_ids``/``attention_mask``/``labels``: int64 ``[B, L]`` (labels -100 where no loss).
-    ``target_index``: int64 ``[T]`` flat positions into ``[B, L-1]`` whose next token is a target
+    ``target_index``: int64 ``[n]`` flat positions into ``[B, L-1]`` whose next token is a target
     (:attr:`adbatch.training.data.Batch.target_index`, computed on the host: no device sync here);
-    derived from ``labels`` when None. Returns (scalar loss, number of target tokens). Uses the
-    decoder body + LM head at target positions only when the model exposes them
-    (``get_decoder()`` / ``get_output_embeddings()``), else a plain forward with labels.
+    derived from ``labels`` when None. Uses the decoder body + LM head at target positions only when
+    the model exposes them (``get_decoder()`` / ``get_output_embeddings()``), else a plain forward
+    (DDP must see the forward through its own wrapper so gradients are all-reduced).
     """
     core = unwrap_ddp(model)
     shift_labels = labels[:, 1:]
     if target_index is None:
         target_index = (shift_labels != -100).reshape(-1).nonzero().squeeze(1)
-    n = int(target_index.numel())
+    targets = shift_labels.reshape(-1).index_select(0, target_index)
     decoder = core.get_decoder() if hasattr(core, "get_decoder") else None
     head = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
     if decoder is None or head is None or model is not core:
-        # DDP must see the forward through its own wrapper so gradients are all-reduced
-        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-        return out.loss, n
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, L, V]
+        return logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, target_index).float(), targets
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, H]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index)  # [n, H]
-    logits = head(h).float()  # [n, V]
-    return nn.functional.cross_entropy(logits, shift_labels.reshape(-1).index_select(0, target_index)), n
+    return head(h).float(), targets
+
+
+def target_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor, target_index: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Mean next-token cross-entropy over target positions (see :func:`target_logits`); returns
+    (scalar loss, number of target tokens)."""
+    logits, targets = target_logits(model, input_ids, attention_mask, labels, target_index)
+    return nn.functional.cross_entropy(logits, targets), int(targets.numel())
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:
@@ -252,8 +263,13 @@ def train_loop(
     on_step: Callable[[int, float], None] | None = None,
     evaluate: Callable[[nn.Module], float] | None = None,
     progress: bool = True,
+    teacher: nn.Module | None = None,
 ) -> tuple[TrainStats, ProgressiveSparsity | None]:
     """Train ``model`` in place on ``examples`` (prompt tokens masked out of the loss).
+
+    ``teacher``: a frozen model (same vocabulary, on ``device``) whose target-position distributions
+    the loss also matches, as ``config.distill`` says (:mod:`adbatch.training.distill`); required when
+    ``config.distill.enabled``.
 
     ``evaluate(model) -> float`` (higher is better; run under ``no_grad`` in eval mode, bf16
     autocast on CUDA) is called every ``config.eval_every`` epochs and after the last step when
@@ -288,6 +304,10 @@ def train_loop(
         qat = QuantAwareTraining(model, config.qat, total_steps, config.sparsity.skip_modules,
                                  not_before=sparsity.end if sparsity is not None else 0)
     autocast = device.type == "cuda" and config.bf16
+    if config.distill.enabled and teacher is None:
+        raise ValueError("TrainConfig.distill is enabled but no teacher model was given")
+    if teacher is not None:
+        teacher.eval().requires_grad_(False)
     stats = TrainStats(micro_batches_per_epoch=per_epoch)
     selector = BestWeights(evaluate, config.early_stop_patience) if evaluate is not None and config.eval_every > 0 else None
     eval_steps = max(1, round(config.eval_every * per_epoch / config.grad_accum)) if selector is not None else 0
@@ -319,7 +339,16 @@ def train_loop(
             idx = next(batch_iter)
             batch = collate(examples, idx, pad_id).to(device)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss, n_tgt = target_loss(model, batch.input_ids, batch.attention_mask, batch.labels, batch.target_index)
+                logits, targets = target_logits(model, batch.input_ids, batch.attention_mask, batch.labels,
+                                                batch.target_index)
+                if teacher is not None:
+                    with torch.no_grad():
+                        t_logits, _ = target_logits(teacher, batch.input_ids, batch.attention_mask, batch.labels,
+                                                    batch.target_index)
+                    loss = distill_loss(logits, t_logits, targets, config.distill)
+                else:
+                    loss = nn.functional.cross_entropy(logits, targets)
+                n_tgt = int(targets.numel())
             (loss / config.grad_accum).backward()
             loss_acc += loss.detach() / config.grad_accum
             stats.micro_batches += 1
