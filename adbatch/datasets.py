@@ -21,6 +21,11 @@ into the shapes the stages use.
   products (grade >= 2.67) all fit adds them, until ``relevant_fraction`` (0.8) of the catalogue is
   used; the rest is filled with other products in the order of ``sha256(f"{seed}:fill:{uid}")``
   (distractors no sampled query is known to want). ``catalogue_size=None`` keeps all 54,667.
+- **Churn** (``churn`` > 0, a subset only): the next night's catalogue, partly changed. That share of
+  the chosen products, picked in the order of ``sha256(f"{seed}:churn:{uid}")``, leaves; as many
+  products from outside the subset join, relevant products of the remaining queries first (in the
+  subset's query order), then any. Query splits do not depend on the catalogue, so a query keeps its
+  split across nights; measures what warm-starting from yesterday's model saves.
 - **qrels** per split: ``{query: {ad_id: grade}}`` restricted to products in the catalogue, and only
   for queries with at least one relevant product in it (the others cannot be answered).
   ``relevant = grade >= 2.67``; grades feed nDCG as graded gains (see :mod:`adbatch.metrics`).
@@ -77,8 +82,13 @@ class HomeDepotConfig(ConfigBase):
     relevant_threshold: float = field(default=HOME_DEPOT_RELEVANT, metadata={"help": "grade >= this is relevant"})
     split_fractions: tuple[float, float, float] = field(default=(0.8, 0.1, 0.1), metadata={"help": "train/valid/test query shares"})
     seed: int = field(default=0, metadata={"help": "seed of the split and the subset"})
+    churn: float = field(default=0.0, metadata={"help": "share of the subset replaced by other products (next night)"})
 
     def validate(self) -> None:
+        if not 0.0 <= self.churn < 1.0:
+            raise ConfigError(f"HomeDepotConfig.churn must be in [0, 1), got {self.churn}")
+        if self.churn and self.catalogue_size is None:
+            raise ConfigError("HomeDepotConfig.churn needs a catalogue subset (catalogue_size), not the full catalogue")
         if self.catalogue_size is not None and self.catalogue_size < 1:
             raise ConfigError(f"HomeDepotConfig.catalogue_size must be >= 1 or None, got {self.catalogue_size}")
         if not 0.0 < self.relevant_fraction <= 1.0:
@@ -167,6 +177,30 @@ def split_queries(queries: list[str], fractions: tuple[float, float, float], see
     return out
 
 
+def _churn(chosen: list[int], products: dict[int, str], grades: dict[str, dict[int, float]],
+           config: HomeDepotConfig) -> list[int]:
+    """``chosen`` with ``round(churn * len)`` products swapped for outside ones (module docstring)."""
+    n_out = round(config.churn * len(chosen))
+    leaving = set(sorted(chosen, key=lambda u: _unit_hash(f"{config.seed}:churn:{u}"))[:n_out])
+    kept = [u for u in chosen if u not in leaving]
+    taken = set(chosen)
+    joining: list[int] = []
+    for q in sorted(grades, key=lambda q: _unit_hash(f"{config.seed}:subset:{q}")):
+        if len(joining) >= n_out:
+            break
+        for uid, g in sorted(grades[q].items()):
+            if g >= config.relevant_threshold and uid not in taken and len(joining) < n_out:
+                joining.append(uid)
+                taken.add(uid)
+    for uid in sorted(products, key=lambda u: _unit_hash(f"{config.seed}:fill:{u}")):
+        if len(joining) >= n_out:
+            break
+        if uid not in taken:
+            joining.append(uid)
+            taken.add(uid)
+    return kept + joining
+
+
 def load_home_depot(config: HomeDepotConfig) -> TargetingData:
     """Load Home Depot into a catalogue (subset or full), query splits and graded qrels."""
     import pyarrow as pa
@@ -193,6 +227,8 @@ def load_home_depot(config: HomeDepotConfig) -> TargetingData:
                 break
             picked.setdefault(uid, None)
         chosen = list(picked)
+        if config.churn:
+            chosen = _churn(chosen, products, grades, config)
 
     in_cat = set(chosen)
     qrels: dict[QuerySplit, dict[str, dict[int, float]]] = {s: {} for s in QuerySplit}

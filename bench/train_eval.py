@@ -1,6 +1,6 @@
 """Train the ad index into the default model and evaluate generative targeting (one script, one call).
 
-Two subcommands:
+Subcommands (``baseline``: MiniLM+FAISS on a catalogue's test queries, here on the CPU):
 
 ``prepare`` (here, CPU, needs ../shared/data and the MiniLM embeddings cached by ``--emb``): builds
 a small *bundle* folder: Home Depot indexes (``text`` and ``codes`` schemes; the 5,000-title subset
@@ -59,18 +59,22 @@ def prepare(args: argparse.Namespace) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
-    plans = [("5000", 5000, Path(args.emb) / "minilm_5000.npz", SCHEMES),
-             ("full", None, Path(args.full_emb), tuple(args.full_schemes.split(",")))]
-    for name, size, emb_file, schemes in plans:
-        if not emb_file.is_file():
+    sub_emb = Path(args.emb) / f"minilm_{args.size}.npz"  # MiniLM of the subset; computed here when absent
+    plans = [(str(args.size), args.size, sub_emb, SCHEMES, 0.0)]
+    if args.churn:  # the next night's subset, partly changed: warm start vs from scratch
+        plans.append((f"{args.size}c{round(100 * args.churn)}", args.size, sub_emb, ("text",), args.churn))
+    if not args.no_full:
+        plans.append(("full", None, Path(args.full_emb), tuple(args.full_schemes.split(",")), 0.0))
+    for name, size, emb_file, schemes, churn in plans:
+        if size is None and not emb_file.is_file():
             log.warning("no embeddings %s: skipping catalogue %s", emb_file, name)
             continue
-        summary[f"embeddings_{name}"] = emb_file.name
-        data = load_home_depot(HomeDepotConfig(csv_path=args.csv, catalogue_size=size))
-        npz = np.load(emb_file, allow_pickle=False)
+        summary[f"embeddings_{name}"] = emb_file.name if emb_file.is_file() else "MiniLM, computed here"
+        data = load_home_depot(HomeDepotConfig(csv_path=args.csv, catalogue_size=size, churn=churn))
+        npz = np.load(emb_file, allow_pickle=False) if emb_file.is_file() else {"ad_id": [], "emb": np.zeros((0, 384))}
         pos = {int(a): i for i, a in enumerate(npz["ad_id"])}
         ids = data.catalogue.column("ad_id").to_pylist()
-        emb = npz["emb"][[pos[a] for a in ids]].astype(np.float32)
+        emb = _embeddings_for(ids, data.titles_by_id(), npz["emb"], pos)
         corpus = work / f"corpus_{name}.parquet"
         pq.write_table(pa.table({
             "ad_id": pa.array(ids, pa.int64()), "title": data.catalogue.column("title"),
@@ -93,6 +97,40 @@ def prepare(args: argparse.Namespace) -> None:
         summary[f.stem] = json.loads(f.read_text())
     (out / "prepare.json").write_text(json.dumps(summary, indent=1))
     log.info("bundle written to %s: %s", out, summary)
+
+
+def _embeddings_for(ids: list[int], titles: dict[int, str], emb: Any, pos: dict[int, int]) -> Any:
+    """float32 ``[len(ids), D]``: the precomputed row of each id, MiniLM for ids without one (the
+    products a churned catalogue adds; the precomputed file must hold MiniLM vectors then)."""
+    import numpy as np
+
+    out = np.zeros((len(ids), emb.shape[1]), np.float32)
+    missing = [i for i, a in enumerate(ids) if a not in pos]
+    for i, a in enumerate(ids):
+        if a in pos:
+            out[i] = emb[pos[a]]
+    if missing:
+        from adbatch.targeting_eval import embed_texts, load_minilm
+
+        log.info("embedding %d titles without a precomputed vector (MiniLM)", len(missing))
+        out[missing] = embed_texts(load_minilm(), [titles[ids[i]] for i in missing])
+    return out
+
+
+def baseline(args: argparse.Namespace) -> None:
+    """MiniLM + FAISS exact search on a Home Depot catalogue's test queries (here, CPU): the retrieval a
+    user would pick instead; writes ``minilm_<catalogue>_baseline.json`` under ``--emb`` for ``prepare``."""
+    from adbatch.datasets import HomeDepotConfig, QuerySplit, load_home_depot
+    from adbatch.targeting_eval import minilm_faiss_baseline
+
+    size = None if args.catalogue == "full" else int(args.catalogue)
+    data = load_home_depot(HomeDepotConfig(csv_path=args.csv, catalogue_size=size))
+    out = minilm_faiss_baseline(data.catalogue.column("ad_id").to_pylist(), data.catalogue.column("title").to_pylist(),
+                                data.qrels[QuerySplit.TEST])
+    out["catalogue"] = data.catalogue.num_rows
+    Path(args.emb).mkdir(parents=True, exist_ok=True)
+    (Path(args.emb) / f"minilm_{args.catalogue}_baseline.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,6 +161,17 @@ def load_bundle(bundle: Path, name: str) -> dict[str, Any]:
         "labelled": list(zip(train.column("query").to_pylist(), train.column("ad_id").to_pylist())),
         "qrels": {q: {int(a): g for a, g in grades.items()} for q, grades in qrels.items()},
     }
+
+
+def title_qrels(ad_ids: list, ad_texts: dict, n: int) -> dict[str, dict[int, float]]:
+    """Qrels "ad title -> that ad" (and any other ad with the same title) for ``n`` ads evenly spaced
+    over the index order: scores how much of the index a model has learned (the *indexing* task;
+    validation for warm-start runs, where held-out queries of a small catalogue are too few)."""
+    step = max(1, len(ad_ids) // n)
+    by_title: dict[str, dict[int, float]] = {}
+    for a in ad_ids:
+        by_title.setdefault(ad_texts[a], {})[int(a)] = 3.0
+    return {ad_texts[a]: by_title[ad_texts[a]] for a in ad_ids[::step][:n]}
 
 
 def evaluate(model: Any, tok: Any, index: Any, qrels: dict, max_queries: int | None, beams: int) -> dict[str, float]:
@@ -346,7 +395,8 @@ def sweep(args: argparse.Namespace) -> None:
     by an earlier config, e.g. the dense model to sparsify), ``save`` (save the selected model under
     ``--save-dir``), ``wide_beams`` (also test with this many beams, still top 10: a second row),
     ``creatives`` (with ``--slogans``: held-out creative quality of the selected model vs the base model),
-    ``distill`` / ``distill_alpha`` / ``distill_t`` (distil from a frozen copy of the ``init`` model). Model selection uses the *validation* queries only; test queries are scored
+    ``distill`` / ``distill_alpha`` / ``distill_t`` (distil from a frozen copy of the ``init`` model),
+    ``valid`` = "titles" (+ ``valid_ads``, ``valid_metric`` e.g. "success@1": validate on title -> own ad). Model selection uses the *validation* queries only; test queries are scored
     once per selected model.
     """
     import torch
@@ -401,6 +451,7 @@ def sweep(args: argparse.Namespace) -> None:
                           warmup_fraction=0.05, log_every=10, eval_every=c.get("eval_every", 2.0),
                           retrieval_repeat=c.get("retrieval_repeat", 1), indexing_repeat=c.get("indexing_repeat", 1),
                           early_stop_patience=c.get("patience", 0), valid_max_queries=c.get("valid_queries"),
+                          valid_metric=c.get("valid_metric", "recall@10"),
                           time_budget_s=max(20.0, left - c.get("eval_reserve_s", 40)), sparsity=sp,
                           pseudo_queries=PseudoQueryConfig(per_ad=c.get("pseudo", 0), max_words=c.get("max_words", 4),
                                                             subset_share=c.get("subset_share", 0.0),
@@ -415,8 +466,12 @@ def sweep(args: argparse.Namespace) -> None:
             m, t = load_causal_lm(c["init"], dtype=torch.float32, device="cpu")
         else:
             m, t = fresh_copy(base)
+        valid = data["valid"]
+        if c.get("valid") == "titles":  # how much of the index the model knows: title -> its own ad
+            valid = title_qrels(index.ad_ids, data["ad_texts"], c.get("valid_ads", 100))
         m, t, summary = train_on_index(index, None, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
-                                       valid_qrels=data["valid"] or None, model=m, tokenizer=t, device=device,
+                                       valid_qrels=valid or None, model=m, tokenizer=t, device=device,
+                                       init_model=c.get("init"),
                                        progress=False)
         tr = summary["train"]
         results["curves"][name] = {"losses": summary["losses"], "density": summary["density"],
@@ -536,12 +591,20 @@ def plot_curves(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    bp = sub.add_parser("baseline", help="MiniLM+FAISS on a catalogue's test queries (CPU)")
+    bp.add_argument("--catalogue", default="5000", help="'full' or a catalogue size")
+    bp.add_argument("--csv", default="../shared/data/home_depot_relevance/train.csv")
+    bp.add_argument("--emb", default="/tmp/tr", help="folder for minilm_<catalogue>_baseline.json")
     pp = sub.add_parser("prepare")
     pp.add_argument("--csv", default="../shared/data/home_depot_relevance/train.csv")
     pp.add_argument("--emb", default="/tmp/tr", help="folder with minilm_5000.npz (+ baseline JSON)")
     pp.add_argument("--full-emb", default="/tmp/tr/tfidf_full.npz", help="embeddings (npz ad_id, emb) clustering the full catalogue")
     pp.add_argument("--full-schemes", default="codes", help="schemes of the full-catalogue index")
     pp.add_argument("--work", default="/tmp/tr/work")
+    pp.add_argument("--size", type=int, default=5000, help="titles of the subset catalogue")
+    pp.add_argument("--churn", type=float, default=0.0,
+                    help="also the subset with this share replaced ('<size>c<pct>', text ids: warm-start runs)")
+    pp.add_argument("--no-full", action="store_true", help="skip the full 54,667-title catalogue")
     pp.add_argument("--bundle", required=True)
     sw = sub.add_parser("sweep")
     sw.add_argument("--bundle", required=True)
@@ -575,7 +638,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    {"prepare": prepare, "run": run, "sweep": sweep}[args.cmd](args)
+    {"prepare": prepare, "baseline": baseline, "run": run, "sweep": sweep}[args.cmd](args)
 
 
 if __name__ == "__main__":

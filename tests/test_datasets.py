@@ -27,6 +27,10 @@ def test_config_validation():
         HomeDepotConfig(split_fractions=(0.5, 0.1, 0.1))
     with pytest.raises(ConfigError, match="catalogue_size"):
         HomeDepotConfig(catalogue_size=0)
+    with pytest.raises(ConfigError, match="churn"):
+        HomeDepotConfig(churn=1.0)
+    with pytest.raises(ConfigError, match="churn needs a catalogue subset"):
+        HomeDepotConfig(churn=0.1, catalogue_size=None)
 
 
 def test_tiny_csv(tmp_path):
@@ -48,6 +52,13 @@ def test_tiny_csv(tmp_path):
         for q, grades in data.qrels[split].items():
             assert any(g >= 2.67 and ad in titles for ad, g in grades.items())
     assert "query 0" in data.split_of and "Query  0" not in data.split_of
+    # the next night: 25 % of the 20 products replaced by outside ones, splits unchanged
+    night2 = load_home_depot(HomeDepotConfig(csv_path=csv, catalogue_size=20, relevant_fraction=0.5, churn=0.25))
+    a, b = data.catalogue.column("ad_id").to_pylist(), night2.catalogue.column("ad_id").to_pylist()
+    assert len(b) == len(set(b)) == 20 and len(set(a) - set(b)) == 5 and len(set(b) - set(a)) == 5
+    assert night2.split_of == data.split_of
+    again = load_home_depot(HomeDepotConfig(csv_path=csv, catalogue_size=20, relevant_fraction=0.5, churn=0.25))
+    assert again.catalogue.column("ad_id").to_pylist() == b
 
 
 @pytest.mark.parametrize("size", [5000, None])

@@ -94,7 +94,8 @@ def train_on_index(
     ``index``: an ``AdIndex`` (``ad_codes`` with ``token_ids``, ``ad_ids``, ``manifest``,
     ``index_hash``). ``labelled``: (query, ad_id) pairs of the train split. ``init_model``: a model
     folder / GGUF / None (the default model); a folder trained on an earlier index is a warm start.
-    ``model``/``tokenizer`` override loading (tests pass tiny models). ``evaluate(model) -> float``:
+    ``model``/``tokenizer`` override loading (tests pass tiny models; ``init_model`` then only names
+    where they came from, for the warm-start record). ``evaluate(model) -> float``:
     the validation metric for model selection when ``config.eval_every > 0`` (see
     :func:`adbatch.training.trainer.train_loop`); or ``valid_qrels`` (query -> {ad_id: grade}) of
     the validation split, which builds that callback from ``config.valid_metric`` over this index.
@@ -114,9 +115,9 @@ def train_on_index(
         from adbatch.models import load_causal_lm
 
         model, tokenizer = load_causal_lm(init_model, dtype=torch.float32, device="cpu")
-        if init_model is not None and Path(str(init_model)).is_dir():
-            rec = read_training_record(init_model)
-            warm_from = rec.get("trained_on_index") if rec else None
+    if init_model is not None and Path(str(init_model)).is_dir():  # also when the caller loaded it
+        rec = read_training_record(init_model)
+        warm_from = rec.get("trained_on_index") if rec else None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     ad_texts = dict(ad_texts) if ad_texts is not None else default_ad_texts(index)
@@ -136,8 +137,8 @@ def train_on_index(
     if config.distill.enabled:
         import copy
 
-        if init_model is None and not loaded_given:
-            log.warning("distilling from the untrained default model: start from a model trained on this index")
+        if warm_from is None and (init_model is not None or not loaded_given):
+            log.warning("distilling from a model with no training record: start from one trained on this index")
         teacher = copy.deepcopy(model)  # frozen copy of the starting weights, already on the device
     trained = model
     if world_size > 1:
