@@ -396,8 +396,9 @@ def sweep(args: argparse.Namespace) -> None:
     ``--save-dir``), ``wide_beams`` (also test with this many beams, still top 10: a second row),
     ``creatives`` (with ``--slogans``: held-out creative quality of the selected model vs the base model),
     ``distill`` / ``distill_alpha`` / ``distill_t`` (distil from a frozen copy of the ``init`` model),
-    ``valid`` = "titles" (+ ``valid_ads``, ``valid_metric`` e.g. "success@1": validate on title -> own ad). Model selection uses the *validation* queries only; test queries are scored
-    once per selected model.
+    ``valid`` = "titles" (+ ``valid_ads``, ``valid_metric`` e.g. "success@1": validate on title -> own
+    ad). Model selection uses the *validation* queries only; test queries are scored once per selected
+    model.
     """
     import torch
 
@@ -426,11 +427,11 @@ def sweep(args: argparse.Namespace) -> None:
         from adbatch.datasets import load_slogan_test
 
         slogans = load_slogan_test(args.slogans).slice(0, args.creatives_n)
-        m0, t0_ = fresh_copy(base)
+        m0, tok0 = fresh_copy(base)
         m0.to(device)
         if device == "cuda":
             m0.to(torch.bfloat16)
-        results["creatives"] = {"base model": creatives_quality(m0.eval(), t0_, slogans)}
+        results["creatives"] = {"base model": creatives_quality(m0.eval(), tok0, slogans)}
         log.info("creatives, base model: %s", {k: v for k, v in results["creatives"]["base model"].items() if k != "samples"})
         del m0
     for c in configs:

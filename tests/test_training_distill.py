@@ -72,13 +72,16 @@ def test_target_logits_fast_and_plain_forward_agree(tok):
     torch.testing.assert_close(fast, plain, rtol=1e-4, atol=1e-4)
 
 
-def test_distill_needs_a_teacher(tok):
+def test_distill_and_teacher_go_together(tok):
     idx = fake_index(tok, "text")
     ex, _ = build_examples(tok, idx.ad_ids, idx.ad_codes.column("token_ids").to_pylist(),
                            dict(zip(idx.ad_ids, TITLES)), LABELLED)
     cfg = TrainConfig(epochs=1, batch_tokens=256, distill=DistillConfig(enabled=True))
     with pytest.raises(ValueError, match="no teacher"):
         train_loop(tiny(tok), ex, cfg, pad_id=tok.pad_token_id, progress=False)
+    with pytest.raises(ValueError, match="not enabled"):
+        train_loop(tiny(tok), ex, TrainConfig(epochs=1, batch_tokens=256), pad_id=tok.pad_token_id,
+                   progress=False, teacher=tiny(tok))
 
 
 def test_teacher_copy_gives_zero_soft_loss_at_the_start(tok):

@@ -67,8 +67,8 @@ class TrainConfig(ConfigBase):
     retrieval: bool = field(default=True, metadata={"help": "train labelled query -> target of a relevant ad"})
     indexing_repeat: int = field(default=1, metadata={"help": "copies of each indexing example per epoch"})
     retrieval_repeat: int = field(default=4, metadata={
-        "help": "copies of each labelled-query example per epoch (real queries are ~5% of the examples "
-                "next to 16 pseudo-queries per ad; test queries look like them, not like title spans)"})
+        "help": "copies of each labelled-query example per epoch (real queries are ~4% of the examples "
+                "next to 24 pseudo-queries per ad; test queries look like them, not like title spans)"})
     append_eos: bool = field(default=False, metadata={"help": "append EOS to every target"})
     max_query_tokens: int = field(default=48, metadata={"help": "query truncation inside the prompt"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast on CUDA"})
@@ -304,8 +304,9 @@ def train_loop(
         qat = QuantAwareTraining(model, config.qat, total_steps, config.sparsity.skip_modules,
                                  not_before=sparsity.end if sparsity is not None else 0)
     autocast = device.type == "cuda" and config.bf16
-    if config.distill.enabled and teacher is None:
-        raise ValueError("TrainConfig.distill is enabled but no teacher model was given")
+    if config.distill.enabled != (teacher is not None):
+        raise ValueError("TrainConfig.distill is enabled but no teacher model was given" if teacher is None
+                         else "a teacher model was given but TrainConfig.distill is not enabled")
     if teacher is not None:
         teacher.eval().requires_grad_(False)
     stats = TrainStats(micro_batches_per_epoch=per_epoch)
