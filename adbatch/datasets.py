@@ -177,22 +177,23 @@ def split_queries(queries: list[str], fractions: tuple[float, float, float], see
     return out
 
 
-def _churn(chosen: list[int], products: dict[int, str], grades: dict[str, dict[int, float]],
+def _churn(chosen: list[int], query_order: list[str], fill_order: list[int], grades: dict[str, dict[int, float]],
            config: HomeDepotConfig) -> list[int]:
-    """``chosen`` with ``round(churn * len)`` products swapped for outside ones (module docstring)."""
+    """``chosen`` with ``round(churn * len)`` products swapped for outside ones (module docstring);
+    ``query_order`` / ``fill_order``: the subset's visiting orders of queries and products."""
     n_out = round(config.churn * len(chosen))
     leaving = set(sorted(chosen, key=lambda u: _unit_hash(f"{config.seed}:churn:{u}"))[:n_out])
     kept = [u for u in chosen if u not in leaving]
     taken = set(chosen)
     joining: list[int] = []
-    for q in sorted(grades, key=lambda q: _unit_hash(f"{config.seed}:subset:{q}")):
+    for q in query_order:
         if len(joining) >= n_out:
             break
         for uid, g in sorted(grades[q].items()):
             if g >= config.relevant_threshold and uid not in taken and len(joining) < n_out:
                 joining.append(uid)
                 taken.add(uid)
-    for uid in sorted(products, key=lambda u: _unit_hash(f"{config.seed}:fill:{u}")):
+    for uid in fill_order:
         if len(joining) >= n_out:
             break
         if uid not in taken:
@@ -215,20 +216,22 @@ def load_home_depot(config: HomeDepotConfig) -> TargetingData:
         size = config.catalogue_size
         budget = round(size * config.relevant_fraction)
         picked: dict[int, None] = {}  # insertion-ordered set
-        for q in sorted(grades, key=lambda q: _unit_hash(f"{config.seed}:subset:{q}")):
+        query_order = sorted(grades, key=lambda q: _unit_hash(f"{config.seed}:subset:{q}"))
+        fill_order = sorted(products, key=lambda u: _unit_hash(f"{config.seed}:fill:{u}"))
+        for q in query_order:
             rel = [uid for uid, g in sorted(grades[q].items()) if g >= thr and uid not in picked]
             if not rel or len(picked) + len(rel) > budget:
                 continue
             picked.update(dict.fromkeys(rel))
             if len(picked) >= budget:
                 break
-        for uid in sorted(products, key=lambda u: _unit_hash(f"{config.seed}:fill:{u}")):
+        for uid in fill_order:
             if len(picked) >= size:
                 break
             picked.setdefault(uid, None)
         chosen = list(picked)
         if config.churn:
-            chosen = _churn(chosen, products, grades, config)
+            chosen = _churn(chosen, query_order, fill_order, grades, config)
 
     in_cat = set(chosen)
     qrels: dict[QuerySplit, dict[str, dict[int, float]]] = {s: {} for s in QuerySplit}

@@ -88,22 +88,29 @@ def _f32_to_half(v, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _row_groups(gptr_ptr, gshift_ptr, offs_n, n_mask):
-    """[1, BLOCK_N] first and last group index and log2 group size of each row of the tile (masked
-    rows get a harmless one-group row of size 32)."""
-    gp0 = tl.load(gptr_ptr + offs_n, mask=n_mask, other=0)[None, :]
-    gp_last = tl.load(gptr_ptr + offs_n + 1, mask=n_mask, other=1)[None, :] - 1
-    gsh = tl.load(gshift_ptr + offs_n, mask=n_mask, other=5)[None, :]
+def _row_groups(gptr_ptr, gshift_ptr, rows, row_mask):
+    """First and last group index and log2 group size of each row, in the shape of ``rows`` (the GEMV
+    passes [1, BLOCK_N], the tensor-core kernel [BLOCK_N, 1]); masked rows get a harmless one-group
+    row of size 32."""
+    gp0 = tl.load(gptr_ptr + rows, mask=row_mask, other=0)
+    gp_last = tl.load(gptr_ptr + rows + 1, mask=row_mask, other=1) - 1
+    gsh = tl.load(gshift_ptr + rows, mask=row_mask, other=5)
     return gp0, gp_last, gsh
+
+
+@triton.jit
+def _sz_word(sz_ptr, gp0, gp_last, gsh, kk_first, row_mask):
+    """int32 (scale, zero) word of each row's group holding kept offset ``kk_first`` (broadcast shapes):
+    sz_ptr is scale_zero viewed as int32, low half = scale, high half = zero (fp16)."""
+    gidx = tl.minimum(gp0 + (kk_first >> gsh), gp_last)  # clamp keeps the padding inside the row
+    return tl.load(sz_ptr + gidx, mask=row_mask, other=0)
 
 
 @triton.jit
 def _scale_zero(sz_ptr, gp0, gp_last, gsh, kk_first, n_mask, IS_BF16: tl.constexpr):
     """Per row (last axis) at kept offset ``kk_first``: ``(scale fp32, zero fp32, zz)`` where ``zz`` packs
-    ``16 + zero`` rounded to x's 16-bit type into both halves of an int32 (the GEMV dequant operand).
-    sz_ptr is scale_zero viewed as int32: low half = scale, high half = zero (fp16)."""
-    gidx = tl.minimum(gp0 + (kk_first >> gsh), gp_last)  # clamp keeps the padding inside the row
-    v = tl.load(sz_ptr + gidx, mask=n_mask, other=0)
+    ``16 + zero`` rounded to x's 16-bit type into both halves of an int32 (the GEMV dequant operand)."""
+    v = _sz_word(sz_ptr, gp0, gp_last, gsh, kk_first, n_mask)
     s = _half_to_f32(v, False)
     z = _half_to_f32(v >> 16, False)
     zz = _f32_to_half(z + 16.0, IS_BF16)
@@ -472,7 +479,7 @@ def _nm_int4_gemv_kernel(
     offs_n = tl.max_contiguous(tl.multiple_of(offs_n, BLOCK_N), BLOCK_N)
     n_mask = offs_n < N
     nm2 = n_mask[None, :]
-    gp0, gp_last, gsh = _row_groups(gptr_ptr, gshift_ptr, offs_n, n_mask)
+    gp0, gp_last, gsh = _row_groups(gptr_ptr, gshift_ptr, offs_n[None, :], nm2)
     e_idx = tl.arange(0, E)[:, None]  # [E, 1]
     row0 = pid_b * BLOCK_B
     # rows past B re-read row B-1 (their results are masked at the store): no per-row load masks
@@ -647,6 +654,17 @@ def _emu_halves(v, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _emu_scatter4(d, zero, s, IS_BF16: tl.constexpr):
+    """The 4 dense columns of one column group: ``prmt`` of the pair ``d`` with selector ``s`` (columns
+    0-1) and ``s >> 16`` (columns 2-3), as 16-bit values."""
+    lo = _prmt_emul(d, zero, s)
+    hi = _prmt_emul(d, zero, (s.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True))
+    c0, c1 = _emu_halves(lo, IS_BF16)
+    c2, c3 = _emu_halves(hi, IS_BF16)
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _tc_unit(w0, w1, pw, s2, nzs2, NKEEP: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr):
     """Dense columns (tuple of 16 * 4 / NKEEP fp16/bf16 tensors, column order) of one unit; see _tc_asm."""
     if ASM:
@@ -680,19 +698,11 @@ def _tc_unit(w0, w1, pw, s2, nzs2, NKEEP: tl.constexpr, IS_BF16: tl.constexpr, A
                     am = (am.to(tl.uint32, bitcast=True) >> (16 * h)).to(tl.int32, bitcast=True)
                     if NKEEP == 2:
                         s = _emu_rotl(zero + 0x44444410, am) - ((zero + 0x12) << ((am >> 8) & 31))
-                        lo = _prmt_emul(d, zero, s)
-                        hi = _prmt_emul(d, zero, (s.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True))
-                        c0, c1 = _emu_halves(lo, IS_BF16)
-                        c2, c3 = _emu_halves(hi, IS_BF16)
-                        out = out + (c0, c1, c2, c3)
+                        out = out + _emu_scatter4(d, zero, s, IS_BF16)
                     else:
                         for e in tl.static_range(2):
                             s = _emu_rotl(zero + (0x44444410 if e == 0 else 0x44444432), am >> (8 * e))
-                            lo = _prmt_emul(d, zero, s)
-                            hi = _prmt_emul(d, zero, (s.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True))
-                            c0, c1 = _emu_halves(lo, IS_BF16)
-                            c2, c3 = _emu_halves(hi, IS_BF16)
-                            out = out + (c0, c1, c2, c3)
+                            out = out + _emu_scatter4(d, zero, s, IS_BF16)
         return out
 
 
@@ -753,11 +763,8 @@ def _nm_int4_tc_kernel(
     n_mask = offs_n < N
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     b_mask = offs_b < B
-    n2 = offs_n[:, None]
     nm2 = n_mask[:, None]
-    gp0 = tl.load(gptr_ptr + n2, mask=nm2, other=0)
-    gp_last = tl.load(gptr_ptr + n2 + 1, mask=nm2, other=1) - 1
-    gsh = tl.load(gshift_ptr + n2, mask=nm2, other=5)
+    gp0, gp_last, gsh = _row_groups(gptr_ptr, gshift_ptr, offs_n[:, None], nm2)
     n3 = offs_n[:, None, None]
     nm3 = n_mask[:, None, None]
     sb3 = tl.arange(0, SB)[None, :, None]
@@ -777,8 +784,7 @@ def _nm_int4_tc_kernel(
         else:
             pw = tl.load(qp_ptr + unit * N + n3, mask=m3, other=0)
         # (scale, zero) of each sub-block: s2 = scale, nzs2 = -(16 + zero) * scale, both halves, fp16
-        gidx = tl.minimum(gp0 + ((kk0 + 32 * tl.arange(0, SB)[None, :]) >> gsh), gp_last)  # [BLOCK_N, SB]
-        v = tl.load(sz_ptr + gidx, mask=nm2, other=0)
+        v = _sz_word(sz_ptr, gp0, gp_last, gsh, kk0 + 32 * tl.arange(0, SB)[None, :], nm2)  # [BLOCK_N, SB]
         s = _half_to_f32(v, False)
         z = _half_to_f32(v >> 16, False)
         sh = v & 0xFFFF
@@ -911,11 +917,10 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
             tiles = [(128, kk, 4), (64, kk, 4), (64, kk2, 4), (128, kk, 8)]
         tiles = tiles[: {8: 2, 16: 3}.get(bucket, 4)] if _gemv_ok(p) else tiles
         for i, (block_n, block_kk, warps) in enumerate(tiles):
-            cfg = KernelConfig(max(16, bucket), block_n, block_kk, 1, True, warps)
-            out += _with_splits(p, batch, cfg, num_sms)
+            split_cfgs = _with_splits(p, batch, KernelConfig(max(16, bucket), block_n, block_kk, 1, True, warps), num_sms)
+            out += split_cfgs
             if i == 0:  # pipeline depth of the weight loads: 2 frees shared memory for wide x tiles, 4 hides more latency
-                out += [dataclasses.replace(c, num_stages=st) for c in _with_splits(p, batch, cfg, num_sms)
-                        for st in (2, 4)]
+                out += [dataclasses.replace(c, num_stages=st) for c in split_cfgs for st in (2, 4)]
     return list(dict.fromkeys(out))
 
 
@@ -1219,9 +1224,13 @@ class _TuneCache:
 _CACHE = _TuneCache()
 
 
+def _tune_l2_env() -> str:
+    return os.environ.get("ADBATCH_NM_INT4_TUNE_L2", "cold")
+
+
 def tune_l2() -> str:
     """``cold`` (default) or ``warm``: the L2 state the tuner times configs in (``ADBATCH_NM_INT4_TUNE_L2``)."""
-    mode = os.environ.get("ADBATCH_NM_INT4_TUNE_L2", "cold")
+    mode = _tune_l2_env()
     if mode not in ("cold", "warm"):
         raise ValueError(f"ADBATCH_NM_INT4_TUNE_L2 must be 'cold' or 'warm', got {mode!r}")
     return mode
@@ -1279,7 +1288,7 @@ _FAST: dict[tuple, KernelConfig] = {}
 def select_config(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> KernelConfig:
     """Cached tuned config, tuning on a miss (CUDA, ``ADBATCH_NM_INT4_AUTOTUNE`` != 0), else heuristic."""
     fast_key = (p.pattern, p.out_features, p.in_features, x2.dtype, batch_bucket(x2.shape[0]), x2.device,
-                os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1"), os.environ.get("ADBATCH_NM_INT4_TUNE_L2", "cold"))
+                os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1"), _tune_l2_env())
     cfg = _FAST.get(fast_key)
     if cfg is None:
         cfg = _select_config_slow(x2, p, bias)

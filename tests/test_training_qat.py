@@ -22,7 +22,7 @@ from adbatch.training import (QuantAwareConfig, SparsityScheduleConfig, TrainCon
 from adbatch.training.data import build_examples, collate
 from adbatch.training.quant_aware import QuantAwareTraining, fake_quantize, kept_columns
 from adbatch.training.sparsity import prunable_linears
-from adbatch.training.trainer import target_loss, train_loop
+from adbatch.training.trainer import target_logits, train_loop
 from tests.conftest import make_tiny_llama
 from tests.test_training import QUERIES, TITLES, fake_index
 
@@ -43,9 +43,11 @@ def _examples(tok, idx):
 def _loss(model, tok, ex) -> float:
     b = collate(ex, torch.arange(len(ex)), tok.pad_token_id)
     with torch.no_grad():
-        loss, n = target_loss(model, b.input_ids, b.attention_mask, b.labels, b.target_index)
+        logits, y = target_logits(model, b.input_ids, b.attention_mask, b.labels, b.target_index)
+        loss, n = torch.nn.functional.cross_entropy(logits, y), y.numel()
         # the host-computed positions select exactly what the labels mark
-        again, n2 = target_loss(model, b.input_ids, b.attention_mask, b.labels)
+        logits2, y2 = target_logits(model, b.input_ids, b.attention_mask, b.labels)
+        again, n2 = torch.nn.functional.cross_entropy(logits2, y2), y2.numel()
     assert n == n2 == b.target_index.numel() and torch.equal(loss, again)
     return float(loss)
 

@@ -162,14 +162,6 @@ def target_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     return head(h).float(), targets
 
 
-def target_loss(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor, target_index: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """Mean next-token cross-entropy over target positions (see :func:`target_logits`); returns
-    (scalar loss, number of target tokens)."""
-    logits, targets = target_logits(model, input_ids, attention_mask, labels, target_index)
-    return nn.functional.cross_entropy(logits, targets), int(targets.numel())
-
-
 def count_params(model: nn.Module) -> tuple[int, int]:
     """(non-embedding parameters, embedding rows × width) — the MFU model's two terms."""
     core = unwrap_ddp(model)
