@@ -197,7 +197,11 @@ def creatives_quality(model: Any, tok: Any, slogans: Any, max_new_tokens: int = 
     secs = time.perf_counter() - t0
     hyps = [o[0][0] if o else "" for o in outs]
     refs = [ad["reference"] for ad in ads]
-    return {"bleu": corpus_bleu(hyps, refs), "meteor": meteor_exact_stem(hyps, refs), "examples": len(hyps),
+    try:
+        meteor = meteor_exact_stem(hyps, refs)
+    except ModuleNotFoundError:  # nltk is not on the device image: BLEU only there
+        meteor = None
+    return {"bleu": corpus_bleu(hyps, refs), "meteor": meteor, "examples": len(hyps),
             "requests_per_s": len(hyps) / secs, "empty": sum(not h.strip() for h in hyps),
             "samples": [{"reference": r, "output": h} for r, h in zip(refs[:5], hyps[:5])]}
 
@@ -559,7 +563,8 @@ def render_table(results: dict) -> str:
     if results.get("creatives"):
         lines += ["", "| creatives (slogan test, greedy, 16 tokens) | BLEU | METEOR | empty | ads | requests/s |",
                   "|---|---|---|---|---|---|"]
-        lines += [f"| {name} | {r['bleu']:.4f} | {r['meteor']:.4f} | {r['empty']} | {r['examples']} | "
+        fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731 - METEOR needs nltk, absent on the device
+        lines += [f"| {name} | {fmt(r['bleu'])} | {fmt(r['meteor'])} | {r['empty']} | {r['examples']} | "
                   f"{r['requests_per_s']:.1f} |" for name, r in results["creatives"].items()]
     return "\n".join(lines) + "\n"
 

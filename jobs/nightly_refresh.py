@@ -32,6 +32,7 @@ from adbatch.compress import CalibrationConfig, CompressConfig
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
 from adbatch.index import IndexConfig
 from adbatch.training import TrainConfig
+from adbatch.training.warm_start import WarmStartConfig
 from pipelines.evaluate import EvalJobConfig
 from pipelines.generate import Executor
 from adbatch.requests import GenerateTask, RequestValidationConfig, list_request_files
@@ -80,6 +81,7 @@ class TrainStage(ConfigBase):
     queries: Path | None = dataclasses.field(
         default=None, metadata={"help": "labelled (query, ad_id) Parquet; None = indexing examples only"})
     config: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
 
 
@@ -189,6 +191,22 @@ class _Runner:
         return result
 
 
+def _train_warm_or_cold(job: Any, warm: WarmStartConfig, previous_index: Any, same_base_model: bool) -> dict[str, Any]:
+    """Run the train stage from last night's model in ``job.out`` when :func:`plan_warm_start` allows
+    (the model folder is replaced atomically at the end, so a crash keeps last night's model)."""
+    from adbatch.index import load_index
+    from adbatch.training.warm_start import plan_warm_start
+    from pipelines.train import run_train
+
+    index = load_index(job.index)
+    plan = plan_warm_start(job.out, previous_index, index.ad_ids, index.scheme.value, job.train.epochs, warm,
+                           same_base_model=same_base_model)
+    log.info("train: %s start (%s), %g epochs", "warm" if plan.init_model else "cold", plan.reason, plan.epochs)
+    if plan.init_model is not None:
+        job = job.replace(init_model=plan.init_model, train=job.train.replace(epochs=plan.epochs))
+    return {**run_train(job), "warm_start": plan.to_dict()}
+
+
 def _read(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -226,6 +244,10 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
 
     ads = _abs(config.index.ads)
     index_dir = work / "index"
+    # the index last night's model learned, read before the index stage replaces it (warm start)
+    from adbatch.training.warm_start import IndexSnapshot
+
+    previous_index = IndexSnapshot.of(index_dir) if config.train.enabled else None
     index_job = IndexJobConfig(ads=str(ads), out=str(index_dir), index=config.index.config,
                                num_cpus=config.num_cpus, progress=False)
     runner.run(Stage.INDEX, index_job, {"ads": sha256_paths(list_request_files(ads))},
@@ -250,8 +272,12 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
         inputs = {"index": index_in, "base_model": base_hash, "targeting_prompt_version": str(TARGETING_PROMPT_VERSION)}
         if train_job.queries:
             inputs["queries"] = sha256_file(train_job.queries)
+        # the stamp hashes the configured job; a warm start (decided only when the stage runs) changes
+        # the starting model and epochs, not whether the stage is up to date
+        previous_stamp = _read(runner.stamp_file(Stage.TRAIN)) or {}
         runner.run(Stage.TRAIN, train_job, inputs, model_out / "adbatch_training.json",
-                   lambda: run_train(train_job))
+                   lambda: _train_warm_or_cold(train_job, config.train.warm_start, previous_index,
+                                               (previous_stamp.get("inputs") or {}).get("base_model") == base_hash))
         model_dir = str(model_out)
         model_in = sha256_file(model_out / "adbatch_training.json")
 

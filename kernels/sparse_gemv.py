@@ -32,8 +32,8 @@ Grid: ``(cdiv(N, BLOCK_N), n_split, cdiv(B, BLOCK_B))``.
 :func:`nm_int4_linear_triton` is the entry point. The first call for a (layer, dtype, batch bucket,
 bias) binds a launcher: it picks a :class:`KernelConfig` (timed once per shape and bucket, cached as
 JSON under ``$ADBATCH_CACHE/kernels/``; a heuristic under the interpreter or with
-``ADBATCH_NM_INT4_AUTOTUNE=0``; timed with a cold L2 unless ``ADBATCH_NM_INT4_TUNE_L2=warm``, see
-:func:`_time_ms`), compiles, and keeps the compiled kernel and every argument that does
+``ADBATCH_NM_INT4_AUTOTUNE=0``; timed in CUDA-graph replays, with a warm L2 unless
+``ADBATCH_NM_INT4_TUNE_L2=cold``, see :func:`_time_ms`), compiles, and keeps the compiled kernel and every argument that does
 not change between calls (weight pointers as ints, grid, scratch). Later calls do one dict lookup, a
 few shape checks, ``torch.empty`` for the output and the raw launch (no Triton argument binding,
 specialization or pointer checks).
@@ -1225,11 +1225,11 @@ _CACHE = _TuneCache()
 
 
 def _tune_l2_env() -> str:
-    return os.environ.get("ADBATCH_NM_INT4_TUNE_L2", "cold")
+    return os.environ.get("ADBATCH_NM_INT4_TUNE_L2", "warm")
 
 
 def tune_l2() -> str:
-    """``cold`` (default) or ``warm``: the L2 state the tuner times configs in (``ADBATCH_NM_INT4_TUNE_L2``)."""
+    """``warm`` (default) or ``cold``: the L2 state the tuner times configs in (``ADBATCH_NM_INT4_TUNE_L2``)."""
     mode = _tune_l2_env()
     if mode not in ("cold", "warm"):
         raise ValueError(f"ADBATCH_NM_INT4_TUNE_L2 must be 'cold' or 'warm', got {mode!r}")
@@ -1242,25 +1242,59 @@ def tune_key(p: PackedNMInt4, batch: int, dtype: torch.dtype) -> str:
 
 
 def _time_ms(fn, l2: str) -> float:
-    """Median ms of ``fn`` with the L2 in state ``l2``.
+    """Median ms of ``fn`` with the L2 in state ``l2``, both replayed from CUDA graphs so that no host
+    launch cost is timed.
 
-    ``cold``: Triton's ``do_bench``, which overwrites a 256 MB buffer before every call. A decode step
-    of a large model streams every layer's weights through the 60 MB L2, so a layer never finds its
-    packed weight there; timed warm, the tuner preferred small grids that ran < 1 wave per SM and
-    starved for bytes in flight once the weights came from DRAM (ncu, bench/results/kernels.md round 5).
-    The flush (~80 us on an H200) also hides the host launch cost, so no launch gap is timed.
-    ``warm``: replayed from a CUDA graph (no launch gaps, L2 warm): a model whose packed weights fit
-    in L2 as a whole (the 41 MB default model); plain events if capture fails.
+    ``warm`` (default): ``do_bench_cudagraph`` (back-to-back replays, L2 warm).
+    ``cold``: :func:`_cold_graph_ms`, an L2 flush before every call. Round 6 on the H200 tuned cold with
+    ``do_bench`` (flush, then an eager launch between two events) and picked worse configs than the
+    warm tuner at most points (4096x14336 B = 2: 2:4 21.2 -> 37.8 us, dense 31.0 -> 57.9 us; 1:4 B = 1 on
+    8192x28672 27.3 -> 35.0 us in graphs vs round 4, bench/results/kernels.md): the tuning launch runs
+    through the slow Python path, whose host time exceeds the flush and so landed inside the timed
+    window, varying by config. ncu showed the kernel durations of cold- and warm-picked configs within
+    ~15 % of each other, so warm stays the default.
     """
     fn()  # compile / warm up outside the timing
-    if l2 == "cold":
-        return triton.testing.do_bench(fn, warmup=3, rep=8, return_mode="median")
     try:
+        if l2 == "cold":
+            return _cold_graph_ms(fn)
         with torch.cuda.stream(torch.cuda.Stream()):
             return triton.testing.do_bench_cudagraph(fn, rep=5, return_mode="median")
     except RuntimeError as e:
         log.debug("graph timing failed (%s); timing with events", e)
         return triton.testing.do_bench(fn, warmup=3, rep=8, return_mode="median")
+
+
+def _cold_graph_ms(fn, calls: int = 8, replays: int = 7) -> float:
+    """Median ms per call of ``fn`` after an L2 flush, without host time: a graph of ``calls`` x (flush
+    256 MB, fn) minus a graph of the flushes alone, medians over ``replays`` replays each.
+    (Not yet measured on the device: opt-in.)"""
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    graphs = []
+    with torch.cuda.stream(stream):
+        for with_fn in (False, True):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                for _ in range(calls):
+                    flush.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(g)
+    torch.cuda.synchronize()
+
+    def median_ms(g) -> float:
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    return max(median_ms(graphs[1]) - median_ms(graphs[0]), 1e-6) / calls
 
 
 def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tuple[KernelConfig, float]:

@@ -166,11 +166,11 @@ def test_tune_cache_round_trip(tmp_path, monkeypatch):
 def test_tune_key_buckets(monkeypatch):
     p = random_packed(8, 64, SparsityPattern.DENSE)
     monkeypatch.delenv("ADBATCH_NM_INT4_TUNE_L2", raising=False)
-    assert sg.tune_key(p, 3, torch.bfloat16) == "4:4|N8|K64|bfloat16|B4|L2cold"
+    assert sg.tune_key(p, 3, torch.bfloat16) == "4:4|N8|K64|bfloat16|B4|L2warm"
     assert sg.tune_key(p, 3, torch.bfloat16) == sg.tune_key(p, 4, torch.bfloat16)
-    # configs tuned with a warm L2 (CUDA-graph replay) are kept apart from cold ones
-    monkeypatch.setenv("ADBATCH_NM_INT4_TUNE_L2", "warm")
-    assert sg.tune_key(p, 3, torch.bfloat16).endswith("|B4|L2warm")
+    # configs tuned with a cold L2 (flush before every call) are kept apart from warm ones
+    monkeypatch.setenv("ADBATCH_NM_INT4_TUNE_L2", "cold")
+    assert sg.tune_key(p, 3, torch.bfloat16).endswith("|B4|L2cold")
     monkeypatch.setenv("ADBATCH_NM_INT4_TUNE_L2", "hot")
     with pytest.raises(ValueError, match="cold' or 'warm"):
         sg.tune_key(p, 3, torch.bfloat16)
