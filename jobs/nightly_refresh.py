@@ -200,7 +200,7 @@ def _train_warm_or_cold(job: Any, warm: WarmStartConfig, previous_index: Any, sa
 
     index = load_index(job.index)
     plan = plan_warm_start(job.out, previous_index, index.ad_ids, index.scheme.value, job.train.epochs, warm,
-                           same_base_model=same_base_model)
+                           same_base_model=same_base_model, special_tokens=tuple(index.special_tokens))
     log.info("train: %s start (%s), %g epochs", "warm" if plan.init_model else "cold", plan.reason, plan.epochs)
     if plan.init_model is not None:
         job = job.replace(init_model=plan.init_model, train=job.train.replace(epochs=plan.epochs))

@@ -53,13 +53,22 @@ def test_warm_when_the_index_changed_partly(nights, tmp_path):
     assert prev is not None and today is not None and prev.index_hash != today.index_hash
     model = _model(tmp_path, prev.index_hash)
     plan = plan_warm_start(model, prev, today.ad_ids, "text", 6.0, WarmStartConfig())
-    assert plan.init_model == str(model) and plan.epochs == 3.0
+    assert plan.init_model == str(model.resolve()) and plan.epochs == 3.0
     assert plan.overlap == pytest.approx(24 / 25)
     # a stricter threshold, or a different base model -> cold, full epochs
     strict = plan_warm_start(model, prev, today.ad_ids, "text", 6.0, WarmStartConfig(min_overlap=0.99))
     assert strict.init_model is None and strict.epochs == 6.0 and "96.0%" in strict.reason
     other_base = plan_warm_start(model, prev, today.ad_ids, "text", 6.0, WarmStartConfig(), same_base_model=False)
     assert other_base.init_model is None and "base model" in other_base.reason
+
+
+def test_codes_needs_the_same_code_tokens(tmp_path):
+    prev = IndexSnapshot("h1", frozenset(range(10)), ("<a_0>", "<a_1>"))
+    model = _model(tmp_path, "h1", scheme="codes")
+    same = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(), special_tokens=("<a_0>", "<a_1>"))
+    assert same.init_model is not None and same.epochs == 1.0
+    other = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(), special_tokens=("<a_0>",))
+    assert other.init_model is None and "code tokens" in other.reason
 
 
 @pytest.mark.parametrize("case", ["disabled", "no_model", "no_record", "scheme", "prompt", "index_not_on_disk"])
@@ -98,8 +107,8 @@ def test_nightly_train_stage_applies_the_plan(nights, tmp_path, monkeypatch):
     model = _model(tmp_path, prev.index_hash)
     job = TrainJobConfig(index=nights["night2"], out=model, init_model=None, train=TrainConfig(epochs=6.0))
     result = _train_warm_or_cold(job, WarmStartConfig(), prev, same_base_model=True)
-    assert seen[-1].init_model == str(model) and seen[-1].train.epochs == 3.0
-    assert result["ok"] and result["warm_start"]["init_model"] == str(model)
+    assert seen[-1].init_model == str(model.resolve()) and seen[-1].train.epochs == 3.0
+    assert result["ok"] and result["warm_start"]["init_model"] == str(model.resolve())
     result = _train_warm_or_cold(job, WarmStartConfig(), None, same_base_model=True)
     assert seen[-1].init_model is None and seen[-1].train.epochs == 6.0
     assert result["warm_start"]["init_model"] is None

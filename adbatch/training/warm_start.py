@@ -44,10 +44,11 @@ class WarmStartConfig(ConfigBase):
 
 @dataclasses.dataclass(frozen=True)
 class IndexSnapshot:
-    """What a warm-start decision needs of an index: its hash and ad ids."""
+    """What a warm-start decision needs of an index: its hash, ad ids and (``codes``) new tokens."""
 
     index_hash: str
     ad_ids: frozenset
+    special_tokens: tuple = ()
 
     @staticmethod
     def of(index_dir: str | Path) -> "IndexSnapshot | None":
@@ -60,7 +61,7 @@ class IndexSnapshot:
         except (FileNotFoundError, ValueError, KeyError, OSError, json.JSONDecodeError) as e:
             log.debug("no index snapshot of %s: %s", index_dir, e)
             return None
-        return IndexSnapshot(index.index_hash, frozenset(index.ad_ids))
+        return IndexSnapshot(index.index_hash, frozenset(index.ad_ids), tuple(index.special_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +79,13 @@ class WarmStartPlan:
 
 def plan_warm_start(previous_model: str | Path | None, previous_index: IndexSnapshot | None,
                     ad_ids: Collection[Hashable], scheme: str, epochs: float, config: WarmStartConfig,
-                    same_base_model: bool = True) -> WarmStartPlan:
+                    same_base_model: bool = True, special_tokens: tuple = ()) -> WarmStartPlan:
     """Warm or cold, from the previous run's model folder and the index it was trained on.
 
     ``previous_index`` must be the snapshot of the index ``previous_model`` was trained on (its record's
     ``trained_on_index`` is checked against it, so a newer index left by a crashed run is not mistaken
-    for it). ``ad_ids`` / ``scheme``: today's index. ``same_base_model``: the caller's knowledge that
+    for it). ``ad_ids`` / ``scheme`` / ``special_tokens``: today's index (a ``codes`` model warm-starts
+    only onto the same code tokens: the training refuses shifted token ids). ``same_base_model``: the caller's knowledge that
     the previous run started from the same base model (a different base = cold).
     """
     from adbatch.prompts import TARGETING_PROMPT_VERSION
@@ -107,9 +109,12 @@ def plan_warm_start(previous_model: str | Path | None, previous_index: IndexSnap
         return cold(f"the previous model learned {record.get('scheme')} ids, today's index has {scheme}")
     if previous_index is None or previous_index.index_hash != record.get("trained_on_index"):
         return cold("the index the previous model learned is not on disk to compare with")
+    if scheme == "codes" and tuple(special_tokens) != previous_index.special_tokens:
+        return cold("the code tokens changed (another cluster shape): a codes model cannot be remapped")
     today = set(ad_ids)
     overlap = len(today & previous_index.ad_ids) / max(1, len(today))
     if overlap < config.min_overlap:
         return cold(f"only {overlap:.1%} of today's ads were in the previous index (< {config.min_overlap:.0%})", overlap)
-    return WarmStartPlan(str(previous_model), epochs * config.epochs_fraction,
+    # absolute: Ray Train workers do not run in the driver's working directory
+    return WarmStartPlan(str(Path(previous_model).resolve()), epochs * config.epochs_fraction,
                          f"{overlap:.1%} of today's ads were in the previous index", overlap)
