@@ -275,3 +275,125 @@ def build_hierarchy(emb: np.ndarray, config: ClusterConfig | None = None,
         builder.add_split(fallback)
         queue.extend(zip(children, child_embs))
     return builder.finish()
+
+
+@dataclasses.dataclass
+class UpdateStats:
+    """What :func:`update_hierarchy` kept and changed (row counts)."""
+
+    kept: int  # ads whose code is unchanged
+    new: int  # ads with no previous code, placed under the nearest existing cluster
+    resplit: int  # previously coded ads whose leaf overflowed and was split again (new codes)
+    resplit_leaves: int
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def _check_prefix_free(paths: set[tuple[int, ...]]) -> None:
+    for path in paths:
+        for d in range(len(path)):
+            if path[:d] in paths:
+                raise ValueError(f"previous codes are not prefix-free: leaf {path[:d]} is also a cluster of {path}")
+
+
+def update_hierarchy(emb: np.ndarray, previous: list[list[int] | None], config: ClusterConfig | None = None
+                     ) -> tuple[Hierarchy, UpdateStats]:
+    """Today's hierarchy from yesterday's: ads that keep a previous code keep it exactly.
+
+    A nightly catalogue changes only partly; re-clustering it from scratch moves almost every ad
+    (measured on 5,000 Home Depot titles with 10 % replaced: 1.9 % of the unchanged ads kept their
+    ``text`` sequence), so a model trained last night must relearn the whole index. Here:
+
+    - ads with a previous code (``previous[i]`` = cluster path + leaf position) keep it;
+    - every other ad descends from the root to the nearest child cluster at each level (L2 to the
+      mean embedding of the child's kept ads, today's embeddings) until it reaches a leaf, where it
+      takes the smallest position no ad in that leaf uses;
+    - a leaf that now holds more than ``leaf_size`` ads is clustered again below its path (hierarchical
+      k-means on its ads alone), so only its ads get new codes;
+    - clusters whose ads all left disappear; sibling indices are never renumbered.
+
+    Args:
+        emb: ``float32 [N, D]`` embeddings of today's ads (same space as the previous build's).
+        previous: ``N`` codes or None, as stored in the previous index's ``code`` column.
+    Returns:
+        (hierarchy, what was kept / placed / re-split). With no previous code at all this is
+        :func:`build_hierarchy`.
+    """
+    cfg = config or ClusterConfig()
+    emb = np.ascontiguousarray(emb, dtype=np.float32)
+    n = emb.shape[0]
+    if emb.ndim != 2 or n == 0 or len(previous) != n:
+        raise ValueError(f"embeddings must be [N>0, D] with one previous code (or None) per row, got "
+                         f"{emb.shape} and {len(previous)} codes")
+    kept_rows = [i for i, c in enumerate(previous) if c]
+    if not kept_rows:
+        return build_hierarchy(emb, cfg), UpdateStats(0, n, 0, 0)
+    leaves: dict[tuple[int, ...], dict[int, int]] = {}  # leaf path -> {position: row}
+    for i in kept_rows:
+        code = tuple(int(v) for v in previous[i])
+        slot = leaves.setdefault(code[:-1], {})
+        if code[-1] in slot:
+            raise ValueError(f"previous code {list(code)} is given to two ads (rows {slot[code[-1]]} and {i})")
+        slot[code[-1]] = i
+    _check_prefix_free(set(leaves))
+    # children (with kept ads) of every cluster node, and their centroids from today's embeddings
+    sums: dict[tuple[int, ...], np.ndarray] = {}
+    counts: dict[tuple[int, ...], int] = {}
+    children: dict[tuple[int, ...], set[int]] = {}
+    for path, slot in leaves.items():
+        rows = np.fromiter(slot.values(), dtype=np.int64)
+        total = emb[rows].sum(axis=0, dtype=np.float64)
+        for d in range(1, len(path) + 1):
+            key = path[:d]
+            sums[key] = sums.get(key, 0.0) + total
+            counts[key] = counts.get(key, 0) + rows.shape[0]
+            children.setdefault(path[:d - 1], set()).add(path[d - 1])
+    # descend the new ads level by level, one distance matrix per cluster node
+    new_rows = np.array([i for i, c in enumerate(previous) if not c], dtype=np.int64)
+    frontier: dict[tuple[int, ...], np.ndarray] = {(): new_rows} if new_rows.size else {}
+    placed: dict[tuple[int, ...], list[int]] = {}
+    while frontier:
+        nxt: dict[tuple[int, ...], np.ndarray] = {}
+        for node, rows in frontier.items():
+            if node in leaves or node not in children:  # a leaf (a root leaf when everything fit in one)
+                placed.setdefault(node, []).extend(rows.tolist())
+                continue
+            kids = sorted(children[node])
+            cent = np.stack([sums[node + (j,)] / counts[node + (j,)] for j in kids]).astype(np.float32)
+            x = emb[rows]
+            d2 = (x * x).sum(1)[:, None] - 2.0 * x @ cent.T + (cent * cent).sum(1)[None, :]
+            pick = np.argmin(d2, axis=1)
+            for k_idx, j in enumerate(kids):
+                sel = rows[pick == k_idx]
+                if sel.size:
+                    nxt[node + (j,)] = np.concatenate([nxt.get(node + (j,), np.zeros(0, np.int64)), sel])
+        frontier = nxt
+    for path, rows in placed.items():
+        slot = leaves.setdefault(path, {})
+        free = (p for p in range(len(slot) + len(rows)) if p not in slot)
+        for row in rows:
+            slot[next(free)] = row
+    # overflowing leaves: split again from their path (their ads get new codes)
+    code_of: dict[int, tuple[int, ...]] = {}
+    resplit = resplit_leaves = fallback_splits = 0
+    for path, slot in leaves.items():
+        if len(slot) > cfg.leaf_size:
+            rows = np.array(sorted(slot.values()), dtype=np.int64)
+            resplit += int(sum(1 for r in rows.tolist() if previous[r]))
+            resplit_leaves += 1
+            sub = build_hierarchy(emb[rows], cfg)
+            fallback_splits += sub.fallback_splits
+            for local, code in enumerate(sub.codes()):
+                code_of[int(rows[local])] = path + tuple(code)
+            continue
+        for pos, row in slot.items():
+            code_of[row] = path + (pos,)
+    code_len = np.fromiter((len(code_of[i]) for i in range(n)), dtype=np.int32, count=n)
+    code_flat = np.fromiter((v for i in range(n) for v in code_of[i]), dtype=np.int32, count=int(code_len.sum()))
+    num_leaves = len({code_of[i][:-1] for i in range(n)})
+    num_splits = len({code_of[i][:d] for i in range(n) for d in range(len(code_of[i]) - 1)})
+    kept = sum(1 for i in kept_rows if code_of[i] == tuple(int(v) for v in previous[i]))
+    hierarchy = Hierarchy(code_flat=code_flat, code_len=code_len, num_splits=num_splits, num_leaves=num_leaves,
+                          fallback_splits=fallback_splits)
+    return hierarchy, UpdateStats(kept=kept, new=int(new_rows.size), resplit=resplit, resplit_leaves=resplit_leaves)

@@ -33,7 +33,7 @@ from adbatch.artifacts import (
     StageTimer, build_manifest, read_manifest, sha256_file, sha256_json, write_json_atomic,
     write_parquet_atomic,
 )
-from adbatch.clustering import ClusterConfig, Hierarchy, build_hierarchy
+from adbatch.clustering import ClusterConfig, Hierarchy, build_hierarchy, update_hierarchy
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.corpus import Corpus, CorpusConfig, read_corpus
 from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
@@ -138,8 +138,10 @@ def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True)
 
 def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: IndexConfig,
                 timer: StageTimer, extra: dict[str, Any] | None = None,
-                tokenizer: Any = None, tokenizer_name: str | None = None) -> dict[str, Any]:
-    """Render sequences, build the trie and write every output file; return the manifest."""
+                tokenizer: Any = None, tokenizer_name: str | None = None,
+                fixed_labels: dict[tuple[int, ...], str] | None = None) -> dict[str, Any]:
+    """Render sequences, build the trie and write every output file; return the manifest.
+    ``fixed_labels``: cluster labels kept from an earlier build (:func:`stable_hierarchy`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with timer.phase("render"):
@@ -147,7 +149,7 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
             tokenizer, tokenizer_name = load_tokenizer(config.tokenizer)
         texts = corpus.table.column("text").to_pylist()
         rendered = render_ids(hierarchy, texts, tokenizer, config.render,
-                              label_texts=corpus.embedding_inputs())
+                              label_texts=corpus.embedding_inputs(), fixed_labels=fixed_labels)
     with timer.phase("trie"):
         trie = Trie.from_flat(rendered.token_flat, rendered.token_len)
     with timer.phase("write"):
@@ -216,10 +218,55 @@ def _ad_codes_table(corpus: Corpus, h: Hierarchy, r: RenderedIds) -> pa.Table:
     })
 
 
+@dataclasses.dataclass
+class StableStart:
+    """What an incremental build keeps from an earlier index (see :func:`stable_start`)."""
+
+    codes: list[list[int] | None]  # per corpus row: its previous code, None for a new ad
+    labels: dict[tuple[int, ...], str]  # cluster path -> label (text scheme)
+    from_index: str  # the earlier index's hash
+
+
+# config sections that must match for an earlier index's codes to be reused: the same embedding space,
+# clustering knobs, rendering, ad columns and tokenizer
+_STABLE_KEYS = ("columns", "embedding", "cluster", "render", "tokenizer")
+
+
+def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> StableStart | None:
+    """The codes and labels of an earlier index of the same configuration for today's ads, or None
+    (logged why) when there is no readable earlier index or it was built differently."""
+    try:
+        prev = load_index(previous, mmap=False)
+    except (FileNotFoundError, ValueError, KeyError, OSError) as e:
+        log.info("index: no earlier index to keep codes from (%s): full build", e)
+        return None
+    have, want = prev.manifest.get("config", {}), config.to_dict()
+    differs = [k for k in _STABLE_KEYS if have.get(k) != want.get(k)]
+    if differs:
+        log.info("index: the earlier index at %s was built with other %s: full build", previous, differs)
+        return None
+    code_of = dict(zip(prev.ad_ids, prev.ad_codes.column("code").to_pylist()))
+    codes = [code_of.get(a) for a in corpus.table.column("ad_id").to_pylist()]
+    clusters = pq.read_table(Path(previous) / CLUSTERS_FILE).to_pydict()
+    labels = {tuple(p): lab for p, lab in zip(clusters["path"], clusters["label"])}
+    return StableStart(codes, labels, prev.index_hash)
+
+
+def cluster_stable(emb: np.ndarray, start: StableStart, config: IndexConfig) -> tuple[Hierarchy, dict[str, Any]]:
+    """:func:`adbatch.clustering.update_hierarchy` from ``start``; returns the hierarchy and the
+    manifest's ``stable_ids`` record."""
+    hierarchy, stats = update_hierarchy(emb, start.codes, config.cluster)
+    log.info("index: kept the codes of %d ads from index %s, placed %d new, re-split %d in %d full leaves",
+             stats.kept, start.from_index[:12], stats.new, stats.resplit, stats.resplit_leaves)
+    return hierarchy, {"from_index": start.from_index, **stats.to_dict()}
+
+
 def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = None,
-                progress: bool = True) -> dict[str, Any]:
+                progress: bool = True, previous: str | Path | None = None) -> dict[str, Any]:
     """Build the index of the corpus at ``ads`` into ``out`` sequentially (no Ray).
 
+    ``previous``: an earlier index of the same configuration (may be ``out`` itself): ads it holds
+    keep their codes and clusters their labels (:func:`stable_start`); a full build without it.
     Returns the manifest written to ``out/manifest.json``.
     """
     cfg = config or IndexConfig()
@@ -229,11 +276,17 @@ def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = N
     if corpus.num_ads == 0:
         raise ValueError(f"{ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
                          f"{corpus.rejected_counts()})")
+    start = stable_start(previous, corpus, cfg) if previous is not None else None
     with timer.phase("embed"):
         emb = embed_corpus(corpus, cfg.embedding, progress=progress)
+    extra: dict[str, Any] = {"runner": "sequential"}
     with timer.phase("cluster"):
-        hierarchy = _cluster_with_progress(emb, cfg.cluster, progress)
-    return write_index(out, corpus, hierarchy, cfg, timer, extra={"runner": "sequential"})
+        if start is not None:
+            hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
+        else:
+            hierarchy = _cluster_with_progress(emb, cfg.cluster, progress)
+    return write_index(out, corpus, hierarchy, cfg, timer, extra=extra,
+                       fixed_labels=start.labels if start is not None else None)
 
 
 def _cluster_with_progress(emb: np.ndarray, config: ClusterConfig, progress: bool) -> Hierarchy:

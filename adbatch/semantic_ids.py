@@ -21,7 +21,7 @@ import dataclasses
 import enum
 import logging
 import re
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -93,8 +93,8 @@ def special_token(level: int, index: int) -> str:
 
 
 def render_ids(hierarchy: Hierarchy, texts: list[str], tokenizer: Any,
-               config: RenderConfig | None = None, label_texts: list[str] | None = None
-               ) -> RenderedIds:
+               config: RenderConfig | None = None, label_texts: list[str] | None = None,
+               fixed_labels: Mapping[tuple[int, ...], str] | None = None) -> RenderedIds:
     """Render every ad's code as a token sequence under ``config.scheme``.
 
     Args:
@@ -102,13 +102,15 @@ def render_ids(hierarchy: Hierarchy, texts: list[str], tokenizer: Any,
         texts: ``N`` ad texts (the text scheme appends them).
         tokenizer: a Hugging Face tokenizer (its size is ``base_vocab_size``; EOS from it).
         label_texts: ``N`` texts that cluster labels are drawn from (default ``texts``).
+        fixed_labels: cluster path -> label kept from an earlier build (text scheme; an incremental
+            index keeps its clusters' labels so that unchanged ads keep their sequences).
     """
     cfg = config or RenderConfig()
     if len(texts) != hierarchy.num_ads:
         raise ValueError(f"{len(texts)} texts for {hierarchy.num_ads} ads")
     if cfg.scheme is IdScheme.CODES:
         return _render_codes(hierarchy, tokenizer)
-    return _render_text(hierarchy, texts, tokenizer, cfg, label_texts or texts)
+    return _render_text(hierarchy, texts, tokenizer, cfg, label_texts or texts, fixed_labels or {})
 
 
 # ----------------------------------------------------------------------------- codes
@@ -175,13 +177,15 @@ def _clusters_table(rows: list[tuple[list[int], int, str]]) -> pa.Table:
 
 # ----------------------------------------------------------------------------- text
 def cluster_labels(node_of: list[np.ndarray], paths: list[np.ndarray], parents: list[np.ndarray],
-                   label_texts: list[str], num_terms: int, max_vocab: int) -> list[list[str]]:
+                   label_texts: list[str], num_terms: int, max_vocab: int,
+                   fixed: Mapping[tuple[int, ...], str] | None = None) -> list[list[str]]:
     """A label per cluster node, per level: its ``num_terms`` most distinctive words vs siblings.
 
     Distinctiveness of word ``w`` for cluster ``c`` with parent ``p``:
     ``f_c * log(f_c / f_s)`` with ``f_c = (df_c(w) + a) / (n_c + 2a)`` and ``f_s`` the same over
     the sibling clusters (``p`` minus ``c``); ``df`` counts ads containing the word. Ties break by
-    word. Sibling labels are made distinct (next-best word, else the cluster index).
+    word. Sibling labels are made distinct (next-best word, else the cluster index). Nodes whose path
+    is in ``fixed`` keep that label; the others avoid their fixed siblings' labels.
     """
     import scipy.sparse as sp
     from sklearn.feature_extraction.text import CountVectorizer
@@ -233,8 +237,14 @@ def cluster_labels(node_of: list[np.ndarray], paths: list[np.ndarray], parents: 
         node_said: list[frozenset[str]] = [frozenset()] * m
         for parent_node, sibs in by_parent.items():
             above = said[parent_node] if lvl > 0 else frozenset()
-            used: set[str] = set()
+            kept = {node: fixed[tuple(int(v) for v in paths[lvl][node])] for node in sibs
+                    if fixed and tuple(int(v) for v in paths[lvl][node]) in fixed}
+            used: set[str] = set(kept.values())
             for node in sibs:
+                if node in kept:
+                    labels[node] = kept[node]
+                    node_said[node] = above | frozenset(kept[node].split())
+                    continue
                 a, b = starts[node], starts[node + 1]
                 cand = [str(vocab[c_o[i]]) for i in range(a, min(b, a + 8 * num_terms + len(above)))
                         if s_o[i] > 0 and vocab[c_o[i]] not in above]
@@ -257,13 +267,13 @@ def cluster_labels(node_of: list[np.ndarray], paths: list[np.ndarray], parents: 
 
 
 def _render_text(h: Hierarchy, texts: list[str], tokenizer: Any, cfg: RenderConfig,
-                 label_texts: list[str]) -> RenderedIds:
+                 label_texts: list[str], fixed_labels: Mapping[tuple[int, ...], str]) -> RenderedIds:
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the text scheme needs a tokenizer with an EOS token")
     node_of, paths, parents = _cluster_nodes(h)
     labels = cluster_labels(node_of, paths, parents, label_texts, cfg.label_terms,
-                            cfg.max_label_vocab)
+                            cfg.max_label_vocab, fixed_labels)
     # One tokenization per cluster segment; the first level has no leading space.
     seg_tokens: list[list[list[int]]] = []
     seg_strings: list[list[str]] = []

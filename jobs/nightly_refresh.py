@@ -73,6 +73,8 @@ class IndexStage(ConfigBase):
     ads: Path = dataclasses.field(default=Path("examples/slogan_ads.parquet"),
                                   metadata={"help": "ad corpus Parquet"})
     config: IndexConfig = dataclasses.field(default_factory=IndexConfig)
+    stable_ids: bool = dataclasses.field(default=True, metadata={
+        "help": "ads already in the last run's index keep their codes; new ads join the nearest clusters"})
 
 
 @dataclasses.dataclass
@@ -249,7 +251,8 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
 
     previous_index = IndexSnapshot.of(index_dir) if config.train.enabled else None
     index_job = IndexJobConfig(ads=str(ads), out=str(index_dir), index=config.index.config,
-                               num_cpus=config.num_cpus, progress=False)
+                               num_cpus=config.num_cpus, progress=False,
+                               previous=str(index_dir) if config.index.stable_ids else None)
     runner.run(Stage.INDEX, index_job, {"ads": sha256_paths(list_request_files(ads))},
                index_dir / "manifest.json", lambda: run_index(index_job))
     index_in = sha256_file(index_dir / "manifest.json")

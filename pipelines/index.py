@@ -23,7 +23,7 @@ from adbatch.clustering import Child, ClusterConfig, Hierarchy, HierarchyBuilder
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.corpus import read_corpus
 from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
-from adbatch.index import IndexConfig, write_index
+from adbatch.index import IndexConfig, cluster_stable, stable_start, write_index
 from pipelines.ray_runtime import init_ray
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class IndexJobConfig(ConfigBase):
     num_cpus: int | None = dataclasses.field(
         default=None, metadata={"help": "CPUs for a local Ray (ignored when joining RAY_ADDRESS)"})
     progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
+    previous: str | None = dataclasses.field(default=None, metadata={
+        "help": "an earlier index of the same config (may be `out`): its ads keep their codes (stable ids)"})
 
     def validate(self) -> None:
         if not self.ads:
@@ -161,16 +163,21 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
     if corpus.num_ads == 0:
         raise ValueError(f"{config.ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
                          f"{corpus.rejected_counts()})")
+    start = stable_start(config.previous, corpus, cfg) if config.previous else None
     with timer.phase("embed"):
         if corpus.embeddings is not None:
             emb = corpus.embeddings
         else:
             emb = embed_on_ray(corpus.embedding_inputs(), cfg.embedding, num_workers,
                                progress=config.progress)
+    extra: dict[str, Any] = {"runner": "ray", "ray_cpus": num_workers}
     with timer.phase("cluster"):
-        hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
-    manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer,
-                           extra={"runner": "ray", "ray_cpus": num_workers})
+        if start is not None:  # placing new ads under kept clusters is cheap: the driver does it
+            hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
+        else:
+            hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
+    manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra,
+                           fixed_labels=start.labels if start is not None else None)
     return {
         "out": str(config.out),
         "index_hash": manifest["index_hash"],

@@ -178,3 +178,65 @@ def test_text_scheme_labels_prefixes_and_eos(default_tokenizer):
         rows = trie.rows_at(int(node[0])).tolist()
         assert i in rows and all(seqs[j] == seqs[i] for j in rows)
     assert r.texts[0].endswith(default_tokenizer.eos_token)
+
+
+def _blobs(n, seed=0, d=16):
+    rng = np.random.default_rng(seed)
+    centers = np.random.default_rng(99).standard_normal((8, d)) * 5
+    return (centers[rng.integers(0, 8, n)] + rng.standard_normal((n, d))).astype(np.float32)
+
+
+def test_update_hierarchy_keeps_codes_and_places_new_ads():
+    from adbatch.clustering import update_hierarchy
+
+    cfg = ClusterConfig(branching=4, leaf_size=40)
+    x = _blobs(600)
+    codes = build_hierarchy(x, cfg).codes()
+    # identity: the same ads keep everything
+    same, st = update_hierarchy(x, codes, cfg)
+    assert same.codes() == codes and (st.kept, st.new, st.resplit) == (600, 0, 0)
+    # night 2: 60 ads gone, 60 new ones from the same blobs
+    new = _blobs(60, seed=1)
+    x2 = np.concatenate([x[60:], new])
+    prev = codes[60:] + [None] * 60
+    h, st = update_hierarchy(x2, prev, cfg)
+    got = h.codes()
+    assert sum(got[i] == prev[i] for i in range(540)) == st.kept and st.kept + st.resplit == 540
+    assert st.new == 60 and st.kept >= 0.8 * 540  # only ads of leaves that overflowed moved
+    assert len({tuple(c) for c in got}) == 600  # unique
+    leaves = {tuple(c[:-1]) for c in got}
+    assert not any(p[:d] in leaves for p in leaves for d in range(len(p)))  # prefix-free
+    import collections
+
+    assert max(collections.Counter(tuple(c[:-1]) for c in got).values()) <= 40
+    # a new ad joins the top-level cluster of its nearest kept neighbour (its blob)
+    kept_x = x2[:540]
+    near = [got[int(np.argmin(((kept_x - v) ** 2).sum(1)))][0] for v in new]
+    assert np.mean([a == b[0] for a, b in zip(near, got[540:])]) > 0.9
+
+
+def test_update_hierarchy_resplits_only_overflowing_leaves():
+    from adbatch.clustering import update_hierarchy
+
+    cfg = ClusterConfig(branching=4, leaf_size=40)
+    x = _blobs(300)
+    codes = build_hierarchy(x, cfg).codes()
+    dup = np.repeat(x[:1], 80, axis=0) + 0.01 * np.random.default_rng(2).standard_normal((80, 16)).astype(np.float32)
+    h, st = update_hierarchy(np.concatenate([x, dup]), codes + [None] * 80, cfg)
+    got = h.codes()
+    assert st.resplit_leaves >= 1 and st.resplit > 0 and st.kept == 300 - st.resplit
+    assert len({tuple(c) for c in got}) == 380
+    assert sum(got[i] == codes[i] for i in range(300)) == st.kept
+    assert all(got[i][:len(codes[0]) - 1] == codes[0][:-1] for i in range(300) if got[i] != codes[i])
+
+
+def test_update_hierarchy_rejects_inconsistent_codes():
+    from adbatch.clustering import update_hierarchy
+
+    x = _blobs(4)
+    with pytest.raises(ValueError, match="two ads"):
+        update_hierarchy(x, [[0, 0], [0, 0], None, None])
+    with pytest.raises(ValueError, match="prefix-free"):
+        update_hierarchy(x, [[0, 0], [0, 1, 0], None, None])
+    with pytest.raises(ValueError, match="one previous code"):
+        update_hierarchy(x, [[0, 0]])

@@ -222,3 +222,36 @@ def test_ray_minilm_embedding_on_example_slice(ray_local, tmp_path, example_ads)
     ix = load_index(tmp_path / "idx")
     assert_index_contract(ix, 120)
     assert ix.ad_ids == sl.column("ad_id").to_pylist()
+
+
+@pytest.mark.parametrize("scheme", [IdScheme.TEXT, IdScheme.CODES])
+def test_stable_ids_from_a_previous_index(tmp_path, scheme):
+    """The nightly case: 10 % of the ads replaced; with ``previous`` the kept ads keep codes and (text)
+    their exact sequences because cluster labels are kept; without it nearly everything moves."""
+    full = synthetic_corpus(tmp_path / "all.parquet", n=1320)
+    table = pq.read_table(full)
+    pq.write_table(table.slice(0, 1200), tmp_path / "night1.parquet")
+    pq.write_table(table.slice(120, 1200), tmp_path / "night2.parquet")
+    cfg = cfg_for(scheme)
+    build_index(tmp_path / "night1.parquet", tmp_path / "idx", cfg, progress=False)
+    before = load_index(tmp_path / "idx")
+    seq1 = dict(zip(before.ad_ids, before.sequences()))
+    code1 = dict(zip(before.ad_ids, before.ad_codes.column("code").to_pylist()))
+    m = build_index(tmp_path / "night2.parquet", tmp_path / "idx", cfg, progress=False, previous=tmp_path / "idx")
+    after = load_index(tmp_path / "idx")
+    assert_index_contract(after, 1200)
+    assert m["stable_ids"]["from_index"] == before.index_hash
+    assert m["stable_ids"]["kept"] + m["stable_ids"]["resplit"] == 1080 and m["stable_ids"]["new"] == 120
+    code2 = dict(zip(after.ad_ids, after.ad_codes.column("code").to_pylist()))
+    kept = [a for a in after.ad_ids if a in code1]
+    assert sum(code1[a] == code2[a] for a in kept) == m["stable_ids"]["kept"] >= 0.9 * len(kept)
+    if scheme is IdScheme.TEXT:
+        seq2 = dict(zip(after.ad_ids, after.sequences()))
+        assert sum(seq1[a] == seq2[a] for a in kept) >= m["stable_ids"]["kept"]
+    # another clustering config: the earlier codes are not reused (full build, no record)
+    other = build_index(tmp_path / "night2.parquet", tmp_path / "idx2", cfg_for(scheme, leaf_size=60),
+                        progress=False, previous=tmp_path / "idx")
+    assert "stable_ids" not in other
+    # no earlier index at all: a full build
+    assert "stable_ids" not in build_index(tmp_path / "night2.parquet", tmp_path / "idx3", cfg, progress=False,
+                                           previous=tmp_path / "absent")
