@@ -139,9 +139,9 @@ def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True)
 def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: IndexConfig,
                 timer: StageTimer, extra: dict[str, Any] | None = None,
                 tokenizer: Any = None, tokenizer_name: str | None = None,
-                fixed_labels: dict[tuple[int, ...], str] | None = None) -> dict[str, Any]:
+                stable: "StableStart | None" = None) -> dict[str, Any]:
     """Render sequences, build the trie and write every output file; return the manifest.
-    ``fixed_labels``: cluster labels kept from an earlier build (:func:`stable_hierarchy`)."""
+    ``stable``: what an incremental build keeps from an earlier index (labels, code tokens)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with timer.phase("render"):
@@ -149,7 +149,9 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
             tokenizer, tokenizer_name = load_tokenizer(config.tokenizer)
         texts = corpus.table.column("text").to_pylist()
         rendered = render_ids(hierarchy, texts, tokenizer, config.render,
-                              label_texts=corpus.embedding_inputs(), fixed_labels=fixed_labels)
+                              label_texts=corpus.embedding_inputs(),
+                              fixed_labels=stable.labels if stable else None,
+                              keep_tokens=stable.special_tokens if stable else None)
     with timer.phase("trie"):
         trie = Trie.from_flat(rendered.token_flat, rendered.token_len)
     with timer.phase("write"):
@@ -224,6 +226,7 @@ class StableStart:
 
     codes: list[list[int] | None]  # per corpus row: its previous code, None for a new ad
     labels: dict[tuple[int, ...], str]  # cluster path -> label (text scheme)
+    special_tokens: list[str]  # the earlier code tokens (codes scheme), kept at their ids
     from_index: str  # the earlier index's hash
 
 
@@ -249,7 +252,7 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     codes = [code_of.get(a) for a in corpus.table.column("ad_id").to_pylist()]
     clusters = pq.read_table(Path(previous) / CLUSTERS_FILE).to_pydict()
     labels = {tuple(p): lab for p, lab in zip(clusters["path"], clusters["label"])}
-    return StableStart(codes, labels, prev.index_hash)
+    return StableStart(codes, labels, prev.special_tokens, prev.index_hash)
 
 
 def cluster_stable(emb: np.ndarray, start: StableStart, config: IndexConfig) -> tuple[Hierarchy, dict[str, Any]]:
@@ -285,8 +288,7 @@ def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = N
             hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
         else:
             hierarchy = _cluster_with_progress(emb, cfg.cluster, progress)
-    return write_index(out, corpus, hierarchy, cfg, timer, extra=extra,
-                       fixed_labels=start.labels if start is not None else None)
+    return write_index(out, corpus, hierarchy, cfg, timer, extra=extra, stable=start)
 
 
 def _cluster_with_progress(emb: np.ndarray, config: ClusterConfig, progress: bool) -> Hierarchy:

@@ -94,7 +94,8 @@ def special_token(level: int, index: int) -> str:
 
 def render_ids(hierarchy: Hierarchy, texts: list[str], tokenizer: Any,
                config: RenderConfig | None = None, label_texts: list[str] | None = None,
-               fixed_labels: Mapping[tuple[int, ...], str] | None = None) -> RenderedIds:
+               fixed_labels: Mapping[tuple[int, ...], str] | None = None,
+               keep_tokens: list[str] | None = None) -> RenderedIds:
     """Render every ad's code as a token sequence under ``config.scheme``.
 
     Args:
@@ -104,12 +105,15 @@ def render_ids(hierarchy: Hierarchy, texts: list[str], tokenizer: Any,
         label_texts: ``N`` texts that cluster labels are drawn from (default ``texts``).
         fixed_labels: cluster path -> label kept from an earlier build (text scheme; an incremental
             index keeps its clusters' labels so that unchanged ads keep their sequences).
+        keep_tokens: code tokens of an earlier build (codes scheme): they keep their ids (list order)
+            and the tokens this build adds come after them, so a model trained on the earlier index
+            only has to learn the new rows.
     """
     cfg = config or RenderConfig()
     if len(texts) != hierarchy.num_ads:
         raise ValueError(f"{len(texts)} texts for {hierarchy.num_ads} ads")
     if cfg.scheme is IdScheme.CODES:
-        return _render_codes(hierarchy, tokenizer)
+        return _render_codes(hierarchy, tokenizer, keep_tokens or [])
     return _render_text(hierarchy, texts, tokenizer, cfg, label_texts or texts, fixed_labels or {})
 
 
@@ -144,7 +148,7 @@ def _cluster_nodes(h: Hierarchy) -> tuple[list[np.ndarray], list[np.ndarray], li
     return node_of, paths, parents
 
 
-def _render_codes(h: Hierarchy, tokenizer: Any) -> RenderedIds:
+def _render_codes(h: Hierarchy, tokenizer: Any, keep_tokens: list[str]) -> RenderedIds:
     base = len(tokenizer)
     levels = _code_levels(h)
     num_levels = int(h.code_len.max())
@@ -152,7 +156,16 @@ def _render_codes(h: Hierarchy, tokenizer: Any) -> RenderedIds:
     np.maximum.at(width, levels, h.code_flat.astype(np.int64) + 1)
     level_off = np.concatenate([[0], np.cumsum(width)])
     special = [special_token(lvl, i) for lvl in range(num_levels) for i in range(int(width[lvl]))]
-    token_flat = (base + level_off[levels] + h.code_flat).astype(np.int32)
+    if keep_tokens:  # earlier tokens first, at their old ids; this build's new ones appended
+        kept = set(keep_tokens)
+        special = list(keep_tokens) + [t for t in special if t not in kept]
+        position = {t: j for j, t in enumerate(special)}
+        # [sum(width)]: the list position of the token (level, index), in level_off layout
+        slot = np.array([position[special_token(lvl, i)] for lvl in range(num_levels)
+                         for i in range(int(width[lvl]))], dtype=np.int64)
+        token_flat = (base + slot[level_off[levels] + h.code_flat]).astype(np.int32)
+    else:
+        token_flat = (base + level_off[levels] + h.code_flat).astype(np.int32)
     offs = np.concatenate([[0], np.cumsum(h.code_len, dtype=np.int64)])
     tok_list = token_flat.tolist()
     texts = ["".join(special[t - base] for t in tok_list[offs[i]:offs[i + 1]])

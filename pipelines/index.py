@@ -176,8 +176,7 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
             hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
         else:
             hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
-    manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra,
-                           fixed_labels=start.labels if start is not None else None)
+    manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra, stable=start)
     return {
         "out": str(config.out),
         "index_hash": manifest["index_hash"],

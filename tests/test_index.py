@@ -245,9 +245,10 @@ def test_stable_ids_from_a_previous_index(tmp_path, scheme):
     code2 = dict(zip(after.ad_ids, after.ad_codes.column("code").to_pylist()))
     kept = [a for a in after.ad_ids if a in code1]
     assert sum(code1[a] == code2[a] for a in kept) == m["stable_ids"]["kept"] >= 0.9 * len(kept)
-    if scheme is IdScheme.TEXT:
-        seq2 = dict(zip(after.ad_ids, after.sequences()))
-        assert sum(seq1[a] == seq2[a] for a in kept) >= m["stable_ids"]["kept"]
+    # text: kept clusters keep their labels; codes: earlier code tokens keep their ids (new ones appended)
+    seq2 = dict(zip(after.ad_ids, after.sequences()))
+    assert sum(seq1[a] == seq2[a] for a in kept) >= m["stable_ids"]["kept"]
+    assert after.special_tokens[:len(before.special_tokens)] == before.special_tokens
     # another clustering config: the earlier codes are not reused (full build, no record)
     other = build_index(tmp_path / "night2.parquet", tmp_path / "idx2", cfg_for(scheme, leaf_size=60),
                         progress=False, previous=tmp_path / "idx")

@@ -109,7 +109,7 @@ def test_loss_decreases_and_checkpoint_binds_index(tok, tmp_path, scheme):
         assert tok2.convert_tokens_to_ids(idx.manifest["special_tokens"]) == list(range(base, base + 8))
         assert model.get_input_embeddings().weight.shape[0] == base + 8
         # tokens <c0_2>, <c0_3> belong to no ad: they fall back to the vocabulary mean
-        assert summary["embedding_init"] == {"code_tokens": 8, "from_ads": 6, "fallback": 2}
+        assert summary["embedding_init"] == {"code_tokens": 8, "initialised": 8, "from_ads": 6, "fallback": 2}
     rec = check_index_compat(tmp_path / "model", idx)
     assert rec["trained_on_index"] == idx.index_hash and rec["scheme"] == scheme
     other = fake_index(tok, scheme, salt="changed")
@@ -125,7 +125,7 @@ def test_code_embedding_init_is_member_mean(tok):
     model, t = tiny(tok), tok.__class__.from_pretrained(tok.name_or_path)
     base = len(t)
     before = model.get_input_embeddings().weight[:base].detach().clone()
-    assert add_index_tokens(t, idx.manifest["special_tokens"], base)
+    assert add_index_tokens(t, idx.manifest["special_tokens"], base) == 0  # all 8 added
     targets = idx.ad_codes.column("token_ids").to_pylist()
     init_code_embeddings(model, t, targets, TITLES, base, 8)
     emb = model.get_input_embeddings().weight.detach()
@@ -136,6 +136,15 @@ def test_code_embedding_init_is_member_mean(tok):
     assert torch.equal(emb[:base], before)  # base rows untouched
     with pytest.raises(ValueError, match="base_vocab_size"):
         add_index_tokens(t, ["<other>"], base)
+    # an incremental index appends tokens: the 8 learned rows stay, only the new ones are initialised
+    special = idx.manifest["special_tokens"] + ["<c2_0>", "<c2_1>"]
+    assert add_index_tokens(t, idx.manifest["special_tokens"], base) == 8  # nothing to add
+    assert add_index_tokens(t, special, base) == 8 and len(t) == base + 10
+    learned = model.get_input_embeddings().weight[base:base + 8].detach().clone()
+    stats = init_code_embeddings(model, t, [s + [base + 8] for s in targets], TITLES, base, 10, first_new=8)
+    assert stats["initialised"] == 2 and torch.equal(model.get_input_embeddings().weight[base:base + 8], learned)
+    with pytest.raises(ValueError, match="other code tokens"):
+        add_index_tokens(t, ["<x>"] + special[1:], base)
 
 
 def test_untrained_model_refused(tmp_path):

@@ -67,7 +67,10 @@ def test_codes_needs_the_same_code_tokens(tmp_path):
     model = _model(tmp_path, "h1", scheme="codes")
     same = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(), special_tokens=("<a_0>", "<a_1>"))
     assert same.init_model is not None and same.epochs == 1.0
-    other = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(), special_tokens=("<a_0>",))
+    appended = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(),
+                               special_tokens=("<a_0>", "<a_1>", "<b_0>"))
+    assert appended.init_model is not None  # stable ids: new tokens after the learned ones
+    other = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(), special_tokens=("<a_1>", "<a_0>"))
     assert other.init_model is None and "code tokens" in other.reason
 
 

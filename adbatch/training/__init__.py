@@ -60,9 +60,11 @@ def prepare_model_for_index(model: Any, tokenizer: Any, index: Any, ad_texts: Ma
     if info["scheme"] == "codes":
         special = list(index.manifest.get("special_tokens") or [])
         base = int(index.manifest["base_vocab_size"])
-        if add_index_tokens(tokenizer, special, base):
+        first_new = add_index_tokens(tokenizer, special, base)
+        if first_new < len(special):
             info["embedding_init"] = init_code_embeddings(
-                model, tokenizer, targets, [ad_texts.get(a, "") for a in index.ad_ids], base, len(special))
+                model, tokenizer, targets, [ad_texts.get(a, "") for a in index.ad_ids], base, len(special),
+                first_new=first_new)
         elif model.get_input_embeddings().weight.shape[0] < base + len(special):
             model.resize_token_embeddings(base + len(special), mean_resizing=False)
     vocab = model.get_input_embeddings().weight.shape[0]

@@ -21,36 +21,44 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def add_index_tokens(tokenizer: Any, special_tokens: Sequence[str], base_vocab_size: int) -> bool:
-    """Add ``special_tokens`` (manifest order) to ``tokenizer``; True if any were added.
+def add_index_tokens(tokenizer: Any, special_tokens: Sequence[str], base_vocab_size: int) -> int:
+    """Add ``special_tokens`` (manifest order) to ``tokenizer``; return the position in the list of
+    the first token added (``len(special_tokens)`` when none was).
 
-    A tokenizer that already holds exactly these tokens at the right ids (a warm start from a model
-    trained on a ``codes`` index with the same token list) is accepted as is.
+    A tokenizer that already holds a prefix of these tokens at the right ids (a warm start from a
+    model trained on an earlier ``codes`` index: an incremental index keeps the earlier tokens and
+    appends its new ones) gets only the rest.
     """
     if not special_tokens:
-        return False
-    ids = tokenizer.convert_tokens_to_ids(list(special_tokens))
-    expected = list(range(base_vocab_size, base_vocab_size + len(special_tokens)))
-    if list(ids) == expected and len(tokenizer) == base_vocab_size + len(special_tokens):
-        return False
-    if len(tokenizer) != base_vocab_size:
+        return 0
+    have = len(tokenizer) - base_vocab_size
+    if have < 0 or have > len(special_tokens):
         raise ValueError(
             f"tokenizer has {len(tokenizer)} tokens but the index expects base_vocab_size={base_vocab_size} "
             f"(+{len(special_tokens)} code tokens): it was built with another tokenizer")
+    if have:
+        ids = tokenizer.convert_tokens_to_ids(list(special_tokens[:have]))
+        if list(ids) != list(range(base_vocab_size, base_vocab_size + have)):
+            raise ValueError(f"the tokenizer's {have} added tokens are not this index's first {have} code tokens "
+                             "at their ids: it was trained on an index with other code tokens")
+    if have == len(special_tokens):
+        return have
     from tokenizers import AddedToken
 
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens[have:]])
     ids = tokenizer.convert_tokens_to_ids(list(special_tokens))
+    expected = list(range(base_vocab_size, base_vocab_size + len(special_tokens)))
     if list(ids) != expected:
         bad = next(i for i, (a, b) in enumerate(zip(ids, expected)) if a != b)
         raise ValueError(f"special token {special_tokens[bad]!r} got id {ids[bad]}, expected {expected[bad]}")
-    return True
+    return have
 
 
 @torch.no_grad()
 def init_code_embeddings(model: Any, tokenizer: Any, target_ids: Sequence[Sequence[int]], ad_texts: Sequence[str],
-                         base_vocab_size: int, num_special: int) -> dict[str, int]:
-    """Resize the embeddings to ``base_vocab_size + num_special`` and set each code token's row.
+                         base_vocab_size: int, num_special: int, first_new: int = 0) -> dict[str, int]:
+    """Resize the embeddings to ``base_vocab_size + num_special`` and set the rows of code tokens
+    ``first_new..num_special-1`` (earlier rows are a warm start's learned ones and stay).
 
     ``target_ids[r]``: the index's token_ids of ad row r; ``ad_texts[r]``: its title. Returns
     counts (tokens initialised from ads, tokens that fell back to the vocabulary mean).
@@ -75,10 +83,13 @@ def init_code_embeddings(model: Any, tokenizer: Any, target_ids: Sequence[Sequen
     counts = torch.bincount(code, minlength=num_special).float()
     fallback = base.mean(0).cpu()
     rows = torch.where(counts[:, None] > 0, sums / counts.clamp(min=1)[:, None], fallback)
-    emb[base_vocab_size:new_size] = rows.to(emb.dtype).to(emb.device)
+    lo = base_vocab_size + first_new
+    rows, counts = rows[first_new:], counts[first_new:]
+    emb[lo:new_size] = rows.to(emb.dtype).to(emb.device)
     out = model.get_output_embeddings()
     if out is not None and out.weight.data_ptr() != emb.data_ptr():  # untied head: same init
-        out.weight[base_vocab_size:new_size] = rows.to(out.weight.dtype).to(out.weight.device)
-    stats = {"code_tokens": num_special, "from_ads": int((counts > 0).sum()), "fallback": int((counts == 0).sum())}
+        out.weight[lo:new_size] = rows.to(out.weight.dtype).to(out.weight.device)
+    stats = {"code_tokens": num_special, "initialised": num_special - first_new,
+             "from_ads": int((counts > 0).sum()), "fallback": int((counts == 0).sum())}
     log.info("code-token embeddings: %s", stats)
     return stats

@@ -85,7 +85,7 @@ def plan_warm_start(previous_model: str | Path | None, previous_index: IndexSnap
     ``previous_index`` must be the snapshot of the index ``previous_model`` was trained on (its record's
     ``trained_on_index`` is checked against it, so a newer index left by a crashed run is not mistaken
     for it). ``ad_ids`` / ``scheme`` / ``special_tokens``: today's index (a ``codes`` model warm-starts
-    only onto the same code tokens: the training refuses shifted token ids). ``same_base_model``: the caller's knowledge that
+    only when its code tokens keep their ids, i.e. today's list starts with them: stable ids). ``same_base_model``: the caller's knowledge that
     the previous run started from the same base model (a different base = cold).
     """
     from adbatch.prompts import TARGETING_PROMPT_VERSION
@@ -109,8 +109,10 @@ def plan_warm_start(previous_model: str | Path | None, previous_index: IndexSnap
         return cold(f"the previous model learned {record.get('scheme')} ids, today's index has {scheme}")
     if previous_index is None or previous_index.index_hash != record.get("trained_on_index"):
         return cold("the index the previous model learned is not on disk to compare with")
-    if scheme == "codes" and tuple(special_tokens) != previous_index.special_tokens:
-        return cold("the code tokens changed (another cluster shape): a codes model cannot be remapped")
+    prev_tokens = previous_index.special_tokens
+    if scheme == "codes" and tuple(special_tokens[:len(prev_tokens)]) != prev_tokens:
+        return cold("the earlier code tokens are not kept at their ids (a full rebuild): a codes model "
+                    "cannot be remapped")
     today = set(ad_ids)
     overlap = len(today & previous_index.ad_ids) / max(1, len(today))
     if overlap < config.min_overlap:
