@@ -74,7 +74,28 @@ def test_refresh_skips_unchanged_stages(ray_local, assets, tmp_path):
     # a deleted output is noticed even though config and inputs match
     (tmp_path / "work" / "generate" / "targets" / "manifest.json").unlink()
     assert run_refresh(cfg3)["stages"]["generate_targets"]["status"] == "ran"
+    manifest = lambda: json.loads((tmp_path / "work" / "index" / "manifest.json").read_text())  # noqa: E731
+    assert "stable_ids" not in manifest()  # the cluster config changed: a full build
     assert run_refresh(cfg3.replace(force=["index"]))["stages"]["index"]["status"] == "ran"
+    n = manifest()["counts"]["ads_indexed"]
+    assert manifest()["stable_ids"]["kept"] == n  # same corpus, same config: every id kept
+
+    # the next night: one ad gone, one new -> the others keep their codes (stable ids)
+    ads = pq.read_table(assets["root"] / "tiny_ads.parquet")
+    import pyarrow as pa
+
+    new_row = ads.slice(0, 1).to_pylist()[0] | {"ad_id": "ad-new"}
+    table = pa.concat_tables([ads.slice(1), pa.Table.from_pylist([new_row], schema=ads.schema)])
+    pq.write_table(table, tmp_path / "night2.parquet")
+    before = dict(zip(*[pq.read_table(tmp_path / "work" / "index" / "ad_codes.parquet").column(c).to_pylist()
+                        for c in ("ad_id", "code")]))
+    cfg4 = cfg3.replace(index=cfg3.index.replace(ads=tmp_path / "night2.parquet"))
+    assert run_refresh(cfg4)["stages"]["index"]["status"] == "ran"
+    stable = manifest()["stable_ids"]
+    assert stable["new"] == 1 and stable["kept"] + stable["resplit"] == n - 1
+    after = dict(zip(*[pq.read_table(tmp_path / "work" / "index" / "ad_codes.parquet").column(c).to_pylist()
+                       for c in ("ad_id", "code")]))
+    assert sum(after[a] == before[a] for a in after if a in before) == stable["kept"] > 0
 
 
 @pytest.mark.slow
