@@ -400,6 +400,8 @@ def sweep(args: argparse.Namespace) -> None:
     ``--save-dir``), ``wide_beams`` (also test with this many beams, still top 10: a second row),
     ``creatives`` (with ``--slogans``: held-out creative quality of the selected model vs the base model),
     ``distill`` / ``distill_alpha`` / ``distill_t`` (distil from a frozen copy of the ``init`` model),
+    ``rehearsal`` (ads whose own headlines are mixed in: creative rehearsal) / ``rehearsal_repeat``,
+    ``max_steps``,
     ``valid`` = "titles" (+ ``valid_ads``, ``valid_metric`` e.g. "success@1": validate on title -> own
     ad). Model selection uses the *validation* queries only; test queries are scored once per selected
     model.
@@ -409,6 +411,7 @@ def sweep(args: argparse.Namespace) -> None:
     from adbatch.training import DistillConfig, SparsityScheduleConfig, TrainConfig, train_on_index
     from adbatch.training.pseudo_queries import PseudoQueryConfig
     from adbatch.training.quant_aware import QuantAwareConfig
+    from adbatch.training.rehearsal import CreativeRehearsalConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -464,7 +467,11 @@ def sweep(args: argparse.Namespace) -> None:
                           qat=QuantAwareConfig(enabled=bool(c.get("qat")), start_fraction=c.get("qat_start", 0.8),
                                                group_size=c.get("qat_group", 128)),
                           distill=DistillConfig(enabled=bool(c.get("distill")), alpha=c.get("distill_alpha", 0.5),
-                                                temperature=c.get("distill_t", 2.0)))
+                                                temperature=c.get("distill_t", 2.0)),
+                          creative_rehearsal=CreativeRehearsalConfig(enabled=bool(c.get("rehearsal")),
+                                                                     ads=int(c.get("rehearsal") or 256),
+                                                                     repeat=c.get("rehearsal_repeat", 1)),
+                          max_steps=c.get("max_steps"))
         if c.get("init"):
             from adbatch.models import load_causal_lm
 

@@ -254,3 +254,46 @@ def test_ray_train_one_worker_and_warm_start(tmp_path, tok, ray_local):
     assert check_index_compat(tmp_path / "model2", index2)["warm_started_from_index"] == index.index_hash
     with pytest.raises(IndexMismatchError):
         check_index_compat(tmp_path / "model2", index)
+
+
+def test_creative_rehearsal_examples_and_training(tok, tmp_path, monkeypatch):
+    """Creative rehearsal: the starting model's own greedy headline for the creative prompt of a
+    sample of ads becomes a CREATIVE example (prompt exactly as the creatives stage encodes it, target
+    = headline + EOS; empty headlines skipped); training mixes them in and records the counts. The
+    decoder is replaced by a stand-in: a random-init model's greedy text is mostly empty after the
+    creative stop strings."""
+    import adbatch.decoding.creative as creative
+    from adbatch.config import ConfigError
+    from adbatch.prompts import encode_creative_prompt
+    from adbatch.training.rehearsal import CreativeRehearsalConfig, rehearsal_examples
+
+    seen = []
+
+    def fake_generate(model, tokenizer, prompts, config):
+        seen.append((len(prompts), config.max_new_tokens))
+        return [[(" " if i else "", -0.5)] if i == 1 else [(f"Great deal {i}", -0.5)] for i in range(len(prompts))]
+
+    monkeypatch.setattr(creative, "generate_creatives", fake_generate)
+
+    idx = fake_index(tok, "text")
+    texts = dict(zip(idx.ad_ids, TITLES))
+    cfg = CreativeRehearsalConfig(enabled=True, ads=5, max_new_tokens=6, seed=3)
+    model = tiny(tok)
+    ex, stats = rehearsal_examples(model, tok, idx.ad_ids, texts, cfg)
+    again, _ = rehearsal_examples(model, tok, idx.ad_ids, texts, cfg)
+    assert seen[0] == (5, 6) and stats == stats | {"sampled": 5, "examples": 4, "empty": 1}
+    assert stats["samples"][0] == " Great deal 0"
+    assert torch.equal(ex.tokens, again.tokens) and torch.equal(ex.rows, again.rows)  # deterministic
+    assert set(ex.kinds.tolist()) == {3}
+    for e in range(len(ex)):
+        tokens = ex.tokens[ex.offsets[e]:ex.offsets[e + 1]].tolist()
+        plen = int(ex.prompt_lens[e])
+        assert tokens[:plen] == encode_creative_prompt(tok, {"title": TITLES[int(ex.rows[e])]})
+        assert tokens[-1] == tok.eos_token_id and len(tokens) > plen + 1
+    train_cfg = TrainConfig(epochs=1, lr=1e-3, batch_tokens=512, creative_rehearsal=cfg.replace(repeat=2))
+    _, _, summary = train_on_index(idx, None, train_cfg, ad_texts=texts, model=tiny(tok),
+                                   tokenizer=tok.__class__.from_pretrained(tok.name_or_path), device="cpu",
+                                   progress=False)
+    assert summary["data"]["creative_rehearsal"]["examples"] == stats["examples"]
+    with pytest.raises(ConfigError):
+        CreativeRehearsalConfig(ads=0).validate()

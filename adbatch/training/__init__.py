@@ -129,6 +129,13 @@ def train_on_index(
         tokenizer, index.ad_ids, _index_targets(index), ad_texts, labelled if config.retrieval else (),
         indexing=config.indexing, append_eos=config.append_eos, max_query_tokens=config.max_query_tokens,
         pseudo_queries=config.pseudo_queries)
+    if config.creative_rehearsal.enabled:
+        from adbatch.training.data import TrainingExamples
+        from adbatch.training.rehearsal import rehearsal_examples
+
+        creative, data_stats["creative_rehearsal"] = rehearsal_examples(
+            model, tokenizer, index.ad_ids, ad_texts, config.creative_rehearsal)
+        examples = TrainingExamples.concat([examples, creative])
     prep_s = time.perf_counter() - t0
     if evaluate is None and valid_qrels and config.eval_every > 0:
         from adbatch.targeting_eval import validation_metric

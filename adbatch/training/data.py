@@ -35,6 +35,7 @@ class ExampleKind(int, enum.Enum):
     INDEXING = 0
     RETRIEVAL = 1
     PSEUDO_QUERY = 2
+    CREATIVE = 3  # creative prompt -> the starting model's headline (adbatch.training.rehearsal)
 
 
 @dataclass
@@ -86,7 +87,8 @@ class TrainingExamples:
                                 torch.cat([p.rows for p in parts]))
 
 
-def _build(prompts: list[list[int]], targets: list[list[int]], kind: ExampleKind, rows: list[int]) -> TrainingExamples:
+def build_prompted(prompts: list[list[int]], targets: list[list[int]], kind: ExampleKind, rows: list[int]) -> TrainingExamples:
+    """Examples of one kind from token-id prompts and targets (``rows``: the ad row of each)."""
     lens = [len(p) + len(t) for p, t in zip(prompts, targets)]
     flat: list[int] = []
     for p, t in zip(prompts, targets):
@@ -144,7 +146,7 @@ def build_examples(
         if missing:
             raise KeyError(f"no text for ad_id {missing[0]!r} ({len(missing)} ads without text)")
         texts = [ad_texts[a] for a in ad_ids]
-        parts.append(_build(_prompts(tokenizer, texts, max_query_tokens), targets, ExampleKind.INDEXING,
+        parts.append(build_prompted(_prompts(tokenizer, texts, max_query_tokens), targets, ExampleKind.INDEXING,
                             list(range(len(ad_ids)))))
         stats["indexing"] = len(ad_ids)
     row_of = {a: r for r, a in enumerate(ad_ids)}
@@ -157,13 +159,13 @@ def build_examples(
             pairs.append((query, r))
     stats["labelled_not_in_index"] = not_in
     if pairs:
-        parts.append(_build(_prompts(tokenizer, [q for q, _ in pairs], max_query_tokens),
+        parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in pairs], max_query_tokens),
                             [targets[r] for _, r in pairs], ExampleKind.RETRIEVAL, [r for _, r in pairs]))
     stats["retrieval"] = len(pairs)
     if pseudo_queries is not None and pseudo_queries.per_ad > 0:
         spans = span_pseudo_queries([str(ad_texts.get(a) or "") for a in ad_ids], pseudo_queries)
         if spans:
-            parts.append(_build(_prompts(tokenizer, [q for q, _ in spans], max_query_tokens),
+            parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in spans], max_query_tokens),
                                 [targets[r] for _, r in spans], ExampleKind.PSEUDO_QUERY, [r for _, r in spans]))
         stats["pseudo_query"] = len(spans)
     if not parts:

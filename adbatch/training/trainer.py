@@ -39,6 +39,7 @@ from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.data import ExampleKind, TrainingExamples, collate, repeat_kinds, token_budget_batches
 from adbatch.training.distill import DistillConfig, distill_loss
 from adbatch.training.pseudo_queries import PseudoQueryConfig
+from adbatch.training.rehearsal import CreativeRehearsalConfig
 from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
 from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig, unwrap_ddp
 
@@ -84,6 +85,8 @@ class TrainConfig(ConfigBase):
                                   metadata={"help": "quantization-aware final phase (INT4 fake-quant, STE)"})
     distill: DistillConfig = field(default_factory=DistillConfig,
                                    metadata={"help": "distil from a frozen copy of the starting model"})
+    creative_rehearsal: CreativeRehearsalConfig = field(default_factory=CreativeRehearsalConfig, metadata={
+        "help": "mix creative examples (the starting model's own headlines) into training"})
     eval_every: float = field(default=0.0, metadata={
         "help": "epochs between validation evaluations (0 = none; needs an evaluate callback)"})
     valid_metric: str = field(default="recall@10", metadata={
@@ -275,7 +278,8 @@ def train_loop(
     device = torch.device(device)
     gen = torch.Generator().manual_seed(config.seed)
     examples = repeat_kinds(examples, {ExampleKind.INDEXING: config.indexing_repeat,
-                                       ExampleKind.RETRIEVAL: config.retrieval_repeat})
+                                       ExampleKind.RETRIEVAL: config.retrieval_repeat,
+                                       ExampleKind.CREATIVE: config.creative_rehearsal.repeat})
     lengths = examples.lengths
     per_epoch = len(token_budget_batches(lengths, config.batch_tokens, gen, shuffle=False)) // world_size
     if per_epoch == 0:
