@@ -262,7 +262,7 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
     model_dir: str | None = config.model
     model_in = base_hash
     if config.train.enabled:
-        from pipelines.train import TrainJobConfig, run_train
+        from pipelines.train import TrainJobConfig
 
         model_out = work / "model"
         train_job = TrainJobConfig(index=index_dir, out=model_out, init_model=config.model,
