@@ -364,10 +364,10 @@ def update_hierarchy(emb: np.ndarray, previous: list[list[int] | None], config: 
             x = emb[rows]
             d2 = (x * x).sum(1)[:, None] - 2.0 * x @ cent.T + (cent * cent).sum(1)[None, :]
             pick = np.argmin(d2, axis=1)
-            for k_idx, j in enumerate(kids):
+            for k_idx, j in enumerate(kids):  # a child has one parent: each key is written once
                 sel = rows[pick == k_idx]
                 if sel.size:
-                    nxt[node + (j,)] = np.concatenate([nxt.get(node + (j,), np.zeros(0, np.int64)), sel])
+                    nxt[node + (j,)] = sel
         frontier = nxt
     for path, rows in placed.items():
         slot = leaves.setdefault(path, {})
@@ -393,7 +393,8 @@ def update_hierarchy(emb: np.ndarray, previous: list[list[int] | None], config: 
     code_flat = np.fromiter((v for i in range(n) for v in code_of[i]), dtype=np.int32, count=int(code_len.sum()))
     num_leaves = len({code_of[i][:-1] for i in range(n)})
     num_splits = len({code_of[i][:d] for i in range(n) for d in range(len(code_of[i]) - 1)})
-    kept = sum(1 for i in kept_rows if code_of[i] == tuple(int(v) for v in previous[i]))
     hierarchy = Hierarchy(code_flat=code_flat, code_len=code_len, num_splits=num_splits, num_leaves=num_leaves,
                           fallback_splits=fallback_splits)
-    return hierarchy, UpdateStats(kept=kept, new=int(new_rows.size), resplit=resplit, resplit_leaves=resplit_leaves)
+    # a kept ad's code changes only when its leaf is re-split
+    return hierarchy, UpdateStats(kept=len(kept_rows) - resplit, new=int(new_rows.size), resplit=resplit,
+                                  resplit_leaves=resplit_leaves)

@@ -239,7 +239,7 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     """The codes and labels of an earlier index of the same configuration for today's ads, or None
     (logged why) when there is no readable earlier index or it was built differently."""
     try:
-        prev = load_index(previous, mmap=False)
+        prev = load_index(previous)
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:
         log.info("index: no earlier index to keep codes from (%s): full build", e)
         return None

@@ -155,17 +155,14 @@ def _render_codes(h: Hierarchy, tokenizer: Any, keep_tokens: list[str]) -> Rende
     width = np.zeros(num_levels, dtype=np.int64)
     np.maximum.at(width, levels, h.code_flat.astype(np.int64) + 1)
     level_off = np.concatenate([[0], np.cumsum(width)])
-    special = [special_token(lvl, i) for lvl in range(num_levels) for i in range(int(width[lvl]))]
-    if keep_tokens:  # earlier tokens first, at their old ids; this build's new ones appended
-        kept = set(keep_tokens)
-        special = list(keep_tokens) + [t for t in special if t not in kept]
-        position = {t: j for j, t in enumerate(special)}
-        # [sum(width)]: the list position of the token (level, index), in level_off layout
-        slot = np.array([position[special_token(lvl, i)] for lvl in range(num_levels)
-                         for i in range(int(width[lvl]))], dtype=np.int64)
-        token_flat = (base + slot[level_off[levels] + h.code_flat]).astype(np.int32)
-    else:
-        token_flat = (base + level_off[levels] + h.code_flat).astype(np.int32)
+    needed = [special_token(lvl, i) for lvl in range(num_levels) for i in range(int(width[lvl]))]
+    # earlier tokens first, at their old ids; this build's new ones appended (without keep_tokens the
+    # list is `needed` itself and `slot` the identity)
+    kept = set(keep_tokens)
+    special = list(keep_tokens) + [t for t in needed if t not in kept]
+    position = {t: j for j, t in enumerate(special)}
+    slot = np.array([position[t] for t in needed], dtype=np.int64)  # [sum(width)], level_off layout -> list position
+    token_flat = (base + slot[level_off[levels] + h.code_flat]).astype(np.int32)
     offs = np.concatenate([[0], np.cumsum(h.code_len, dtype=np.int64)])
     tok_list = token_flat.tolist()
     texts = ["".join(special[t - base] for t in tok_list[offs[i]:offs[i + 1]])
@@ -250,8 +247,8 @@ def cluster_labels(node_of: list[np.ndarray], paths: list[np.ndarray], parents: 
         node_said: list[frozenset[str]] = [frozenset()] * m
         for parent_node, sibs in by_parent.items():
             above = said[parent_node] if lvl > 0 else frozenset()
-            kept = {node: fixed[tuple(int(v) for v in paths[lvl][node])] for node in sibs
-                    if fixed and tuple(int(v) for v in paths[lvl][node]) in fixed}
+            sib_paths = {node: tuple(int(v) for v in paths[lvl][node]) for node in sibs} if fixed else {}
+            kept = {node: fixed[p] for node, p in sib_paths.items() if p in fixed}
             used: set[str] = set(kept.values())
             for node in sibs:
                 if node in kept:

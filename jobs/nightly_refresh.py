@@ -196,13 +196,11 @@ class _Runner:
 def _train_warm_or_cold(job: Any, warm: WarmStartConfig, previous_index: Any, same_base_model: bool) -> dict[str, Any]:
     """Run the train stage from last night's model in ``job.out`` when :func:`plan_warm_start` allows
     (the model folder is replaced atomically at the end, so a crash keeps last night's model)."""
-    from adbatch.index import load_index
-    from adbatch.training.warm_start import plan_warm_start
+    from adbatch.training.warm_start import IndexSnapshot, plan_warm_start
     from pipelines.train import run_train
 
-    index = load_index(job.index)
-    plan = plan_warm_start(job.out, previous_index, index.ad_ids, index.scheme.value, job.train.epochs, warm,
-                           same_base_model=same_base_model, special_tokens=tuple(index.special_tokens))
+    plan = plan_warm_start(job.out, previous_index, IndexSnapshot.read(job.index), job.train.epochs, warm,
+                           same_base_model=same_base_model)
     log.info("train: %s start (%s), %g epochs", "warm" if plan.init_model else "cold", plan.reason, plan.epochs)
     if plan.init_model is not None:
         job = job.replace(init_model=plan.init_model, train=job.train.replace(epochs=plan.epochs))

@@ -52,25 +52,28 @@ def test_warm_when_the_index_changed_partly(nights, tmp_path):
     today = IndexSnapshot.of(nights["night2"])
     assert prev is not None and today is not None and prev.index_hash != today.index_hash
     model = _model(tmp_path, prev.index_hash)
-    plan = plan_warm_start(model, prev, today.ad_ids, "text", 6.0, WarmStartConfig())
+    plan = plan_warm_start(model, prev, today, 6.0, WarmStartConfig())
     assert plan.init_model == str(model.resolve()) and plan.epochs == 3.0
     assert plan.overlap == pytest.approx(24 / 25)
     # a stricter threshold, or a different base model -> cold, full epochs
-    strict = plan_warm_start(model, prev, today.ad_ids, "text", 6.0, WarmStartConfig(min_overlap=0.99))
+    strict = plan_warm_start(model, prev, today, 6.0, WarmStartConfig(min_overlap=0.99))
     assert strict.init_model is None and strict.epochs == 6.0 and "96.0%" in strict.reason
-    other_base = plan_warm_start(model, prev, today.ad_ids, "text", 6.0, WarmStartConfig(), same_base_model=False)
+    other_base = plan_warm_start(model, prev, today, 6.0, WarmStartConfig(), same_base_model=False)
     assert other_base.init_model is None and "base model" in other_base.reason
 
 
 def test_codes_needs_the_same_code_tokens(tmp_path):
-    prev = IndexSnapshot("h1", frozenset(range(10)), ("<a_0>", "<a_1>"))
+    prev = IndexSnapshot("h1", frozenset(range(10)), "codes", ("<a_0>", "<a_1>"))
     model = _model(tmp_path, "h1", scheme="codes")
-    same = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(), special_tokens=("<a_0>", "<a_1>"))
+
+    def today(*tokens):
+        return IndexSnapshot("h2", frozenset(range(10)), "codes", tokens)
+
+    same = plan_warm_start(model, prev, today("<a_0>", "<a_1>"), 2.0, WarmStartConfig())
     assert same.init_model is not None and same.epochs == 1.0
-    appended = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(),
-                               special_tokens=("<a_0>", "<a_1>", "<b_0>"))
+    appended = plan_warm_start(model, prev, today("<a_0>", "<a_1>", "<b_0>"), 2.0, WarmStartConfig())
     assert appended.init_model is not None  # stable ids: new tokens after the learned ones
-    other = plan_warm_start(model, prev, range(10), "codes", 2.0, WarmStartConfig(), special_tokens=("<a_1>", "<a_0>"))
+    other = plan_warm_start(model, prev, today("<a_1>", "<a_0>"), 2.0, WarmStartConfig())
     assert other.init_model is None and "code tokens" in other.reason
 
 
@@ -87,7 +90,7 @@ def test_cold_cases(nights, tmp_path, case):
         (model / TRAINING_RECORD).unlink()
     # a crash after the index stage leaves today's index on disk: it is not the one the model learned
     snapshot = today if case == "index_not_on_disk" else prev
-    plan = plan_warm_start(model, snapshot, today.ad_ids, "text", 4.0, cfg)
+    plan = plan_warm_start(model, snapshot, today, 4.0, cfg)
     assert plan.init_model is None and plan.epochs == 4.0 and plan.reason
 
 

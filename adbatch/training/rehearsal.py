@@ -57,17 +57,13 @@ def rehearsal_examples(model: Any, tokenizer: Any, ad_ids: list[Hashable], ad_te
     pick = torch.randperm(len(ad_ids), generator=gen)[:config.ads].sort().values.tolist()
     prompts = [encode_creative_prompt(tokenizer, {"title": ad_texts.get(ad_ids[r], "")}) for r in pick]
     outs = generate_creatives(model, tokenizer, prompts, CreativeConfig(max_new_tokens=config.max_new_tokens))
-    eos = tokenizer.eos_token_id
-    keep_prompts, targets, rows = [], [], []
-    for r, prompt, out in zip(pick, prompts, outs):
-        text = out[0][0] if out else ""
-        if not text.strip():
-            continue
-        # the decoder's text after the prompt; the model writes a leading space after "Headline:"
-        text = text if text[:1].isspace() else " " + text
-        targets.append(tokenizer(text.rstrip(), add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else []))
-        keep_prompts.append(prompt)
-        rows.append(r)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    keep = [(r, prompt, out[0][0]) for r, prompt, out in zip(pick, prompts, outs) if out and out[0][0].strip()]
+    rows = [r for r, _, _ in keep]
+    keep_prompts = [p for _, p, _ in keep]
+    # the decoder's text after the prompt; the model writes a leading space after "Headline:"
+    texts = [(t if t[:1].isspace() else " " + t).rstrip() for _, _, t in keep]
+    targets = [ids + eos for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
     stats = {"sampled": len(pick), "examples": len(rows), "empty": len(pick) - len(rows),
              "samples": [tokenizer.decode(t, skip_special_tokens=True) for t in targets[:3]]}
     log.info("creative rehearsal: %s", stats)

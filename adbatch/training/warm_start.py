@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Collection, Hashable
+from typing import Any
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.checkpoint import read_training_record
@@ -44,24 +44,38 @@ class WarmStartConfig(ConfigBase):
 
 @dataclasses.dataclass(frozen=True)
 class IndexSnapshot:
-    """What a warm-start decision needs of an index: its hash, ad ids and (``codes``) new tokens."""
+    """What a warm-start decision needs of an index: its hash, scheme, ad ids and (``codes``) tokens."""
 
     index_hash: str
     ad_ids: frozenset
+    scheme: str = "text"
     special_tokens: tuple = ()
 
     @staticmethod
-    def of(index_dir: str | Path) -> "IndexSnapshot | None":
-        """The snapshot of an index folder, or None when there is no readable index there (first run,
-        or a folder left half-written by a crash: then no warm start is attempted)."""
-        from adbatch.index import load_index
+    def read(index_dir: str | Path) -> "IndexSnapshot":
+        """The snapshot of a finished index folder: its manifest and the ``ad_id`` column only (the
+        decision needs neither the targets nor the trie)."""
+        import pyarrow.parquet as pq
 
+        from adbatch.artifacts import read_manifest
+        from adbatch.index import AD_CODES_FILE
+
+        manifest = read_manifest(index_dir)
+        if manifest.get("stage") != "index":
+            raise ValueError(f"{index_dir}: manifest is for stage {manifest.get('stage')!r}, not index")
+        ids = pq.read_table(Path(index_dir) / AD_CODES_FILE, columns=["ad_id"]).column("ad_id").to_pylist()
+        return IndexSnapshot(manifest["index_hash"], frozenset(ids), str(manifest["scheme"]),
+                             tuple(manifest.get("special_tokens", [])))
+
+    @staticmethod
+    def of(index_dir: str | Path) -> "IndexSnapshot | None":
+        """:meth:`read`, or None when there is no readable index there (first run, or a folder left
+        half-written by a crash: then no warm start is attempted)."""
         try:
-            index = load_index(index_dir, verify=False)
+            return IndexSnapshot.read(index_dir)
         except (FileNotFoundError, ValueError, KeyError, OSError, json.JSONDecodeError) as e:
             log.debug("no index snapshot of %s: %s", index_dir, e)
             return None
-        return IndexSnapshot(index.index_hash, frozenset(index.ad_ids), tuple(index.special_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +92,14 @@ class WarmStartPlan:
 
 
 def plan_warm_start(previous_model: str | Path | None, previous_index: IndexSnapshot | None,
-                    ad_ids: Collection[Hashable], scheme: str, epochs: float, config: WarmStartConfig,
-                    same_base_model: bool = True, special_tokens: tuple = ()) -> WarmStartPlan:
+                    today: IndexSnapshot, epochs: float, config: WarmStartConfig,
+                    same_base_model: bool = True) -> WarmStartPlan:
     """Warm or cold, from the previous run's model folder and the index it was trained on.
 
     ``previous_index`` must be the snapshot of the index ``previous_model`` was trained on (its record's
     ``trained_on_index`` is checked against it, so a newer index left by a crashed run is not mistaken
-    for it). ``ad_ids`` / ``scheme`` / ``special_tokens``: today's index (a ``codes`` model warm-starts
-    only when its code tokens keep their ids, i.e. today's list starts with them: stable ids). ``same_base_model``: the caller's knowledge that
+    for it). ``today``: today's index (a ``codes`` model warm-starts only when its code tokens keep their
+    ids, i.e. today's list starts with them: stable ids). ``same_base_model``: the caller's knowledge that
     the previous run started from the same base model (a different base = cold).
     """
     from adbatch.prompts import TARGETING_PROMPT_VERSION
@@ -105,16 +119,15 @@ def plan_warm_start(previous_model: str | Path | None, previous_index: IndexSnap
     if record.get("targeting_prompt_version") != TARGETING_PROMPT_VERSION:
         return cold(f"the previous model was trained with prompt version {record.get('targeting_prompt_version')}, "
                     f"this code renders {TARGETING_PROMPT_VERSION}")
-    if record.get("scheme") != scheme:
-        return cold(f"the previous model learned {record.get('scheme')} ids, today's index has {scheme}")
+    if record.get("scheme") != today.scheme:
+        return cold(f"the previous model learned {record.get('scheme')} ids, today's index has {today.scheme}")
     if previous_index is None or previous_index.index_hash != record.get("trained_on_index"):
         return cold("the index the previous model learned is not on disk to compare with")
     prev_tokens = previous_index.special_tokens
-    if scheme == "codes" and tuple(special_tokens[:len(prev_tokens)]) != prev_tokens:
+    if today.scheme == "codes" and today.special_tokens[:len(prev_tokens)] != prev_tokens:
         return cold("the earlier code tokens are not kept at their ids (a full rebuild): a codes model "
                     "cannot be remapped")
-    today = set(ad_ids)
-    overlap = len(today & previous_index.ad_ids) / max(1, len(today))
+    overlap = len(today.ad_ids & previous_index.ad_ids) / max(1, len(today.ad_ids))
     if overlap < config.min_overlap:
         return cold(f"only {overlap:.1%} of today's ads were in the previous index (< {config.min_overlap:.0%})", overlap)
     # absolute: Ray Train workers do not run in the driver's working directory
