@@ -92,6 +92,19 @@ def test_save_load_round_trip(tiny_compressed, saved):
     assert all(layer["shard"].startswith("packed-") for layer in stored["layers"])
 
 
+def test_generation_loads_compressed_densified_on_cpu(tiny_compressed, saved):
+    """Off the GPU the generators serve the compressed model dequantized once into nn.Linear: the
+    same fp32 values as the per-call reference, so the same logits (tied lm_head kept)."""
+    from adbatch.generation import ModelSpec, load_model
+
+    _, model, _, x = tiny_compressed
+    served, _ = load_model(ModelSpec(compressed=str(saved)), "cpu")
+    assert not any(isinstance(m, CompressedLinear) for m in served.modules())
+    assert served.lm_head.weight.data_ptr() == served.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        assert torch.allclose(served(x).logits, model(x).logits, atol=1e-5, rtol=1e-5)
+
+
 def _copy(saved, tmp_path):
     d = tmp_path / "ckpt"
     shutil.copytree(saved, d)
