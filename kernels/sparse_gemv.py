@@ -170,7 +170,7 @@ _DQ_ASM_BF16 = tl.constexpr(_dq_asm(True))
 _SEL_ASM = tl.constexpr(  # $0..$7 = prmt selectors of the 8 kept pairs of position word $8
     "{ .reg .b32 u; "
     + " ".join(
-        (f"and.b32 u, $8, 0x03030303; " if t == 0 else f"shr.u32 u, $8, {2 * t}; and.b32 u, u, 0x03030303; ")
+        ("and.b32 u, $8, 0x03030303; " if t == 0 else f"shr.u32 u, $8, {2 * t}; and.b32 u, u, 0x03030303; ")
         + f"mad.lo.u32 ${t}, u, 0x22, 0x10101010; shr.u32 ${4 + t}, ${t}, 16;"
         for t in range(4)
     )
@@ -573,7 +573,7 @@ def _tc_asm(nkeep: int, bf16: bool) -> str:
     w1 ($nout, $nout+1), position word ($nout+2, ignored for dense), s2 = scale in both halves
     ($nout+3), nzs2 = -(16 + zero) * scale in both halves ($nout+4), all fp16."""
     nout = 16 * 4 // nkeep
-    w_in, p_in, s_in, z_in = f"${nout}", f"${nout + 2}", f"${nout + 3}", f"${nout + 4}"
+    p_in, s_in, z_in = f"${nout + 2}", f"${nout + 3}", f"${nout + 4}"
     ops = [("shl.b32", 6), ("shl.b32", 2), ("shr.u32", 2), ("shr.u32", 6)]
     amt_ops = [("shl.b32", 3), ("shl.b32", 1), ("shr.u32", 1), ("shr.u32", 3)]
     body = ["mov.b32 kz, 0;"]
@@ -756,7 +756,6 @@ def _nm_int4_tc_kernel(
     pid_k = tl.program_id(1)
     pid_b = tl.program_id(2)
     SB: tl.constexpr = BLOCK_KK // 32
-    NOUT: tl.constexpr = 64 // NKEEP  # dense columns per unit
     LOG: tl.constexpr = 4 if NKEEP == 4 else (5 if NKEEP == 2 else 6)
     DCOL: tl.constexpr = 4 * BLOCK_KK // NKEEP
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
