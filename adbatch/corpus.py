@@ -219,7 +219,10 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
     for path_i in paths:
         t = pq.read_table(path_i, columns=list(mapping.values()))
         cols = {ours: t.column(col) for ours, col in mapping.items()}
-        cols["ad_id"] = cols["ad_id"].cast(pa.string() if id_kind == "string" else pa.int64())
+        try:
+            cols["ad_id"] = cols["ad_id"].cast(pa.string() if id_kind == "string" else pa.int64())
+        except pa.ArrowInvalid as exc:  # e.g. uint64 ids above 2**63 - 1
+            raise CorpusSchemaError(f"{path_i}: column {cfg.ad_id!r} (ad_id) does not fit int64: {exc}") from None
         for name in ("text", *OPTIONAL_TEXT_FIELDS):
             if name in cols:
                 cols[name] = cols[name].cast(pa.string())
@@ -277,9 +280,11 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
 
     # Duplicates last, among rows otherwise fine: the first good occurrence wins.
     ok = reason == ""
-    ids_ok = table.column("ad_id").filter(pa.array(ok)).to_numpy(zero_copy_only=False)
-    _, first_idx, inverse = np.unique(ids_ok.astype(str) if id_kind == "string" else ids_ok,
-                                      return_index=True, return_inverse=True)
+    ids_ok = table.column("ad_id").filter(pa.array(ok)).combine_chunks()
+    # strings: compare Arrow's exact values (numpy's astype(str) drops trailing NULs: "a" == "a\x00")
+    keys = (ids_ok.dictionary_encode().indices.to_numpy(zero_copy_only=False) if id_kind == "string"
+            else ids_ok.to_numpy(zero_copy_only=False))
+    _, first_idx, inverse = np.unique(keys, return_index=True, return_inverse=True)
     ok_rows = np.flatnonzero(ok)
     dup = np.zeros(n, dtype=bool)
     is_dup_ok = np.ones(ok_rows.shape[0], dtype=bool)

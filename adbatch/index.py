@@ -240,6 +240,11 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     (logged why) when there is no readable earlier index or it was built differently."""
     try:
         prev = load_index(previous)
+        # the labels come from clusters.parquet, which load_index does not verify
+        clusters_file = Path(previous) / CLUSTERS_FILE
+        if sha256_file(clusters_file) != prev.manifest["outputs"].get(CLUSTERS_FILE):
+            raise ValueError(f"{clusters_file}: sha256 does not match the manifest's")
+        clusters = pq.read_table(clusters_file).to_pydict()
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:
         log.info("index: no earlier index to keep codes from (%s): full build", e)
         return None
@@ -250,8 +255,10 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
         return None
     code_of = dict(zip(prev.ad_ids, prev.ad_codes.column("code").to_pylist()))
     codes = [code_of.get(a) for a in corpus.table.column("ad_id").to_pylist()]
-    clusters = pq.read_table(Path(previous) / CLUSTERS_FILE).to_pydict()
-    labels = {tuple(p): lab for p, lab in zip(clusters["path"], clusters["label"])}
+    # only clusters that still hold a kept ad keep their label: every other path of today's hierarchy
+    # is a new cluster (with no ad in common, a fresh clustering reuses the old paths for other ads)
+    live = {tuple(c[:d]) for c in codes if c for d in range(1, len(c))}
+    labels = {tuple(p): lab for p, lab in zip(clusters["path"], clusters["label"]) if tuple(p) in live}
     return StableStart(codes, labels, prev.special_tokens, prev.index_hash)
 
 

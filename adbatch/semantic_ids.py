@@ -295,7 +295,8 @@ def _render_text(h: Hierarchy, texts: list[str], tokenizer: Any, cfg: RenderConf
     cluster_depth = h.code_len.astype(np.int64) - 1
     lead = np.where(cluster_depth > 0, " ", "")
     text_strings = [lead[i] + " ".join(t.split()) for i, t in enumerate(texts)]
-    text_tokens = tokenizer(text_strings, add_special_tokens=False)["input_ids"]
+    # split_special_tokens: an ad that spells "<|im_end|>" is text, not an EOS in mid-sequence
+    text_tokens = tokenizer(text_strings, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     k = cfg.max_text_tokens
     seqs: list[list[int]] = []
     rendered: list[str] = []

@@ -139,3 +139,29 @@ def test_optional_fields_join_for_embedding(tmp_path):
                   desc=pa.array(["cordless", None]), cat=pa.array([None, "tools"]))
     c = read_corpus(path, CorpusConfig(description="desc", category="cat"))
     assert c.embedding_inputs() == ["Drill. cordless", "tools. Saw"]
+
+
+def test_distinct_string_ids_that_differ_only_by_trailing_nul_are_not_duplicates(tmp_path):
+    """"a" and "a\\x00" are different ids; numpy's fixed-width str (astype(str)) drops trailing NULs."""
+    p = _write(tmp_path / "c.parquet", ad_id=["a", "a\x00", "b"], title=["x y", "z w", "q r"])
+    c = read_corpus(p)
+    assert c.table.column("ad_id").to_pylist() == ["a", "a\x00", "b"]
+    assert c.rejected.num_rows == 0
+
+
+def test_duplicates_still_found_with_nulls_and_parts(tmp_path):
+    d = tmp_path / "parts"
+    d.mkdir()
+    _write(d / "p0.parquet", ad_id=["a", None, "b"], title=["x", "y", "z"])
+    _write(d / "p1.parquet", ad_id=["b", "c", "a"], title=["u", "v", "w"])
+    c = read_corpus(d)
+    assert c.table.column("ad_id").to_pylist() == ["a", "b", "c"]
+    assert sorted(c.rejected.column("reason").to_pylist()) == ["duplicate_ad_id", "duplicate_ad_id", "null_ad_id"]
+
+
+def test_uint64_ids_beyond_int64_are_a_schema_error_naming_the_column(tmp_path):
+    p = _write(tmp_path / "c.parquet", ad_id=pa.array([1, 2**63 + 5], pa.uint64()), title=["x", "y"])
+    with pytest.raises(CorpusSchemaError, match="ad_id"):
+        read_corpus(p)
+    ok = _write(tmp_path / "ok.parquet", ad_id=pa.array([1, 2**62], pa.uint64()), title=["x", "y"])
+    assert read_corpus(ok).table.column("ad_id").to_pylist() == [1, 2**62]
