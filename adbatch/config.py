@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import tomllib
 import types
 import typing
@@ -96,6 +97,8 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(args) == 1:
+            if args[0] is Path and value == "":
+                return None  # TOML has no null: an empty path switches an optional input off
             return _coerce(value, args[0], where)
         return value
     if isinstance(hint, type):
@@ -107,10 +110,16 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             except ValueError:
                 allowed = [m.value for m in hint]
                 raise ConfigError(f"{where}: {value!r} is not one of {allowed}") from None
-        if issubclass(hint, ConfigBase) and isinstance(value, dict):
-            return hint.from_dict(value)
+        if issubclass(hint, ConfigBase):
+            if isinstance(value, hint):
+                return value
+            if isinstance(value, dict):
+                return hint.from_dict(value)
+            raise ConfigError(f"{where}: expected a table of {hint.__name__} settings, got {value!r}")
         if hint is Path:
-            return Path(value)
+            if isinstance(value, (str, os.PathLike)) and str(value) != "":
+                return Path(value)
+            raise ConfigError(f"{where}: expected a path, got {value!r}")
         if hint is bool:
             if isinstance(value, str):
                 low = value.lower()
@@ -121,12 +130,16 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
                 raise ConfigError(f"{where}: expected a boolean, got {value!r}")
             return bool(value)
         if hint in (int, float, str):
-            if isinstance(value, bool) and hint is not str:
-                raise ConfigError(f"{where}: expected {hint.__name__}, got a boolean")
+            if isinstance(value, bool) or (hint is str and isinstance(value, (list, tuple, dict))):
+                raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
+            if hint is int and isinstance(value, float) and not value.is_integer():
+                raise ConfigError(f"{where}: expected int, got {value!r}")
             try:
                 return hint(value)
             except (TypeError, ValueError):
                 raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}") from None
+    if origin in (tuple, list) and not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
         args = typing.get_args(hint)
         inner = args[0] if args else Any

@@ -87,8 +87,14 @@ def config_from_args(
     cfg_file = getattr(args, "config", None)
     if cfg_file:
         file_data = load_config_file(cfg_file)
-        if section and isinstance(file_data.get(section), dict):
-            file_data = file_data[section]
+        table = file_data.get(section) if section else None
+        if isinstance(table, dict):
+            # `adbatch train`'s config has a nested `train` table (TrainConfig) too, and `index` and
+            # `compress` likewise: `[<section>]` is the subcommand's own table only when every key
+            # in it is a field of the job config; otherwise it is that nested table
+            names = {f.name for f in dataclasses.fields(cls)}
+            if section not in names or (table and set(table) <= names):
+                file_data = table
         data.update(file_data)
     for key, value in vars(args).items():
         if key in ("config", "command", "log_level") or value is _MISSING:

@@ -86,6 +86,11 @@ class TrainStage(ConfigBase):
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
 
+    def validate(self) -> None:
+        # checked when the file is read, not when the stage's job is built after the earlier stages ran
+        if self.num_workers < 1:
+            raise ConfigError(f"TrainStage.num_workers must be >= 1, got {self.num_workers}")
+
 
 @dataclasses.dataclass
 class CompressStage(ConfigBase):
@@ -95,6 +100,12 @@ class CompressStage(ConfigBase):
     calibration: CalibrationConfig = dataclasses.field(default_factory=CalibrationConfig)
     eval_texts: int = dataclasses.field(default=16, metadata={"help": "held-out texts for perplexity"})
     eval_seq_len: int = dataclasses.field(default=128, metadata={"help": "tokens per perplexity block"})
+
+    def validate(self) -> None:
+        if self.eval_texts < 1:
+            raise ConfigError(f"CompressStage.eval_texts must be >= 1, got {self.eval_texts}")
+        if self.eval_seq_len < 2:
+            raise ConfigError(f"CompressStage.eval_seq_len must be >= 2, got {self.eval_seq_len}")
 
 
 @dataclasses.dataclass
@@ -113,6 +124,11 @@ class GenerateStage(ConfigBase):
     batch_size: int = dataclasses.field(default=8, metadata={"help": "requests per model call"})
     partition_size: int = dataclasses.field(default=64, metadata={"help": "requests per output partition"})
     executor: Executor = dataclasses.field(default=Executor.RAY, metadata={"help": "ray | local"})
+
+    def validate(self) -> None:
+        for name in ("concurrency", "batch_size", "partition_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"GenerateStage.{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass
@@ -136,6 +152,8 @@ class RefreshConfig(ConfigBase):
     eval: EvalStage = dataclasses.field(default_factory=EvalStage)
 
     def validate(self) -> None:
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"RefreshConfig.num_cpus must be >= 1, got {self.num_cpus}")
         known = {s.value for s in Stage} | {"all"}
         bad = [s for s in self.force if s not in known]
         if bad:
@@ -152,6 +170,18 @@ def _abs(path: Path | str | None) -> Path | None:
     return p if p.exists() or not (REPO / p).exists() else REPO / p
 
 
+def _portable(value: Any) -> Any:
+    """A job config as a stamp hashes it: paths inside the repository relative to it, so the same
+    config started from another working directory (where ``_abs`` makes them absolute) matches."""
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_portable(v) for v in value]
+    if isinstance(value, str) and Path(value).is_absolute() and Path(value).is_relative_to(REPO):
+        return str(Path(value).relative_to(REPO))
+    return value
+
+
 class _Runner:
     """Runs stages in order, each only when its stamp does not match."""
 
@@ -166,7 +196,7 @@ class _Runner:
     def run(self, stage: Stage, job_config: ConfigBase, inputs: dict[str, str], output: Path,
             fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run ``fn`` unless the stamp says the same config + inputs produced ``output``."""
-        config_hash = sha256_json(job_config.to_dict())
+        config_hash = sha256_json(_portable(job_config.to_dict()))
         stamp = _read(self.stamp_file(stage))
         forced = stage.value in self.config.force or "all" in self.config.force
         current_out = sha256_file(output) if output.is_file() else None

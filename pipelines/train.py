@@ -145,7 +145,14 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
         raise FileNotFoundError(f"index folder not found: {config.index}")
     t0 = time.perf_counter()
     init_ray(num_cpus=config.num_cpus)
-    job = config.replace(index=Path(config.index).resolve(), out=Path(config.out).resolve(),
+    # Ray Train workers do not run in the driver's working directory: every local path is made
+    # absolute here, the starting model too (None / "default" name the bundled model, not a path)
+    init_model = config.init_model
+    from adbatch.models import DEFAULT_MODEL
+
+    if init_model not in (None, DEFAULT_MODEL) and Path(init_model).exists():
+        init_model = str(Path(init_model).resolve())
+    job = config.replace(index=Path(config.index).resolve(), out=Path(config.out).resolve(), init_model=init_model,
                          ads=Path(config.ads).resolve() if config.ads else None,
                          queries=Path(config.queries).resolve() if config.queries else None,
                          valid_queries=Path(config.valid_queries).resolve() if config.valid_queries else None)

@@ -67,3 +67,54 @@ def test_config_files_and_cli_precedence(tmp_path):
     assert cfg.ratio == 0.75 and cfg.mode is Mode.B and cfg.inner.k == 9 and cfg.flag is True
     with pytest.raises(ConfigError):
         load_config_file(tmp_path / "missing.toml")
+
+
+def test_wrong_types_are_refused_naming_the_key():
+    """A scalar for a table, a fraction for an int, a string for a list, a list for a string and an
+    empty path are refused (they used to be accepted, truncated or iterated character by character)."""
+    from jobs.nightly_refresh import RefreshConfig
+
+    bad = {"train": False, "compress": "off"}
+    for key, value in bad.items():
+        with pytest.raises(ConfigError, match=f"RefreshConfig.{key}: expected a table"):
+            RefreshConfig.from_dict({key: value})
+    with pytest.raises(ConfigError, match="TrainStage.num_workers: expected int"):
+        RefreshConfig.from_dict({"train": {"num_workers": 1.5}})
+    with pytest.raises(ConfigError, match="RefreshConfig.force: expected a list"):
+        RefreshConfig.from_dict({"force": "train"})
+    with pytest.raises(ConfigError, match="verify_modes: expected a list"):
+        RefreshConfig.from_dict({"eval": {"config": {"targeting": {"verify_modes": "off"}}}})
+    with pytest.raises(ConfigError, match="RefreshConfig.model: expected str"):
+        RefreshConfig.from_dict({"model": ["a"]})
+    with pytest.raises(ConfigError, match="IndexStage.ads: expected a path"):
+        RefreshConfig.from_dict({"index": {"ads": 5}})
+    with pytest.raises(ConfigError, match="IndexStage.ads: expected a path"):
+        RefreshConfig.from_dict({"index": {"ads": ""}})
+    # still accepted: integral floats (TOML 1e3), numeric strings, and "" = None for an optional path
+    cfg = RefreshConfig.from_dict({"train": {"num_workers": 2.0, "config": {"max_steps": 1e3}},
+                                   "generate": {"creatives_requests": "", "batch_size": "4"}})
+    assert cfg.train.num_workers == 2 and cfg.train.config.max_steps == 1000
+    assert cfg.generate.creatives_requests is None and cfg.generate.batch_size == 4
+
+
+def test_subcommand_table_vs_nested_table_of_the_same_name(tmp_path):
+    """`adbatch train --config f.toml` where `[train]` holds TrainConfig settings (the same shape as
+    `--train.epochs`): the top-level keys and the nested table are both used."""
+    import argparse
+
+    from jobs.config_cli import add_config_arguments, config_from_args
+    from pipelines.train import TrainJobConfig
+
+    def parse(text):
+        (tmp_path / "t.toml").write_text(text)
+        p = argparse.ArgumentParser()
+        p.add_argument("--config")
+        add_config_arguments(p, TrainJobConfig)
+        return config_from_args(TrainJobConfig, p.parse_args(["--config", str(tmp_path / "t.toml")]),
+                                section="train")
+
+    nested = parse('index = "i"\nout = "m"\n[train]\nepochs = 2.0\n')
+    assert nested.index == Path("i") and nested.out == Path("m") and nested.train.epochs == 2.0
+    # a file shared by several subcommands: its [train] table is this subcommand's
+    shared = parse('[index]\nads = "a"\n[train]\nindex = "i2"\nout = "m2"\n[train.train]\nepochs = 3.0\n')
+    assert shared.index == Path("i2") and shared.out == Path("m2") and shared.train.epochs == 3.0

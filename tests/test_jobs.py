@@ -191,3 +191,76 @@ def test_ray_job_submit_batch_generate(ray_head, assets, tmp_path):
     table = pq.read_table(out / "targets")
     assert sorted(set(table.column("request_id").to_pylist())) == [f"q{i:04d}" for i in range(6)]
     assert time.time() - t0 < 600
+
+
+def test_train_job_passes_absolute_paths_to_the_workers(tmp_path, monkeypatch):
+    """A relative --init-model is found by the driver but not by Ray Train's workers (another cwd):
+    run_train hands the workers absolute paths, the starting model included."""
+    import ray.train.torch
+
+    import pipelines.ray_runtime
+    from pipelines.train import TrainJobConfig, run_train
+
+    (tmp_path / "index").mkdir()
+    (tmp_path / "base").mkdir()
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class FakeTrainer:
+        def __init__(self, fn, train_loop_config, **kwargs):
+            seen.update(train_loop_config)
+
+        def fit(self):
+            raise Stop
+
+    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", FakeTrainer)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Stop):
+        run_train(TrainJobConfig(index=Path("index"), out=Path("model"), init_model="base"))
+    assert seen["init_model"] == str(tmp_path.resolve() / "base")
+    assert seen["index"] == str(tmp_path.resolve() / "index")
+    with pytest.raises(Stop):
+        run_train(TrainJobConfig(index=Path("index"), out=Path("model"), init_model="default"))
+    assert seen["init_model"] == "default"
+
+
+def test_refresh_stamp_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+    """The same config started from the repository and from elsewhere (cron, ray job submit): a
+    relative input path resolves to the same file, so the unchanged stage is skipped."""
+    import jobs.nightly_refresh as nr
+    import pipelines.index
+    import pipelines.ray_runtime
+    from adbatch.artifacts import write_json_atomic
+
+    def fake_index(job):
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "index", "index_hash": "h"})
+        return {}
+
+    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(pipelines.index, "run_index", fake_index)
+    monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    cfg = nr.RefreshConfig.from_dict({
+        "work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
+        "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
+        "generate": {"targets_requests": None, "creatives_requests": None}})
+    monkeypatch.chdir(REPO)
+    assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "ran"
+    monkeypatch.chdir(tmp_path)
+    assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "skipped"
+
+
+@pytest.mark.parametrize("bad", [{"num_cpus": 0}, {"train": {"num_workers": 0}},
+                                 {"compress": {"eval_texts": 0}}, {"compress": {"eval_seq_len": 1}},
+                                 {"generate": {"batch_size": 0}}, {"generate": {"partition_size": 0}},
+                                 {"generate": {"concurrency": 0}}])
+def test_refresh_config_refuses_bad_stage_values_up_front(bad):
+    """Refused when the config is read, naming the key, not hours later when that stage's job is built."""
+    from adbatch.config import ConfigError
+    from jobs.nightly_refresh import RefreshConfig
+
+    key = next(iter(bad.values())) if isinstance(next(iter(bad.values())), dict) else bad
+    with pytest.raises(ConfigError, match=next(iter(key))):
+        RefreshConfig.from_dict(bad)

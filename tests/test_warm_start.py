@@ -118,3 +118,20 @@ def test_nightly_train_stage_applies_the_plan(nights, tmp_path, monkeypatch):
     result = _train_warm_or_cold(job, WarmStartConfig(), None, same_base_model=True)
     assert seen[-1].init_model is None and seen[-1].train.epochs == 6.0
     assert result["warm_start"]["init_model"] is None
+
+
+def test_index_left_half_written_is_not_last_nights(nights, tmp_path):
+    """An index build killed after replacing ad_codes.parquet but before manifest.json: the old
+    manifest hash beside new ad ids must not count as the index last night's model learned."""
+    import shutil
+
+    from adbatch.index import AD_CODES_FILE
+
+    prev = IndexSnapshot.of(nights["night1"])
+    mixed = tmp_path / "index"
+    shutil.copytree(nights["night1"], mixed)
+    shutil.copy(nights["night2"] / AD_CODES_FILE, mixed / AD_CODES_FILE)
+    assert IndexSnapshot.of(mixed) is None
+    model = _model(tmp_path, prev.index_hash)
+    plan = plan_warm_start(model, IndexSnapshot.of(mixed), IndexSnapshot.of(nights["night2"]), 6.0, WarmStartConfig())
+    assert plan.init_model is None and plan.epochs == 6.0
