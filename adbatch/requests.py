@@ -176,9 +176,15 @@ def check_request_schema(path: str | Path, task: GenerateTask) -> list[Path]:
                 f"{f}: missing required column(s) {missing} for task {task.value!r}; "
                 f"found {sorted(names)}"
             )
+        repeated = sorted(c for c in names if schema.names.count(c) > 1)
+        if repeated:
+            raise RequestSchemaError(f"{f}: repeated column name(s): " + ", ".join(
+                f"{c!r} {schema.names.count(c)} times" for c in repeated))
         for col in required:
             t = schema.field(col).type
-            ok = _is_id_type(t) if col in ("request_id", "ad_id") else (_is_text(t) or _is_binary(t))
+            # type null: every value is null (pandas writes an all-None column so), a row problem
+            ok = pa.types.is_null(t) or (
+                _is_id_type(t) if col in ("request_id", "ad_id") else (_is_text(t) or _is_binary(t)))
             if not ok:
                 want = "string or integer" if col in ("request_id", "ad_id") else "string"
                 raise RequestSchemaError(f"{f}: column {col!r} has type {t}, expected {want}")
@@ -226,6 +232,25 @@ def _text_value(value: Any) -> tuple[str | None, str | None]:
     return value, None
 
 
+def _column_values(column: pa.ChunkedArray) -> list[Any]:
+    """The column's Python values. A string column holding bytes that are not UTF-8 (some writers do
+    not check) gives those values as ``bytes``, which the row checks reject, instead of raising."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        binary = (pa.large_binary() if pa.types.is_large_string(column.type) else
+                  pa.binary_view() if pa.types.is_string_view(column.type) else pa.binary())
+        values = []
+        for v in column.cast(binary).to_pylist():
+            if v is not None:
+                try:
+                    v = v.decode("utf-8")
+                except UnicodeDecodeError:
+                    pass
+            values.append(v)
+        return values
+
+
 def _raw_json(row: dict[str, Any], limit: int = 500) -> str:
     return json.dumps(row, default=lambda v: v.hex() if isinstance(v, bytes) else str(v))[:limit]
 
@@ -255,7 +280,7 @@ def validate_requests(
         rows_in += table.num_rows
         present = [c for c in text_cols if c in table.column_names]
         cols = ["request_id"] + (["ad_id"] if task is GenerateTask.CREATIVES else []) + present
-        data = {c: table.column(c).to_pylist() for c in cols}
+        data = {c: _column_values(table.column(c)) for c in cols}
         for i in range(table.num_rows):
             raw = {c: data[c][i] for c in cols}
 
@@ -321,7 +346,11 @@ def validate_requests(
         if len(items) == 1:
             accepted_rows.append(first["row"])
             continue
-        identical = all(it["row"] == first["row"] for it in items[1:])
+        # a field that is absent, null or empty renders the same prompt: not a difference
+        def content(row: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in row.items() if v}
+
+        identical = all(content(it["row"]) == content(first["row"]) for it in items[1:])
         if identical:
             accepted_rows.append(first["row"])
             losers = items[1:]

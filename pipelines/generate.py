@@ -43,7 +43,7 @@ from adbatch.artifacts import (MANIFEST_NAME, StageTimer, build_manifest, sha256
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
 from adbatch.generation import (CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
-                                TargetGenerator, answer_schema, answers_to_output,
+                                TargetGenerator, answers_to_output,
                                 generator_fingerprint)
 from adbatch.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig,
                               validate_requests)
@@ -223,10 +223,28 @@ def partition_done(layout: Layout, i: int) -> dict[str, Any] | None:
     return rec
 
 
+def _foreign_entries(out: Path) -> list[str]:
+    """Entries of ``out`` that a generate run does not write (another stage's manifest counts)."""
+    if not out.is_dir():
+        return []
+    own = {WORK_DIR, PROGRESS_DIR, MANIFEST_NAME, REJECTED_FILE} | {t.value for t in GenerateTask}
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in own)
+    manifest = _read_json(out / MANIFEST_NAME)
+    if manifest is not None and manifest.get("stage") != "generate":
+        foreign.insert(0, f"{MANIFEST_NAME} of stage {manifest.get('stage')!r}")
+    return foreign
+
+
 def _prepare_out(config: GenerateJobConfig, run_identity: dict[str, Any], layout: Layout) -> None:
     """Claim ``out`` for this run, or resume it when it holds this same run."""
     run_file = layout.progress_dir / RUN_RECORD
     existing = _read_json(run_file)
+    if existing is None and not config.overwrite:
+        foreign = _foreign_entries(layout.out)
+        if foreign:
+            raise ConfigError(
+                f"{config.out} is not empty and holds no generate run (found {foreign[:5]}); use a "
+                f"new --out or --overwrite true to replace its generate outputs")
     if existing is not None and existing.get("run_key") != run_identity["run_key"]:
         if not config.overwrite:
             diff = sorted(k for k in run_identity if existing.get(k) != run_identity[k])
@@ -235,7 +253,8 @@ def _prepare_out(config: GenerateJobConfig, run_identity: dict[str, Any], layout
                 f"or --overwrite true to replace it")
         log.warning("overwriting %s (a different run)", config.out)
     if existing is None or existing.get("run_key") != run_identity["run_key"]:
-        for d in (layout.parts_dir, layout.out / WORK_DIR, layout.progress_dir):
+        # every task's folder: an --overwrite by the other task must not leave the old answers
+        for d in [layout.out / t.value for t in GenerateTask] + [layout.out / WORK_DIR, layout.progress_dir]:
             shutil.rmtree(d, ignore_errors=True)
         (layout.out / MANIFEST_NAME).unlink(missing_ok=True)
         layout.progress_dir.mkdir(parents=True, exist_ok=True)
@@ -294,6 +313,11 @@ class _PartitionCollector:
             import pyarrow.compute as pc
 
             part = batch.filter(pc.equal(batch.column("partition"), i))
+            if i in self.records:
+                # re-emitted answers of a partition already committed: committing it again would
+                # replace its file with just these (already answered) rows
+                self.duplicates += part.num_rows
+                continue
             seen = self.seen.setdefault(i, set())
             ids = part.column("request_id").to_pylist()
             keep = [rid not in seen for rid in ids]

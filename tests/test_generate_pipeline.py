@@ -213,3 +213,51 @@ def test_oom_at_batch_size_one_rejects_the_request(assets, monkeypatch):
     errors = dict(zip(answers.column("request_id").to_pylist(), answers.column("error").to_pylist()))
     assert errors["ok"] is None
     assert errors["huge"].startswith("out of memory at batch size 1")
+
+
+def test_out_holding_another_artifact_is_refused(assets, tmp_path):
+    import shutil
+
+    req = target_requests(tmp_path / "req.parquet", n=3)
+    out = tmp_path / "index_copy"  # e.g. --out given the index folder by mistake
+    shutil.copytree(assets["index"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(pg.ConfigError, match="holds no generate run"):
+        pg.run_generate(_cfg(assets, req, out))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing replaced
+    # an existing empty folder is claimed as before
+    (tmp_path / "empty").mkdir()
+    assert pg.run_generate(_cfg(assets, req, tmp_path / "empty"))["counts"]["answered"] == 3
+
+
+def test_overwrite_with_the_other_task_leaves_no_stale_outputs(assets, tmp_path):
+    out = tmp_path / "out"
+    pg.run_generate(_cfg(assets, target_requests(tmp_path / "t.parquet", n=3), out))
+    pg.run_generate(_cfg(assets, creative_requests(tmp_path / "c.parquet", n=2), out, task="creatives",
+                         overwrite=True, creatives={"strategy": "greedy", "max_new_tokens": 2}))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted(manifest["outputs"]) == ["creatives/part-00000.parquet", "rejected.parquet"]
+    assert not (out / "targets").exists()  # the replaced run's answers are gone, not mixed in
+
+
+def test_answers_re_emitted_after_a_partition_committed_do_not_replace_it(tmp_path):
+    from adbatch.generation import answer_schema
+    from adbatch.requests import GenerateTask
+
+    layout = pg.Layout(tmp_path / "out", GenerateTask.TARGETS)
+    for d in (layout.work_dir, layout.parts_dir, layout.progress_dir):
+        d.mkdir(parents=True)
+    pq.write_table(pa.table({"request_id": ["a", "b"], "query": ["x", "y"],
+                             "partition": pa.array([0, 0], pa.int64())}), layout.work_file(0))
+    answers = pa.Table.from_pylist(
+        [{"request_id": r, "error": None, "ad_ids": ["ad-1"], "scores": [-1.0], "codes": [[1]],
+          "verify_mode": "off", "beams_verified": 0} for r in ("a", "b")],
+        schema=answer_schema(GenerateTask.TARGETS))
+    answers = answers.append_column("partition", pa.array([0, 0], pa.int64()))
+    collector = pg._PartitionCollector(layout, GenerateTask.TARGETS, {0: 2})
+    collector.add(answers)
+    committed = layout.part_file(0).read_bytes()
+    collector.add(answers.slice(1, 1))  # a retried task re-emits an answer after the commit
+    assert layout.part_file(0).read_bytes() == committed
+    assert collector.records[0]["answered"] == 2 and collector.duplicates == 1
+    assert pq.read_table(layout.part_file(0)).num_rows == 2

@@ -122,3 +122,56 @@ def test_creative_requests_need_an_ad_field(tmp_path):
 def test_output_schemas_have_the_contract_columns():
     assert TARGETS_OUT_SCHEMA.names[:5] == ["request_id", "rank", "ad_id", "score", "code"]
     assert CREATIVES_OUT_SCHEMA.names == ["request_id", "ad_id", "variant", "headline", "score"]
+
+
+def _invalid_utf8_strings(values):
+    """A *string* column holding bytes that are not UTF-8 (as some writers produce)."""
+    raw = pa.array(values, pa.binary())
+    return pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+
+
+def test_string_column_with_invalid_utf8_rejects_the_row(tmp_path):
+    path = _write(tmp_path / "r.parquet", request_id=_invalid_utf8_strings([b"a", b"b", b"\xff id"]),
+                  query=_invalid_utf8_strings([b"drill bits", b"\xff\xfe bad", b"lamp"]))
+    v = validate_requests(path, GenerateTask.TARGETS)
+    assert v.accepted.column("request_id").to_pylist() == ["a"]
+    assert v.accepted.column("query").to_pylist() == ["drill bits"]
+    reasons = dict(zip(v.rejected.column("row").to_pylist(), v.rejected.column("reason").to_pylist()))
+    assert reasons[1] == "query is not valid UTF-8 text (wrong type)"
+    assert reasons[2].startswith("request_id is null, empty or not an integer/string")
+    assert v.counts == {"rows_in": 3, "accepted": 1, "rejected": 2}
+
+
+def test_all_null_column_rejects_its_rows_not_the_job(tmp_path):
+    # pandas writes an all-None (or empty) object column as Arrow type null: those rows are null
+    # values, row problems, not a file of the wrong type
+    (tmp_path / "req").mkdir()
+    _write(tmp_path / "req" / "a.parquet", request_id=["a"], query=["drill bits"])
+    _write(tmp_path / "req" / "b.parquet", request_id=["b", "c"], query=pa.array([None, None]))
+    _write(tmp_path / "req" / "c.parquet", request_id=pa.array([None]), query=["lamp"])
+    v = validate_requests(tmp_path / "req", GenerateTask.TARGETS)
+    assert v.accepted.column("request_id").to_pylist() == ["a"]
+    assert sorted(v.rejected.column("reason").to_pylist()) == [
+        "query is null", "query is null", "request_id is null, empty or not an integer/string"]
+    with pytest.raises(RequestSchemaError, match="'query' has type int64"):
+        validate_requests(_write(tmp_path / "d.parquet", request_id=["x"], query=[3]), GenerateTask.TARGETS)
+
+
+def test_identical_creative_copies_with_an_extra_empty_field_are_not_a_conflict(tmp_path):
+    (tmp_path / "req").mkdir()
+    _write(tmp_path / "req" / "a.parquet", request_id=["r1"], ad_id=["x"], title=["Acme drills"])
+    # the same ad re-exported with one more column, empty for this ad
+    _write(tmp_path / "req" / "b.parquet", request_id=["r1", "r2", "r2"], ad_id=["x", "y", "y"],
+           title=["Acme drills", "Lamps", "Lamps"], description=pa.array([None, "  ", None], pa.string()))
+    v = validate_requests(tmp_path / "req", GenerateTask.CREATIVES)
+    assert v.accepted.column("request_id").to_pylist() == ["r1", "r2"]
+    assert v.rejected.num_rows == 2
+    assert all("identical copy" in r for r in v.rejected.column("reason").to_pylist())
+
+
+def test_duplicate_column_name_is_a_schema_error_naming_the_file(tmp_path):
+    path = tmp_path / "r.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["x"]), pa.array(["y"])],
+                                        names=["request_id", "query", "query"]), path)
+    with pytest.raises(RequestSchemaError, match=r"r\.parquet: repeated column name\(s\): 'query' 2 times"):
+        validate_requests(path, GenerateTask.TARGETS)
