@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from adbatch.artifacts import (
-    StageTimer, build_manifest, read_manifest, sha256_file, sha256_json, write_json_atomic,
-    write_parquet_atomic,
+    MANIFEST_NAME, StageTimer, build_manifest, read_manifest, sha256_file, sha256_json,
+    write_json_atomic, write_parquet_atomic,
 )
 from adbatch.clustering import ClusterConfig, Hierarchy, build_hierarchy, update_hierarchy
 from adbatch.config import ConfigBase, ConfigError
@@ -46,6 +48,8 @@ AD_CODES_FILE = "ad_codes.parquet"
 TRIE_FILE = "trie.safetensors"
 CLUSTERS_FILE = "clusters.parquet"
 REJECTED_FILE = "rejected.parquet"
+INDEX_FILES = (AD_CODES_FILE, TRIE_FILE, CLUSTERS_FILE, REJECTED_FILE)
+STAGING_DIR = ".staging"  # write_index writes here first, then moves the files into place
 
 
 @dataclasses.dataclass
@@ -144,6 +148,9 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
     ``stable``: what an incremental build keeps from an earlier index (labels, code tokens)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    finish_interrupted_write(out)
+    staging = out / STAGING_DIR
+    staging.mkdir()
     with timer.phase("render"):
         if tokenizer is None:
             tokenizer, tokenizer_name = load_tokenizer(config.tokenizer)
@@ -156,12 +163,11 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
         trie = Trie.from_flat(rendered.token_flat, rendered.token_len)
     with timer.phase("write"):
         ad_codes = _ad_codes_table(corpus, hierarchy, rendered)
-        write_parquet_atomic(ad_codes, out / AD_CODES_FILE)
-        trie.save(out / TRIE_FILE)
-        write_parquet_atomic(rendered.clusters, out / CLUSTERS_FILE)
-        write_parquet_atomic(corpus.rejected, out / REJECTED_FILE)
-        outputs = {name: sha256_file(out / name)
-                   for name in (AD_CODES_FILE, TRIE_FILE, CLUSTERS_FILE, REJECTED_FILE)}
+        write_parquet_atomic(ad_codes, staging / AD_CODES_FILE)
+        trie.save(staging / TRIE_FILE)
+        write_parquet_atomic(rendered.clusters, staging / CLUSTERS_FILE)
+        write_parquet_atomic(corpus.rejected, staging / REJECTED_FILE)
+        outputs = {name: sha256_file(staging / name) for name in INDEX_FILES}
     tok_fp = tokenizer_fingerprint(tokenizer)
     index_hash = sha256_json({"ad_codes": outputs[AD_CODES_FILE], "trie": outputs[TRIE_FILE],
                               "scheme": rendered.scheme.value, "tokenizer": tok_fp,
@@ -199,11 +205,35 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
             **(extra or {}),
         },
     )
-    write_json_atomic(out / "manifest.json", manifest)
+    write_json_atomic(staging / MANIFEST_NAME, manifest)  # the staged set is complete from here on
+    finish_interrupted_write(out)
     log.info("index: %d ads (%d rejected), %d clusters, trie %d nodes (%.1f B/ad) -> %s",
              corpus.num_ads, corpus.rejected.num_rows, rendered.clusters.num_rows, trie.num_nodes,
              trie.nbytes() / max(corpus.num_ads, 1), out)
     return manifest
+
+
+def finish_interrupted_write(index_dir: str | Path) -> None:
+    """Complete or discard a :func:`write_index` that stopped part-way, so ``index_dir`` holds one whole index.
+
+    The files are written to ``index_dir/.staging`` and its manifest last; only then are they moved
+    into place, the manifest last again. A staged manifest therefore means a complete set: move what
+    is left (roll forward). Without it the earlier index in ``index_dir`` was never touched: drop the
+    staging folder. A nightly build that writes over the index it keeps ids from thus never leaves
+    new files beside the old manifest (which would make the next run's earlier index unreadable and
+    cost every ad its id)."""
+    index_dir = Path(index_dir)
+    staging = index_dir / STAGING_DIR
+    if not staging.is_dir():
+        return
+    if (staging / MANIFEST_NAME).is_file():
+        for name in INDEX_FILES:
+            if (staging / name).exists():
+                os.replace(staging / name, index_dir / name)
+        os.replace(staging / MANIFEST_NAME, index_dir / MANIFEST_NAME)
+    else:
+        log.warning("index: dropping the incomplete write left in %s", staging)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _ad_codes_table(corpus: Corpus, h: Hierarchy, r: RenderedIds) -> pa.Table:
@@ -239,6 +269,7 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     """The codes and labels of an earlier index of the same configuration for today's ads, or None
     (logged why) when there is no readable earlier index or it was built differently."""
     try:
+        finish_interrupted_write(previous)
         prev = load_index(previous)
         # the labels come from clusters.parquet, which load_index does not verify
         clusters_file = Path(previous) / CLUSTERS_FILE

@@ -318,3 +318,58 @@ def test_stable_ids_with_damaged_clusters_file_is_a_full_build(tmp_path, damage)
     m = build_index(ads, tmp_path / "new", cfg, progress=False, previous=tmp_path / "prev")
     assert "stable_ids" not in m
     assert m["index_hash"] == build_index(ads, tmp_path / "full", cfg, progress=False)["index_hash"]
+
+
+@pytest.mark.parametrize("crash_after", [0, 2])
+def test_index_write_interrupted_in_place_keeps_stable_ids_on_the_rerun(tmp_path, monkeypatch, crash_after):
+    """The nightly writes today's index over the one it keeps ids from. Killed while staging
+    (crash_after 0: no file moved; the staged set was not complete) or while moving the staged files
+    into place (2: two files moved, the old manifest still there), the rerun still finds a whole
+    index to keep ids from and builds exactly what an uninterrupted run builds."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import adbatch.index as ix_mod
+
+    full = synthetic_corpus(tmp_path / "all.parquet", n=660)
+    table = pq.read_table(full)
+    pq.write_table(table.slice(0, 600), tmp_path / "night1.parquet")
+    pq.write_table(table.slice(60, 600), tmp_path / "night2.parquet")
+    cfg = cfg_for(IdScheme.TEXT)
+    build_index(tmp_path / "night1.parquet", tmp_path / "idx", cfg, progress=False)
+    shutil.copytree(tmp_path / "idx", tmp_path / "ref")
+    clean = build_index(tmp_path / "night2.parquet", tmp_path / "ref", cfg, progress=False, previous=tmp_path / "ref")
+
+    class Killed(Exception):
+        pass
+
+    moved, real_replace = [], os.replace
+
+    def dying_replace(src, dst):
+        if Path(src).parent.name == ix_mod.STAGING_DIR and not Path(dst).parent.name == ix_mod.STAGING_DIR:
+            if len(moved) >= crash_after:
+                raise Killed
+            moved.append(Path(dst).name)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ix_mod.os, "replace", dying_replace)
+    if crash_after == 0:  # killed before the staged manifest: simulate by dropping it after the write
+        real_json = ix_mod.write_json_atomic
+
+        def no_manifest(path, data):
+            if Path(path).parent.name == ix_mod.STAGING_DIR:
+                raise Killed
+            return real_json(path, data)
+
+        monkeypatch.setattr(ix_mod, "write_json_atomic", no_manifest)
+    with pytest.raises(Killed):
+        build_index(tmp_path / "night2.parquet", tmp_path / "idx", cfg, progress=False, previous=tmp_path / "idx")
+    monkeypatch.undo()
+    rerun = build_index(tmp_path / "night2.parquet", tmp_path / "idx", cfg, progress=False, previous=tmp_path / "idx")
+    # crash_after 0: rebuilt from night 1's intact index; 2: the staged set was complete and was rolled
+    # forward, so the rerun keeps every id of that (identical) index
+    assert rerun["stable_ids"]["kept"] == (clean["stable_ids"]["kept"] if crash_after == 0 else 600)
+    assert rerun["index_hash"] == clean["index_hash"]
+    assert not (tmp_path / "idx" / ix_mod.STAGING_DIR).exists()
+    assert_index_contract(load_index(tmp_path / "idx"), 600)
