@@ -199,7 +199,7 @@ class _Runner:
         config_hash = sha256_json(_portable(job_config.to_dict()))
         stamp = _read(self.stamp_file(stage))
         forced = stage.value in self.config.force or "all" in self.config.force
-        current_out = sha256_file(output) if output.is_file() else None
+        current_out = sha256_file(output) if output.is_file() and _outputs_intact(output) else None
         if (not forced and stamp and stamp.get("config_hash") == config_hash
                 and stamp.get("inputs") == inputs and current_out == stamp.get("output_hash")):
             log.info("stage %s: unchanged since %s, skipped", stage.value,
@@ -235,6 +235,21 @@ def _train_warm_or_cold(job: Any, warm: WarmStartConfig, previous_index: Any, sa
     if plan.init_model is not None:
         job = job.replace(init_model=plan.init_model, train=job.train.replace(epochs=plan.epochs))
     return {**run_train(job), "warm_start": plan.to_dict()}
+
+
+def _outputs_intact(output: Path) -> bool:
+    """Whether every file a stage's manifest lists under ``outputs`` (path relative to the manifest ->
+    sha256) is still there unchanged: an intact manifest beside a deleted or damaged shard, partition
+    or index file must re-run the stage, not be skipped into a failure downstream."""
+    listed = (_read(output) or {}).get("outputs")
+    if not isinstance(listed, dict):
+        return True
+    for rel, digest in listed.items():
+        f = output.parent / rel
+        if not f.is_file() or sha256_file(f) != digest:
+            log.warning("stage output %s is missing or changed since its manifest was written", f)
+            return False
+    return True
 
 
 def _read(path: Path) -> dict[str, Any] | None:

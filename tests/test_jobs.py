@@ -264,3 +264,34 @@ def test_refresh_config_refuses_bad_stage_values_up_front(bad):
     key = next(iter(bad.values())) if isinstance(next(iter(bad.values())), dict) else bad
     with pytest.raises(ConfigError, match=next(iter(key))):
         RefreshConfig.from_dict(bad)
+
+
+def test_refresh_reruns_a_stage_whose_listed_outputs_were_damaged(tmp_path, monkeypatch):
+    """The skip check covers the files the stage's manifest lists, not only the manifest itself."""
+    import jobs.nightly_refresh as nr
+    import pipelines.index
+    import pipelines.ray_runtime
+    from adbatch.artifacts import sha256_file, write_json_atomic
+
+    def fake_index(job):
+        out = Path(job.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ad_codes.parquet").write_bytes(b"codes")
+        write_json_atomic(out / "manifest.json", {"stage": "index", "index_hash": "h",
+                                                  "outputs": {"ad_codes.parquet": sha256_file(out / "ad_codes.parquet")}})
+        return {}
+
+    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(pipelines.index, "run_index", fake_index)
+    monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    cfg = nr.RefreshConfig.from_dict({
+        "work": str(tmp_path / "work"), "index": {"ads": str(REPO / "examples/slogan_ads.parquet"), "stable_ids": False},
+        "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
+        "generate": {"targets_requests": None, "creatives_requests": None}})
+    assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "ran"
+    assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "skipped"
+    (tmp_path / "work" / "index" / "ad_codes.parquet").write_bytes(b"damaged")
+    assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "ran"
+    (tmp_path / "work" / "index" / "ad_codes.parquet").unlink()
+    assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "ran"
+
