@@ -64,7 +64,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type[ConfigBase],
             dest=f"{prefix}{f.name}",
             type=ftype,
             default=_MISSING,
-            help=f"{help_text} (default: {default})".strip(),
+            # argparse %-formats help strings: a literal % (e.g. "~4% of the examples") must be doubled
+            help=f"{help_text} (default: {default})".strip().replace("%", "%%"),
             **extra,
         )
 

@@ -118,3 +118,13 @@ def test_subcommand_table_vs_nested_table_of_the_same_name(tmp_path):
     # a file shared by several subcommands: its [train] table is this subcommand's
     shared = parse('[index]\nads = "a"\n[train]\nindex = "i2"\nout = "m2"\n[train.train]\nepochs = 3.0\n')
     assert shared.index == Path("i2") and shared.out == Path("m2") and shared.train.epochs == 3.0
+
+
+@pytest.mark.parametrize("command", ["index", "train", "compress", "generate", "eval", "refresh"])
+def test_every_subcommand_help_renders(command, capsys):
+    """argparse %-formats help strings: a help text with a literal % used to crash `--help`."""
+    from jobs.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, "--help"])
+    assert exc.value.code == 0 and "--config" in capsys.readouterr().out
