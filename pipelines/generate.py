@@ -45,7 +45,7 @@ from adbatch.decoding import CreativeConfig, TargetSearchConfig
 from adbatch.generation import (CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
                                 TargetGenerator, answers_to_output,
                                 generator_fingerprint)
-from adbatch.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig,
+from adbatch.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, output_schema,
                               validate_requests)
 
 log = logging.getLogger(__name__)
@@ -489,6 +489,11 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
     timings = {**timer.seconds, "total": time.perf_counter() - t_start}
     outputs = {f"{config.task.value}/{layout.part_name(i)}.parquet": records[i]["sha256"]
                for i in sorted(records)}
+    if not expected:
+        # nothing accepted: one empty part with the output schema, so a reader of <out>/<task> still
+        # gets the contract's columns (an empty folder reads as a table without any)
+        write_parquet_atomic(output_schema(config.task).empty_table(), layout.part_file(0))
+        outputs[f"{config.task.value}/{layout.part_name(0)}.parquet"] = sha256_file(layout.part_file(0))
     outputs[REJECTED_FILE] = sha256_file(layout.out / REJECTED_FILE)
     manifest = build_manifest(
         stage="generate", config=config,

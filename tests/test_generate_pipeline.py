@@ -261,3 +261,17 @@ def test_answers_re_emitted_after_a_partition_committed_do_not_replace_it(tmp_pa
     assert layout.part_file(0).read_bytes() == committed
     assert collector.records[0]["answered"] == 2 and collector.duplicates == 1
     assert pq.read_table(layout.part_file(0)).num_rows == 2
+
+
+def test_all_requests_rejected_still_writes_the_output_schema(assets, tmp_path):
+    """Downstream readers of <out>/targets get the contract's columns even when nothing was answerable."""
+    from adbatch.requests import TARGETS_OUT_SCHEMA
+
+    req = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"request_id": ["a", "b"], "query": ["", None]}), req)
+    summary = pg.run_generate(_cfg(assets, req, tmp_path / "out"))
+    assert summary["counts"]["accepted"] == 0 and summary["counts"]["rejected"] == 2
+    table = pq.read_table(tmp_path / "out" / "targets")
+    assert table.num_rows == 0 and table.schema.names == TARGETS_OUT_SCHEMA.names
+    assert pg.run_generate(_cfg(assets, req, tmp_path / "out"))["counts"]["rejected"] == 2  # re-run: same
+
