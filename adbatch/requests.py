@@ -251,6 +251,12 @@ def _column_values(column: pa.ChunkedArray) -> list[Any]:
         return values
 
 
+def _prompt_content(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's fields that reach the prompt: absent, null and empty fields render the same prompt, so
+    two copies differing only there are identical, not conflicting."""
+    return {k: v for k, v in row.items() if v}
+
+
 def _raw_json(row: dict[str, Any], limit: int = 500) -> str:
     return json.dumps(row, default=lambda v: v.hex() if isinstance(v, bytes) else str(v))[:limit]
 
@@ -346,11 +352,7 @@ def validate_requests(
         if len(items) == 1:
             accepted_rows.append(first["row"])
             continue
-        # a field that is absent, null or empty renders the same prompt: not a difference
-        def content(row: dict[str, Any]) -> dict[str, Any]:
-            return {k: v for k, v in row.items() if v}
-
-        identical = all(content(it["row"]) == content(first["row"]) for it in items[1:])
+        identical = all(_prompt_content(it["row"]) == _prompt_content(first["row"]) for it in items[1:])
         if identical:
             accepted_rows.append(first["row"])
             losers = items[1:]
