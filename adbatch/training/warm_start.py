@@ -57,16 +57,14 @@ class IndexSnapshot:
         decision needs neither the targets nor the trie)."""
         import pyarrow.parquet as pq
 
-        from adbatch.artifacts import read_manifest
+        from adbatch.artifacts import read_manifest, sha256_file
         from adbatch.index import AD_CODES_FILE
 
         manifest = read_manifest(index_dir)
         if manifest.get("stage") != "index":
             raise ValueError(f"{index_dir}: manifest is for stage {manifest.get('stage')!r}, not index")
-        # the index stage replaces its files one by one and the manifest last: a build killed in
-        # between leaves new ad ids beside the old manifest, which must not pass for the old index
-        from adbatch.artifacts import sha256_file
-
+        # an index whose files do not match its manifest (e.g. one left by a build stopped mid-write
+        # before writes were staged) must not pass for the index the manifest describes
         if sha256_file(Path(index_dir) / AD_CODES_FILE) != (manifest.get("outputs") or {}).get(AD_CODES_FILE):
             raise ValueError(f"{index_dir}: {AD_CODES_FILE} does not match its manifest (an interrupted build)")
         ids = pq.read_table(Path(index_dir) / AD_CODES_FILE, columns=["ad_id"]).column("ad_id").to_pylist()
