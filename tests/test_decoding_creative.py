@@ -113,3 +113,55 @@ def test_real_model_small_trie_exact_and_creative():
     [(text, score)] = generate_creatives(model, tok, [encode_creative_prompt(tok, ad)],
                                          CreativeConfig(max_new_tokens=12))[0]
     assert text.strip() and "\n" not in text and -10 < score < 0
+
+
+def test_sampled_texts_do_not_depend_on_batch_composition(tiny):
+    """A prompt's sampled texts are the same alone, in a batch, or at another place in the batch
+    (the generate stage's batches, OOM halving and partitioning must not change a creative)."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [9, 10], [12, 13, 14, 15]]
+    cfg = CreativeConfig(strategy="sample", num_return=2, max_new_tokens=6, stop_strings=["zz"], seed=3)
+    batched = generate_creatives(tiny, _Tok(), prompts, cfg)
+    alone = [generate_creatives(tiny, _Tok(), [p], cfg)[0] for p in prompts]
+    reordered = generate_creatives(tiny, _Tok(), prompts[::-1], cfg)[::-1]
+    for b, a, r in zip(batched, alone, reordered):
+        assert [t for t, _ in b] == [t for t, _ in a] == [t for t, _ in r]
+        for (_, sb), (_, sa) in zip(b, a):
+            assert sb == pytest.approx(sa, abs=1e-4)
+
+
+class _NewlineTok:
+    """Token 2 is EOS; tokens 3..19 decode to a newline + letter (like '\\n\\n' or '.\\n' in real
+    vocabularies), the others to one letter."""
+
+    eos_token_id = 2
+
+    def batch_decode(self, seqs, skip_special_tokens=True):
+        def f(t):
+            return "" if t == 2 else ("\n" + chr(97 + t) if 3 <= t < 20 else chr(97 + t % 26))
+
+        return ["".join(f(t) for t in s) for s in seqs]
+
+
+def test_beam_returns_distinct_texts():
+    model = make_tiny_llama(vocab_size=40, seed=4)
+    cfg = CreativeConfig(strategy="beam", num_beams=4, num_return=4, max_new_tokens=6)
+    for prompt in ([5, 6, 7], [11, 12, 13, 14], [30, 31]):
+        [cands] = generate_creatives(model, _NewlineTok(), [prompt], cfg)
+        texts = [t for t, _ in cands]
+        assert len(texts) == len(set(texts)) >= 1
+        scores = [s for _, s in cands]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    """_sample picks by inverse CDF at u: over an even grid of u the token shares equal the
+    (temperature-scaled, nucleus-cut and renormalised) probabilities, and a cut token is never drawn."""
+    from adbatch.decoding.creative import _sample
+
+    n = 1000
+    u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    logp = torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(n, 3)
+    tok = _sample(logp, CreativeConfig(strategy="sample", temperature=1.0, top_p=1.0), u)
+    assert torch.bincount(tok, minlength=3).tolist() == [500, 300, 200]
+    tok = _sample(logp, CreativeConfig(strategy="sample", temperature=1.0, top_p=0.6), u)
+    assert torch.bincount(tok, minlength=3).tolist() == [625, 375, 0]

@@ -192,3 +192,20 @@ def test_config_validation():
         TargetSearchConfig(max_tree_tokens=100, max_tokens_per_pass=10)
     cfg = TargetSearchConfig(verify="always", top_k=3)
     assert TargetSearchConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("mode", list(VerifyMode))
+def test_fewer_beams_than_top_k_still_returns_top_k(mode):
+    """Default config (num_beams=8 < top_k=10) on a codes-like trie (every id 3 tokens, 64 ads):
+    every mode returns top_k distinct ads, not just num_beams of them."""
+    import itertools
+
+    model = make_tiny_llama(vocab_size=40, seed=0)
+    seqs = [list(s) for s in itertools.product(range(10, 14), range(20, 24), range(30, 34))]
+    trie = Trie.from_sequences(seqs)
+    cfg = TargetSearchConfig(verify=mode)
+    assert cfg.num_beams < cfg.top_k
+    res = search_targets(model, [[5, 6, 7], [9, 8, 7, 6], [3]], trie, cfg, CHEAP_VERIFY)
+    for q in range(3):
+        rows = res.rows[q].tolist()
+        assert -1 not in rows and len(set(rows)) == cfg.top_k

@@ -152,7 +152,10 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
     so the slot keeps competing for beam places exactly as in ``off`` mode, at no model cost;
     its terminals are already in the pool)."""
     dev = model_device(model)
-    Q, B, P = len(prompts), cfg.num_beams, cfg.pool_size
+    # At most B terminals enter the pool per step, so fewer than top_k beams can leave the pool
+    # short although the trie holds more ads (HF refuses num_return_sequences > num_beams):
+    # search with at least top_k beams.
+    Q, B, P = len(prompts), cfg.pool_size, cfg.pool_size
     lp_pen = cfg.length_penalty
     max_steps = cfg.max_steps or aux.max_depth
 

@@ -29,7 +29,7 @@ class CreativeStrategy(str, enum.Enum):
 class TargetSearchConfig(ConfigBase):
     """Trie-constrained beam search over an ad index (see docs/decoding.md for the scoring rule)."""
 
-    num_beams: int = field(default=8, metadata={"help": "running beams per query"})
+    num_beams: int = field(default=8, metadata={"help": "running beams per query (raised to top_k when smaller)"})
     top_k: int = field(default=10, metadata={"help": "ad rows returned per query"})
     verify: VerifyMode = field(default=VerifyMode.AUTO, metadata={"help": "off | auto | always"})
     max_tree_tokens: int = field(

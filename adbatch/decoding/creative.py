@@ -11,6 +11,7 @@ tokenizer call), which is the one host sync of a step besides the EOS check.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -39,8 +40,23 @@ def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def _sample(logp: torch.Tensor, cfg: CreativeConfig, gen: torch.Generator) -> torch.Tensor:
-    """``logp: Float32[R, V]`` -> ``Long[R]`` by temperature + nucleus sampling."""
+def _row_uniforms(prompts: list[list[int]], n: int, seed: int, steps: int) -> torch.Tensor:
+    """``Float32[R, steps]`` in (0, 1], R = len(prompts) * n: row (prompt, sample i) draws its numbers
+    from a generator seeded by (seed, i, the prompt's tokens), so a text never depends on the other
+    prompts of its batch or its place there (batch size, out-of-memory halving and partitioning do
+    not change a creative). Drawn once per batch, so the token loop has no per-row host work."""
+    rows = []
+    for p in prompts:
+        for i in range(n):
+            digest = hashlib.sha256(f"{seed}:{i}:{','.join(map(str, p))}".encode()).digest()
+            gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            rows.append(1.0 - torch.rand(steps, generator=gen))  # (0, 1]: never selects a zero-probability token
+    return torch.stack(rows)
+
+
+def _sample(logp: torch.Tensor, cfg: CreativeConfig, u: torch.Tensor | None) -> torch.Tensor:
+    """``logp: Float32[R, V]`` -> ``Long[R]`` by temperature + nucleus sampling: inverse CDF at
+    ``u: Float32[R]`` in (0, 1] (see :func:`_row_uniforms`)."""
     if cfg.strategy is CreativeStrategy.GREEDY:
         return logp.argmax(-1)
     probs = torch.softmax(logp / cfg.temperature, -1)
@@ -49,15 +65,19 @@ def _sample(logp: torch.Tensor, cfg: CreativeConfig, gen: torch.Generator) -> to
         drop = sp.cumsum(-1) - sp > cfg.top_p  # keep the smallest prefix reaching top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-    return torch.multinomial(probs.cpu() if gen.device.type == "cpu" else probs, 1,
-                             generator=gen).view(-1).to(logp.device)
+    cdf = probs.cumsum(-1)
+    # the first token whose cumulative mass reaches u * total (total < 1 after the nucleus cut)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).view(-1)
+    return tok.clamp_(max=probs.shape[-1] - 1)
 
 
 @torch.no_grad()
-def _sample_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: CreativeConfig,
-                  gen: torch.Generator) -> list[list[tuple[str, float]]]:
+def _sample_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: CreativeConfig
+                  ) -> list[list[tuple[str, float]]]:
     dev = model_device(model)
     n = cfg.num_return
+    u = (None if cfg.strategy is CreativeStrategy.GREEDY
+         else _row_uniforms(prompts, n, cfg.seed, cfg.max_new_tokens).to(dev))
     eos = torch.tensor(_eos_ids(model, tokenizer) or [-1], device=dev)
     ids, attn, pos = left_pad(prompts, 0, dev)
     cache = new_cache()
@@ -73,7 +93,7 @@ def _sample_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: Cre
     length = np.full(R, cfg.max_new_tokens)
     texts = [""] * R
     for t in range(cfg.max_new_tokens):
-        tok = _sample(logp, cfg, gen)
+        tok = _sample(logp, cfg, None if u is None else u[:, t])
         out_tok[:, t], out_lp[:, t] = tok, logp.gather(1, tok[:, None])[:, 0]
         is_eos = torch.isin(tok, eos).cpu().numpy()
         live = np.flatnonzero(~done)
@@ -97,7 +117,8 @@ def _sample_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: Cre
 @torch.no_grad()
 def _beam_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: CreativeConfig
                 ) -> list[list[tuple[str, float]]]:
-    """Beam search ranked by mean log-prob per token; a query stops once ``num_beams`` texts ended."""
+    """Beam search ranked by mean log-prob per token; a query stops once ``num_beams`` distinct
+    texts ended."""
     dev = model_device(model)
     Q, B = len(prompts), cfg.num_beams
     eos = torch.tensor(_eos_ids(model, tokenizer) or [-1], device=dev)
@@ -112,7 +133,9 @@ def _beam_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: Creat
     beam_s = torch.full((Q, B), NEG_INF, device=dev)
     beam_s[:, 0] = 0.0  # all beams start identical: only one may expand at the first step
     seqs = torch.zeros(Q * B, 0, dtype=torch.long, device=dev)
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(Q)]
+    # finished texts per query: text -> best mean log-prob. Hypotheses that differ only after a
+    # stop string are cut to one text; it counts (and is returned) once.
+    finished: list[dict[str, float]] = [{} for _ in range(Q)]
     q_done = np.zeros(Q, dtype=bool)
     for t in range(cfg.max_new_tokens):
         cand = (beam_s.view(-1, 1) + logp).view(Q, B * V)
@@ -133,7 +156,9 @@ def _beam_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: Creat
                 text, hit = _cut(texts[q * 2 * B + r], cfg.stop_strings)
                 if ended[q, r] or hit or t + 1 == cfg.max_new_tokens:
                     if r < B:
-                        finished[q].append((h_s[q, r] / (t + 1), text))
+                        score = float(h_s[q, r] / (t + 1))
+                        if score > finished[q].get(text, NEG_INF):
+                            finished[q][text] = score
                 elif k < B:
                     run_pick[q, k], run_ok[q, k] = r, True
                     k += 1
@@ -154,8 +179,8 @@ def _beam_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: Creat
         logp = head_logprobs(model, hidden[:, -1])
     out = []
     for q in range(Q):
-        best = sorted(finished[q], key=lambda x: -x[0])[: cfg.num_return]
-        out.append([(text, float(score)) for score, text in best])
+        best = sorted(finished[q].items(), key=lambda x: -x[1])[: cfg.num_return]
+        out.append([(text, float(score)) for text, score in best])
     return out
 
 
@@ -173,7 +198,6 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
     check_supported(model)
     if not isinstance(config, CreativeConfig):
         raise TypeError(f"config must be a CreativeConfig, got {type(config).__name__}")
-    gen = torch.Generator(device="cpu").manual_seed(config.seed)
     was_training = model.training
     model.eval()
     out: list[list[tuple[str, float]]] = []
@@ -183,7 +207,7 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
             if config.strategy is CreativeStrategy.BEAM:
                 out.extend(_beam_batch(model, tokenizer, chunk, config))
             else:
-                out.extend(_sample_batch(model, tokenizer, chunk, config, gen))
+                out.extend(_sample_batch(model, tokenizer, chunk, config))
     finally:
         model.train(was_training)
     return out
