@@ -209,3 +209,11 @@ def test_fewer_beams_than_top_k_still_returns_top_k(mode):
     for q in range(3):
         rows = res.rows[q].tolist()
         assert -1 not in rows and len(set(rows)) == cfg.top_k
+
+
+def test_no_prompts_gives_an_empty_result():
+    model = make_tiny_llama(vocab_size=40, seed=0)
+    trie = Trie.from_sequences([[10, 20], [11, 21]])
+    for mode in VerifyMode:
+        res = search_targets(model, [], trie, TargetSearchConfig(verify=mode, top_k=3))
+        assert res.rows.shape == (0, 3) and res.scores.shape == (0, 3) and res.stats["queries"] == 0

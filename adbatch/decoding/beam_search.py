@@ -323,7 +323,7 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     if trie.device != dev:
         trie = trie.to(dev)
     aux = TrieAux(trie)
-    if config.verify is VerifyMode.AUTO and cost_model is None:
+    if config.verify is VerifyMode.AUTO and cost_model is None and prompts:
         cost_model = load_or_calibrate(model)
     pad_id = getattr(model.config, "pad_token_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)
@@ -344,4 +344,6 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     if stats["beams_verified"]:
         stats["tree_tokens_mean"] = stats["tree_tokens_sum"] / stats["beams_verified"]
     log.debug("search_targets stats: %s", stats)
+    if not rows:  # no prompts: empty [0, k] results, not an error
+        return TargetSearchResult(torch.empty(0, config.top_k, dtype=torch.long), torch.empty(0, config.top_k), stats)
     return TargetSearchResult(torch.cat(rows, 0), torch.cat(scores, 0), stats)
