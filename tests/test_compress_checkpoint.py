@@ -191,3 +191,40 @@ def test_magnitude_without_calibration(tmp_path):
     assert {layer.pattern.value for layer in recipe.layers} == {"2:4"}
     with pytest.raises(ValueError, match="calibration statistics"):
         compress_(make_tiny_llama(seed=2), CompressConfig())
+
+
+def test_generation_config_survives_round_trip(default_tokenizer, tmp_path):
+    """Instruct models stop on extra EOS ids kept only in generation_config.json (Llama-3's
+    <|eot_id|>, Qwen2.5's <|endoftext|>): the compressed checkpoint must keep them."""
+    model = make_tiny_llama(seed=5)
+    recipe = compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", group_policy="uniform"))
+    model.generation_config.eos_token_id = [2, 7]
+    model.generation_config.pad_token_id = 2
+    save_compressed(model, default_tokenizer, recipe, tmp_path / "ckpt")
+    loaded, _ = load_compressed(tmp_path / "ckpt")
+    assert loaded.generation_config.eos_token_id == [2, 7]
+    assert loaded.generation_config.pad_token_id == 2
+
+
+@pytest.mark.parametrize("cast", ["float", "bfloat16", "bf16_then_half"])
+def test_compressed_model_survives_dtype_casts(cast):
+    """model.float() / model.to(bf16) cast floating buffers; the packed fp16 scale_zero must stay as is."""
+    model = make_tiny_llama(seed=6)
+    compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", group_policy="uniform"))
+    layer = model.model.layers[0].self_attn.q_proj
+    scale_zero = layer.scale_zero.clone()
+    x = torch.randint(0, 512, (1, 8))
+    with torch.no_grad():
+        ref = model(x).logits
+    if cast == "float":
+        model.float()
+    elif cast == "bfloat16":
+        model.to(torch.bfloat16)
+    else:
+        model.to(torch.bfloat16).half()
+    assert layer.scale_zero.dtype == torch.float16 and torch.equal(layer.scale_zero, scale_zero)
+    with torch.no_grad():
+        out = model(x).logits
+    assert torch.isfinite(out).all()
+    if cast == "float":
+        assert torch.equal(out, ref)

@@ -58,3 +58,17 @@ def test_bad_masks_are_refused():
         compress_(make_tiny_llama(seed=4), CompressConfig(score="magnitude", pattern_policy="uniform",
                                                            group_policy="uniform"),
                   masks={"lm_head": torch.ones_like(model.lm_head.weight, dtype=torch.bool)})
+
+
+@pytest.mark.parametrize("policy", ["layer_adaptive", "interleaved"])
+def test_training_masks_count_against_target_density(policy):
+    """Layers whose N:M mask comes from training take part in the density budget at their mask's
+    pattern: the other layers are allocated so that the whole model still meets target_density."""
+    gen = torch.Generator().manual_seed(3)
+    model = make_tiny_llama(seed=3, layers=4)
+    masks = {n: _random_nm_mask(tuple(m.weight.shape), 2, gen) for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and ".mlp." in n}  # every MLP projection trained 2:4
+    stats = calibrate(model, torch.randint(0, 512, (4, 16), generator=gen), CalibrationConfig(batch_size=4))
+    recipe = compress_(model, CompressConfig(pattern_policy=policy, target_density=0.45), stats, masks=masks)
+    assert all(recipe.layer(n).pattern is SparsityPattern.TWO_FOUR for n in masks)
+    assert recipe.summary()["density"] <= 0.45 + 1e-9

@@ -190,3 +190,47 @@ def test_analyze_layer_importance_is_loss_per_removed_weight():
     l24, l14 = a.importance.proxy_loss[SparsityPattern.TWO_FOUR], a.importance.proxy_loss[SparsityPattern.ONE_FOUR]
     assert 0 < l24 < l14
     assert a.importance.importance == pytest.approx((l14 - l24) / (16 * 64 * 0.25))
+
+
+@pytest.mark.parametrize("shape", [(1536, 512), (40000, 64)])
+def test_layer_work_does_not_depend_on_thread_count(shape):
+    """Ray workers run torch with 1 thread, the driver with many; the docs promise Ray == sequential
+    bit for bit, recipe.json included (score summary, proxy losses = importance, quant error)."""
+    n, k = shape
+    g = _gen(11)
+    st = LayerStats(act_sq=torch.rand(k, generator=g) * 10, num_tokens=100,
+                    grad_sq=torch.rand(n, k, generator=g) * 1e-3, out_grad_sq=torch.rand(n, generator=g))
+    item = LayerInput("l", torch.randn(n, k, generator=g), None, st)
+    cfg = CompressConfig()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for th in (1, 2):
+            torch.set_num_threads(th)
+            a = analyze_layer(item, cfg)
+            r = compress_layer(item, (SparsityPattern.TWO_FOUR, cfg))
+            outs.append((a.score_summary, dict(a.importance.proxy_loss), r.recipe.quant_error))
+    finally:
+        torch.set_num_threads(threads)
+    assert outs[0] == outs[1]
+
+
+def test_adaptive_group_sizes_must_fit_the_reference_budget():
+    """All candidate sizes below reference_group_size: every row would exceed g128's bits (the budget
+    the docs promise); refuse the config instead of silently spending more."""
+    from adbatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match="group_sizes"):
+        CompressConfig(group_sizes=(32,), reference_group_size=128)
+    CompressConfig(group_sizes=(32,), reference_group_size=32)  # consistent
+    CompressConfig(group_sizes=(32,), reference_group_size=128, group_policy="uniform")  # sizes unused
+
+
+def test_calibration_seq_len_needs_a_next_token():
+    """seq_len=1 has no next-token loss: gradients, output moments and importance all come out 0."""
+    from adbatch.compress.recipe import CalibrationConfig
+    from adbatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match="seq_len"):
+        CalibrationConfig(seq_len=1)
+    CalibrationConfig(seq_len=2)

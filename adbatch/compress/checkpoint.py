@@ -118,6 +118,9 @@ def save_compressed(model: nn.Module, tokenizer: Any, recipe: CompressionRecipe,
                 rec.shard = name
     if hasattr(model, "config"):
         model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        # extra EOS ids (e.g. Llama-3 / Qwen2.5 instruct <|eot_id|>), pad id, sampling defaults
+        model.generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     write_json_atomic(out / RECIPE_NAME, recipe.to_dict())
@@ -249,6 +252,10 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
     model.load_state_dict(state, strict=False)
     if tied and hasattr(model, "tie_weights"):
         model.tie_weights()
+    if (d / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(d, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -18,6 +18,7 @@ targets the transformer-block GEMVs.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -63,6 +64,18 @@ class CompressedLinear(nn.Module):
         self.in_features = packed.in_features
         self.out_features = packed.out_features
         self.kept = packed.kept
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves the packed buffers, but a dtype cast (``model.float()``,
+        ``model.to(torch.bfloat16)``) must not touch them: the format fixes fp16 ``scale_zero`` (and
+        a round trip through bf16 would silently lose scale bits). The bias follows the cast."""
+        before = {k: self._buffers[k] for k in self.PACKED_KEYS}
+        super()._apply(fn, recurse)
+        for k, old in before.items():
+            new = self._buffers[k]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[k] = old.to(new.device)
+        return self
 
     @property
     def packed(self) -> PackedNMInt4:
@@ -187,6 +200,13 @@ def pattern_of_mask(name: str, mask: torch.Tensor) -> SparsityPattern:
     raise ValueError(f"mask of {name} keeps {n} of every {M}: no packed format for that pattern")
 
 
+def _row_sums_total(t: torch.Tensor) -> float:
+    """Sum of a [N, K] tensor that does not depend on torch's thread count: per-row float64 sums
+    (one thread per row) added exactly. A whole-tensor ``.sum()`` / ``.mean()`` splits differently
+    with 1 thread (a Ray worker) than with many (the driver), changing the last bits."""
+    return math.fsum(t.sum(dim=1, dtype=torch.float64).tolist())
+
+
 def _sparsifiable(item: LayerInput) -> bool:
     return item.weight.shape[1] % M == 0
 
@@ -205,9 +225,9 @@ def analyze_layer(item: LayerInput, config: CompressConfig) -> LayerAnalysis:
             losses[pattern] = proxy_loss(item.weight, nm_mask(scores, pattern.n), col, row)
     if st is not None:
         w = item.weight.float().abs()
-        summary["mean_w_xnorm"] = float((w * st.act_norm.unsqueeze(0)).mean(dtype=torch.float64))
+        summary["mean_w_xnorm"] = _row_sums_total(w * st.act_norm.unsqueeze(0)) / w.numel()
         if st.grad_sq is not None:
-            summary["mean_w_grad"] = float((w * st.grad_abs).mean(dtype=torch.float64))
+            summary["mean_w_grad"] = _row_sums_total(w * st.grad_abs) / w.numel()
     imp = LayerImportance(name=item.name, params=n_out * k_in, proxy_loss=losses, sparsifiable=_sparsifiable(item))
     return LayerAnalysis(importance=imp, score_summary=summary)
 
@@ -241,22 +261,28 @@ def compress_layer(item: LayerInput, plan: tuple[SparsityPattern, CompressConfig
         name=item.name, out_features=n_out, in_features=k_in, pattern=pattern,
         group_size_counts=counts, bits_per_kept=qr.bits / max(qr.q.numel(), 1),
         packed_bytes=packed.nbytes(), importance=None, proxy_loss={}, score_summary={},
-        quant_error=float(qr.error.sum()), packed_metadata=dict(packed.metadata()),
+        quant_error=math.fsum(qr.error.tolist()), packed_metadata=dict(packed.metadata()),
     )
     return LayerResult(name=item.name, packed=packed, bias=item.bias, recipe=recipe)
 
 
-def plan_patterns(analyses: list[LayerAnalysis], config: CompressConfig) -> dict[str, SparsityPattern]:
-    """Pattern per layer under ``config.pattern_policy``."""
+def plan_patterns(analyses: list[LayerAnalysis], config: CompressConfig,
+                  fixed: dict[str, SparsityPattern] | None = None) -> dict[str, SparsityPattern]:
+    """Pattern per layer under ``config.pattern_policy``; layers in ``fixed`` keep their pattern
+    (and, for the mixed policies, count against ``target_density`` at it)."""
+    fixed = fixed or {}
     imps = [a.importance for a in analyses]
     policy = config.pattern_policy
     if policy is PatternPolicy.NONE:
-        return {x.name: SparsityPattern.DENSE for x in imps}
-    if policy is PatternPolicy.UNIFORM:
-        return {x.name: (config.uniform_pattern if x.sparsifiable else SparsityPattern.DENSE) for x in imps}
-    if policy is PatternPolicy.INTERLEAVED:
-        return interleaved_patterns(imps, config.target_density, config.allowed_patterns)
-    return allocate_patterns(imps, config.target_density, config.allowed_patterns)
+        plan = {x.name: SparsityPattern.DENSE for x in imps}
+    elif policy is PatternPolicy.UNIFORM:
+        plan = {x.name: (config.uniform_pattern if x.sparsifiable else SparsityPattern.DENSE) for x in imps}
+    elif policy is PatternPolicy.INTERLEAVED:
+        plan = interleaved_patterns(imps, config.target_density, config.allowed_patterns, fixed)
+    else:
+        plan = allocate_patterns(imps, config.target_density, config.allowed_patterns, fixed)
+    plan.update(fixed)
+    return plan
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -318,11 +344,11 @@ def compress_(model: nn.Module, config: CompressConfig, stats: CalibrationStats 
     analyses: list[LayerAnalysis] | None = None
     if stats is not None or _needs_analysis(config):
         analyses = executor.map(analyze_layer, handles, [config] * len(items), "importance")
-        plan = plan_patterns(analyses, config)
+        plan = plan_patterns(analyses, config, fixed)
     else:
         plan = plan_patterns(
-            [LayerAnalysis(LayerImportance(x.name, x.weight.numel(), {}, _sparsifiable(x)), {}) for x in items], config)
-    plan.update(fixed)
+            [LayerAnalysis(LayerImportance(x.name, x.weight.numel(), {}, _sparsifiable(x)), {}) for x in items],
+            config, fixed)
     results: list[LayerResult] = executor.map(
         compress_layer, handles, [(plan[x.name], config) for x in items], "quantize+pack")
     layers = []

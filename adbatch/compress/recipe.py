@@ -85,6 +85,9 @@ class CalibrationConfig(ConfigBase):
         for name in ("num_texts", "seq_len", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"CalibrationConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ConfigError(f"CalibrationConfig.seq_len must be >= 2 (a sequence of 1 token has no next-token "
+                              f"loss, so every gradient statistic would be 0), got {self.seq_len}")
         if not 0.0 < self.auto_memory_fraction <= 1.0:
             raise ConfigError(f"CalibrationConfig.auto_memory_fraction must be in (0, 1], got {self.auto_memory_fraction}")
         if self.device is not None:
@@ -142,6 +145,10 @@ class CompressConfig(ConfigBase):
             raise ConfigError("CompressConfig.allowed_patterns must not be empty")
         self.allowed_patterns = tuple(SparsityPattern(p) for p in self.allowed_patterns)
         self.group_sizes = tuple(sorted(int(g) for g in self.group_sizes))
+        if self.group_policy is GroupPolicy.ADAPTIVE and max(self.group_sizes) < self.reference_group_size:
+            raise ConfigError(f"CompressConfig.group_sizes={self.group_sizes}: the adaptive policy spends at most "
+                              f"the bits of g{self.reference_group_size}, which no candidate size fits; include a "
+                              f"size >= reference_group_size or lower reference_group_size")
         lowest = min(PATTERN_DENSITY[p] for p in self.allowed_patterns)
         if self.pattern_policy in (PatternPolicy.INTERLEAVED, PatternPolicy.LAYER_ADAPTIVE) and self.target_density < lowest:
             raise ConfigError(f"CompressConfig.target_density={self.target_density} is below the sparsest allowed pattern ({lowest})")

@@ -120,7 +120,9 @@ def proxy_loss(weight: torch.Tensor, mask: torch.Tensor, col_moment: torch.Tenso
     per_row = (pruned * col_moment.float().unsqueeze(0)).sum(dim=1, dtype=torch.float64)  # [N]
     if row_moment is not None:
         per_row = per_row * row_moment.double()
-    return 0.5 * float(per_row.sum())
+    # exact sum of the rows: a whole-tensor sum's last bits depend on torch's thread count (Ray
+    # workers run one thread), and importance must not
+    return 0.5 * math.fsum(per_row.tolist())
 
 
 @dataclass
@@ -145,15 +147,18 @@ def _ordered(allowed: tuple[SparsityPattern, ...]) -> list[SparsityPattern]:
 
 
 def allocate_patterns(layers: list[LayerImportance], target_density: float,
-                      allowed: tuple[SparsityPattern, ...]) -> dict[str, SparsityPattern]:
+                      allowed: tuple[SparsityPattern, ...],
+                      fixed: dict[str, SparsityPattern] | None = None) -> dict[str, SparsityPattern]:
     """Choose a pattern per layer minimizing the summed proxy loss at parameter-weighted density
     <= ``target_density``.
 
     Greedy multiple-choice knapsack: every layer starts at the sparsest allowed pattern; the
     upgrade (to the layer's next denser pattern) with the largest proxy-loss reduction per added
     kept weight is applied while it fits the budget. Deterministic (ties broken by layer order).
-    Non-sparsifiable layers are dense and count against the budget.
+    Non-sparsifiable layers are dense and count against the budget; so do the layers in ``fixed``
+    (e.g. masks learned in training), at their fixed pattern's density.
     """
+    fixed = fixed or {}
     ladder = _ordered(allowed)
     total = sum(x.params for x in layers)
     if total == 0:
@@ -162,7 +167,9 @@ def allocate_patterns(layers: list[LayerImportance], target_density: float,
     choice: dict[str, int] = {}
     used = 0.0
     for x in layers:
-        if x.sparsifiable:
+        if x.name in fixed:
+            used += x.params * PATTERN_DENSITY[fixed[x.name]]
+        elif x.sparsifiable:
             choice[x.name] = 0
             used += x.params * PATTERN_DENSITY[ladder[0]]
         else:
@@ -194,24 +201,29 @@ def allocate_patterns(layers: list[LayerImportance], target_density: float,
         push(heap, name)
     out = {name: ladder[level] for name, level in choice.items()}
     for x in layers:
-        if not x.sparsifiable:
+        if x.name in fixed:
+            out[x.name] = SparsityPattern(fixed[x.name])
+        elif not x.sparsifiable:
             out[x.name] = SparsityPattern.DENSE
     return out
 
 
 def interleaved_patterns(layers: list[LayerImportance], target_density: float,
-                         allowed: tuple[SparsityPattern, ...]) -> dict[str, SparsityPattern]:
+                         allowed: tuple[SparsityPattern, ...],
+                         fixed: dict[str, SparsityPattern] | None = None) -> dict[str, SparsityPattern]:
     """Importance-blind baseline at the same density: layers in model order take turns being
     upgraded (sparsest -> denser) while the budget allows, so every depth gets the same mix.
 
     Used only for the uniform-vs-adaptive ablation; mirrors :func:`allocate_patterns`'s budget rule.
     """
+    fixed = fixed or {}
     ladder = _ordered(allowed)
     total = sum(x.params for x in layers)
     budget = target_density * total
-    choice = {x.name: 0 for x in layers if x.sparsifiable}
-    used = sum(x.params * (PATTERN_DENSITY[ladder[0]] if x.sparsifiable else 1.0) for x in layers)
-    sparse = [x for x in layers if x.sparsifiable]
+    choice = {x.name: 0 for x in layers if x.sparsifiable and x.name not in fixed}
+    used = sum(x.params * (PATTERN_DENSITY[fixed[x.name]] if x.name in fixed
+                           else PATTERN_DENSITY[ladder[0]] if x.sparsifiable else 1.0) for x in layers)
+    sparse = [x for x in layers if x.name in choice]
     for level in range(len(ladder) - 1):
         cur, nxt = ladder[level], ladder[level + 1]
         # stride through the layers so upgrades are spread evenly over depth, not front-loaded
@@ -237,6 +249,8 @@ def interleaved_patterns(layers: list[LayerImportance], target_density: float,
             break
     out = {name: ladder[level] for name, level in choice.items()}
     for x in layers:
-        if not x.sparsifiable:
+        if x.name in fixed:
+            out[x.name] = SparsityPattern(fixed[x.name])
+        elif not x.sparsifiable:
             out[x.name] = SparsityPattern.DENSE
     return out
