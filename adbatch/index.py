@@ -127,9 +127,13 @@ def load_tokenizer(name: str | None) -> tuple[Any, str]:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True), str(folder)
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """sha256 of the vocabulary (token -> id), so an index can tell tokenizers apart."""
-    return sha256_json(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]))
+def tokenizer_fingerprint(tokenizer: Any, below: int | None = None) -> str:
+    """sha256 of the vocabulary (token -> id), so an index can tell tokenizers apart; ``below``: only
+    ids under it (a model trained on a ``codes`` index has the code tokens added above the base)."""
+    vocab = tokenizer.get_vocab().items()
+    if below is not None:
+        vocab = [(tok, i) for tok, i in vocab if i < below]
+    return sha256_json(sorted(vocab, key=lambda kv: kv[1]))
 
 
 def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True) -> np.ndarray:

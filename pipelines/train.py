@@ -56,6 +56,13 @@ class TrainJobConfig(ConfigBase):
             raise ConfigError(f"TrainJobConfig.num_workers must be >= 1, got {self.num_workers}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"TrainJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
+        # model selection needs both; either alone would be silently ignored
+        if self.valid_queries is not None and self.train.eval_every <= 0:
+            raise ConfigError("TrainJobConfig.valid_queries is set but train.eval_every is 0 (no validation): "
+                              "set train.eval_every (epochs between evaluations) or drop valid_queries")
+        if self.valid_queries is None and self.train.eval_every > 0:
+            raise ConfigError(f"TrainJobConfig: train.eval_every = {self.train.eval_every} needs valid_queries "
+                              "(the validation pairs it evaluates)")
 
 
 def _read_pairs(path: str | Path) -> tuple[Any, list[tuple[str, Any]]]:
@@ -95,6 +102,8 @@ def read_validation_qrels(path: str | Path) -> dict[str, dict[Any, float]]:
     """query -> {ad_id: grade} from a Parquet of validation pairs; without a ``grade`` column every
     listed pair counts as relevant (grade 3, the top of the Home Depot scale)."""
     table, pairs = _read_pairs(path)
+    if not pairs:
+        raise ValueError(f"{path}: no validation pairs (model selection would be silently off)")
     grades = table.column("grade").to_pylist() if "grade" in table.column_names else [3.0] * len(pairs)
     qrels: dict[str, dict[Any, float]] = {}
     for (q, a), g in zip(pairs, grades):

@@ -297,3 +297,103 @@ def test_creative_rehearsal_examples_and_training(tok, tmp_path, monkeypatch):
     assert summary["data"]["creative_rehearsal"]["examples"] == stats["examples"]
     with pytest.raises(ConfigError):
         CreativeRehearsalConfig(ads=0).validate()
+
+
+@pytest.mark.parametrize("field,value", [("weight_decay", -0.01), ("max_grad_norm", -1.0), ("time_budget_s", 0.0),
+                                         ("time_budget_s", -5.0), ("epochs", float("nan")), ("lr", float("inf")),
+                                         ("lr", float("nan"))])
+def test_train_config_rejects_nonsense(field, value):
+    """Negative weight decay (weights pushed outward), a negative clip norm (silently no clipping), a
+    time budget that ends before it starts and non-finite epochs / lr are refused up front."""
+    from adbatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**{field: value})
+    TrainConfig(weight_decay=0.0, max_grad_norm=0.0, time_budget_s=1.0)  # 0 = off stays allowed
+
+
+def test_index_built_with_another_tokenizer_is_refused(tmp_path, tok):
+    """A text index whose token_ids come from another tokenizer (here MiniLM's WordPiece, EOS [SEP])
+    must not train into a SmolLM2-vocabulary model: its targets would be other tokens there."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from adbatch.clustering import ClusterConfig
+    from adbatch.corpus import CorpusConfig
+    from adbatch.embeddings import default_embedding_model_dir
+    from adbatch.index import IndexConfig, build_index, load_index, tokenizer_fingerprint
+    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from adbatch.training import prepare_model_for_index
+
+    other = tmp_path / "other_tok"
+    AutoTokenizer.from_pretrained(str(default_embedding_model_dir()), eos_token="[SEP]").save_pretrained(other)
+    shutil.copy(default_embedding_model_dir() / "config.json", other / "config.json")
+    ads, _, titles = _tiny_corpus(tmp_path)
+    cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"), tokenizer=str(other),
+                      cluster=ClusterConfig(branching=2, leaf_size=6), render=RenderConfig(scheme=IdScheme.TEXT))
+    build_index(ads, tmp_path / "index", cfg, progress=False)
+    index = load_index(tmp_path / "index")
+    with pytest.raises(ValueError, match="tokenizer"):
+        train_on_index(index, tmp_path / "model", TrainConfig(epochs=1, batch_tokens=2048),
+                       ad_texts=dict(zip(range(1000, 1024), titles)), model=tiny(tok), tokenizer=tok,
+                       device="cpu", progress=False)
+    assert not (tmp_path / "model").exists()
+    # the index's own tokenizer passes, also after a codes warm start added tokens above the base
+    for scheme in ("text", "codes"):
+        t = tok.__class__.from_pretrained(tok.name_or_path)
+        idx = fake_index(t, scheme)
+        idx.manifest["tokenizer_fingerprint"] = tokenizer_fingerprint(t)
+        prepare_model_for_index(tiny(t), t, idx, dict(zip(idx.ad_ids, TITLES)))
+        prepare_model_for_index(tiny(t), t, idx, dict(zip(idx.ad_ids, TITLES)))  # tokens already there
+
+
+def test_train_job_validation_needs_queries_and_eval_every(tmp_path):
+    """--valid-queries without --train.eval_every (default 0), --train.eval_every without
+    --valid-queries, or an empty validation file would all train without any model selection."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from adbatch.config import ConfigError
+    from pipelines.train import TrainJobConfig, read_validation_qrels
+
+    valid = tmp_path / "valid.parquet"
+    pq.write_table(pa.table({"query": ["deck over"], "ad_id": pa.array([101], pa.int64())}), valid)
+    with pytest.raises(ConfigError, match="eval_every"):
+        TrainJobConfig(valid_queries=valid)
+    with pytest.raises(ConfigError, match="valid_queries"):
+        TrainJobConfig(train=TrainConfig(eval_every=1.0))
+    TrainJobConfig(valid_queries=valid, train=TrainConfig(eval_every=1.0))
+    TrainJobConfig()
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"query": pa.array([], pa.string()), "ad_id": pa.array([], pa.int64())}), empty)
+    with pytest.raises(ValueError, match="no validation pairs"):
+        read_validation_qrels(empty)
+    assert read_validation_qrels(valid) == {"deck over": {101: 3.0}}
+
+
+def test_one_four_layer_schedule_shares():
+    """docs/training.md: kept-per-4 steps 4 -> 3 -> 2 in equal shares of the window; the layers picked
+    for 1:4 (when the others reach 2) then step 2 -> 1: 1/2 of the window at 3 kept, 1/6 at 2, 1/3 at 1
+    (the schedule the measured sparse results used)."""
+    from collections import Counter
+
+    model = make_tiny_llama(vocab_size=64, hidden=32, intermediate=64)
+    ps = ProgressiveSparsity(model, SparsityScheduleConfig(enabled=True, one_four_fraction=0.5, start_fraction=0.0,
+                                                           end_fraction=1.0), 120)
+    x = torch.randint(0, 64, (2, 8))
+    levels: dict[str, list[int]] = {}
+    for s in range(120):
+        if ps.wants_stats(s):
+            ps.start_stats()
+        model(x).logits.sum().backward()
+        ps.before_optimizer_step(s)
+        model.zero_grad()
+        ps.after_optimizer_step()
+        for name, n in ps.current_n.items():
+            levels.setdefault(name, []).append(n)
+    ends = Counter(h[-1] for h in levels.values())
+    assert ends[1] == round(0.5 * len(levels)) and ends[1] + ends[2] == len(levels)
+    for name, h in levels.items():
+        want = {3: 60, 2: 20, 1: 40} if h[-1] == 1 else {3: 60, 2: 60}
+        assert dict(Counter(h)) == want, name

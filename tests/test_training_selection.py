@@ -184,3 +184,16 @@ def test_train_on_index_with_validation_qrels(tok, tmp_path):
     evals = summary["train"]["evals"]
     assert len(evals) == 2 and all(0.0 <= m <= 1.0 for _, _, m in evals)
     assert summary["train"]["best"]["metric"] == max(m for _, _, m in evals)
+
+
+@pytest.mark.parametrize("bad", [{"valid_metric": "recall@5"}, {"valid_metric": "recal@10"},
+                                 {"valid_max_queries": 0}, {"valid_max_queries": -1}])
+def test_validation_settings_refused_before_training(bad):
+    """A validation metric evaluate_targeting does not report, or a query cap that evaluates no (or all
+    but the last) query, is refused when the config is built, not by a KeyError at the first
+    evaluation after an epoch of training."""
+    from adbatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        TrainConfig(eval_every=1.0, **bad)
+    TrainConfig(eval_every=1.0, valid_metric="ndcg@10", valid_max_queries=1)  # valid ones still pass

@@ -51,10 +51,27 @@ def default_ad_texts(index: Any) -> dict[Hashable, str]:
     return dict(zip(index.ad_ids, index.ad_codes.column(col).to_pylist()))
 
 
+def check_index_tokenizer(tokenizer: Any, index: Any) -> None:
+    """Refuse a tokenizer whose base vocabulary (ids below the manifest's ``base_vocab_size``; code tokens
+    a warm-start model added above it do not count) is not the one the index's ``token_ids`` were
+    built with (the manifest's ``tokenizer_fingerprint``, see :func:`adbatch.index.tokenizer_fingerprint`).
+    Indexes without a fingerprint are not checked."""
+    want = (index.manifest or {}).get("tokenizer_fingerprint")
+    if want is None:
+        return
+    from adbatch.index import tokenizer_fingerprint
+
+    if tokenizer_fingerprint(tokenizer, below=int(index.manifest.get("base_vocab_size", len(tokenizer)))) != want:
+        raise ValueError(f"the model's tokenizer is not the one index {str(index.index_hash)[:12]} was built with "
+                         f"({index.manifest.get('tokenizer')}): its token_ids would mean other tokens to this model; "
+                         "rebuild the index with this model's tokenizer or train the model it was built for")
+
+
 def prepare_model_for_index(model: Any, tokenizer: Any, index: Any, ad_texts: Mapping[Hashable, str]) -> dict[str, Any]:
     """Make ``model``/``tokenizer`` able to emit the index's targets (adds + initialises code tokens)."""
     from adbatch.training.vocab import add_index_tokens, init_code_embeddings
 
+    check_index_tokenizer(tokenizer, index)
     info: dict[str, Any] = {"scheme": scheme_name(index)}
     targets = _index_targets(index)
     if info["scheme"] == "codes":

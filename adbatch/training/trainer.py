@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 #: dense bf16 peak of one H200 (NVIDIA spec sheet, no sparsity), the MFU denominator on CUDA
 H200_BF16_PEAK_FLOPS = 989e12
 
+#: what ``valid_metric`` may name: the metrics :func:`adbatch.targeting_eval.validation_metric` reports
+#: (``evaluate_targeting`` at its default ks 1 and 10)
+VALID_METRICS = tuple(f"{m}@{k}" for m in ("recall", "success", "mrr", "ndcg") for k in (1, 10))
+
 
 @dataclass
 class TrainConfig(ConfigBase):
@@ -102,14 +106,25 @@ class TrainConfig(ConfigBase):
                     "retrieval_repeat": self.retrieval_repeat,
                     "log_every": self.log_every, "max_query_tokens": self.max_query_tokens}
         for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"TrainConfig.{name} must be > 0, got {value}")
+            if not value > 0 or not math.isfinite(value):  # NaN compares False both ways
+                raise ConfigError(f"TrainConfig.{name} must be finite and > 0, got {value}")
+        for name in ("weight_decay", "max_grad_norm"):  # max_grad_norm 0 = no clipping
+            value = getattr(self, name)
+            if not value >= 0 or not math.isfinite(value):
+                raise ConfigError(f"TrainConfig.{name} must be finite and >= 0, got {value}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ConfigError(f"TrainConfig.time_budget_s must be > 0 or None, got {self.time_budget_s}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 <= self.warmup_fraction < 1.0:
             raise ConfigError(f"TrainConfig.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.eval_every < 0 or self.early_stop_patience < 0:
             raise ConfigError("TrainConfig.eval_every and early_stop_patience must be >= 0")
+        # checked here, not at the first evaluation (after a whole eval_every of training)
+        if self.valid_metric not in VALID_METRICS:
+            raise ConfigError(f"TrainConfig.valid_metric must be one of {list(VALID_METRICS)}, got {self.valid_metric!r}")
+        if self.valid_max_queries is not None and self.valid_max_queries < 1:
+            raise ConfigError(f"TrainConfig.valid_max_queries must be >= 1 or None, got {self.valid_max_queries}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
         if not (self.indexing or self.retrieval):
