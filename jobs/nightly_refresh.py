@@ -226,9 +226,11 @@ class _Runner:
 def _train_warm_or_cold(job: Any, warm: WarmStartConfig, previous_index: Any, same_base_model: bool) -> dict[str, Any]:
     """Run the train stage from last night's model in ``job.out`` when :func:`plan_warm_start` allows
     (the model folder is replaced atomically at the end, so a crash keeps last night's model)."""
+    from adbatch.training.checkpoint import recover_interrupted_save
     from adbatch.training.warm_start import IndexSnapshot, plan_warm_start
     from pipelines.train import run_train
 
+    recover_interrupted_save(job.out)  # last night's model back in place if a save was cut short
     plan = plan_warm_start(job.out, previous_index, IndexSnapshot.read(job.index), job.train.epochs, warm,
                            same_base_model=same_base_model)
     log.info("train: %s start (%s), %g epochs", "warm" if plan.init_model else "cold", plan.reason, plan.epochs)

@@ -397,3 +397,33 @@ def test_one_four_layer_schedule_shares():
     for name, h in levels.items():
         want = {3: 60, 2: 20, 1: 40} if h[-1] == 1 else {3: 60, 2: 60}
         assert dict(Counter(h)) == want, name
+
+
+def test_save_cut_short_between_its_renames_keeps_last_nights_model(tmp_path, tok, monkeypatch):
+    """save_trained moves the old folder aside, then the new one in: stopped in between, the next run
+    (save_trained itself, or the refresh's warm-start planning) puts last night's model back."""
+    import os
+    from pathlib import Path
+
+    import adbatch.training.checkpoint as ck
+    from adbatch.training import read_training_record, save_trained
+
+    out = tmp_path / "model"
+    save_trained(tiny(tok), tok, out, {"trained_on_index": "night1"})
+    real = os.replace
+
+    def stop_before_second(src, dst):
+        if Path(dst) == out and not out.exists():
+            raise KeyboardInterrupt  # killed after moving the old folder aside, before the new one is in
+        return real(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", stop_before_second)
+    with pytest.raises(KeyboardInterrupt):
+        save_trained(tiny(tok), tok, out, {"trained_on_index": "night2"})
+    monkeypatch.undo()
+    assert not out.exists()
+    ck.recover_interrupted_save(out)
+    assert read_training_record(out)["trained_on_index"] == "night1"
+    save_trained(tiny(tok), tok, out, {"trained_on_index": "night2"})
+    assert read_training_record(out)["trained_on_index"] == "night2"
+    assert not any(p.name.startswith(".model.") for p in tmp_path.iterdir())

@@ -11,6 +11,7 @@ stage can keep them exactly.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any, Mapping
 import torch
 
 from adbatch.artifacts import code_version, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 TRAINING_RECORD = "adbatch_training.json"
 MASKS_FILE = "nm_masks.safetensors"
@@ -39,6 +42,7 @@ def save_trained(model: Any, tokenizer: Any, out_dir: str | Path, record: Mappin
         raise ValueError("training record needs 'trained_on_index'")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_save(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -50,13 +54,32 @@ def save_trained(model: Any, tokenizer: Any, out_dir: str | Path, record: Mappin
         save_file({k: v.to(torch.uint8).cpu().contiguous() for k, v in masks.items()}, str(tmp / MASKS_FILE))
     write_json_atomic(tmp / TRAINING_RECORD, {**record, "code_version": code_version()})
     if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
+        old = _previous_dir(out_dir)
         os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out_dir)
     return out_dir
+
+
+def _previous_dir(out_dir: Path) -> Path:
+    return out_dir.with_name(f".{out_dir.name}.old")
+
+
+def recover_interrupted_save(out_dir: str | Path) -> None:
+    """Undo a :func:`save_trained` stopped between its two renames: the earlier model sits in
+    ``.<name>.old`` and ``out_dir`` is missing -- move it back (a failed run keeps last night's
+    model); with both present the swap had finished, so the leftover is removed."""
+    out_dir = Path(out_dir)
+    old = _previous_dir(out_dir)
+    if not old.exists():
+        return
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(old, out_dir)
+        log.warning("restored %s from an interrupted save", out_dir)
 
 
 def read_training_record(model_dir: str | Path) -> dict[str, Any] | None:
