@@ -427,3 +427,30 @@ def test_save_cut_short_between_its_renames_keeps_last_nights_model(tmp_path, to
     save_trained(tiny(tok), tok, out, {"trained_on_index": "night2"})
     assert read_training_record(out)["trained_on_index"] == "night2"
     assert not any(p.name.startswith(".model.") for p in tmp_path.iterdir())
+
+
+def test_run_stopped_mid_schedule_still_leaves_exact_final_masks():
+    """A time budget / max_steps stopping inside the sparsity window: finish_early jumps to the final
+    masks (exactly final_n of every 4; 1:4 layers chosen), keeps earlier pruning, freezes them."""
+    model = make_tiny_llama(vocab_size=64, hidden=32, intermediate=64)
+    ps = ProgressiveSparsity(model, SparsityScheduleConfig(enabled=True, one_four_fraction=0.5, start_fraction=0.0,
+                                                           end_fraction=1.0), 120)
+    x = torch.randint(0, 64, (2, 8))
+    for s in range(30):  # stopped a quarter into the window: 3 kept of 4 so far
+        if ps.wants_stats(s):
+            ps.start_stats()
+        model(x).logits.sum().backward()
+        ps.before_optimizer_step(s)
+        model.zero_grad()
+        ps.after_optimizer_step()
+    assert not ps.frozen and set(ps.current_n.values()) == {3}
+    before = {name: ps.masks[name].clone() for name in ps.layers}
+    ps.finish_early()
+    assert ps.frozen and ps.summary()["finished_early"]
+    ends = sorted(ps.current_n.values())
+    assert set(ends) == {1, 2} and ends.count(1) == round(0.5 * len(ends))
+    for name, mod in ps.layers.items():
+        kept = (mod.weight != 0).reshape(mod.weight.shape[0], -1, 4).sum(-1)
+        assert (kept <= ps.current_n[name]).all() and (ps.masks[name].reshape(kept.shape[0], -1, 4).sum(-1)
+                                                       == ps.current_n[name]).all()
+        assert not (ps.masks[name] & ~before[name]).any()  # nothing pruned earlier comes back

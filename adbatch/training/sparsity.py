@@ -100,6 +100,7 @@ class ProgressiveSparsity:
         self._sq: dict[str, torch.Tensor] = {}
         self._hooks: list[Any] = []
         self.frozen = False
+        self.finished_early = False
 
     # ---- schedule --------------------------------------------------------------------------
     def n_at(self, step: int, final_n: int) -> int:
@@ -195,6 +196,34 @@ class ProgressiveSparsity:
             log.info("progressive sparsity: masks frozen at step %d (density %.3f)", step, self.density())
 
     @torch.no_grad()
+    def finish_early(self) -> None:
+        """Jump to the final masks now: for a run stopped (time budget, ``max_steps``) before
+        ``end_fraction``. Scores are the weights' magnitudes (no step's statistics are at hand), already
+        pruned weights stay pruned, and the masks are frozen, so the saved model is still exactly the
+        final N:M the compression stage packs -- one-shot for the last levels, without the recovery
+        training the schedule would have given them (the summary records ``finished_early``)."""
+        if self.frozen:
+            return
+        from adbatch.compress.sparsity import nm_mask
+
+        scores = {name: mod.weight.detach().float().abs() for name, mod in self.layers.items()}
+        if not self._one_four_decided:
+            self._decide_one_four(scores)
+        for name, mod in self.layers.items():
+            n = self.final_n[name]
+            self.current_n[name] = n
+            if n >= M:
+                self.masks.pop(name, None)
+                continue
+            if name in self.masks:  # |w| of a pruned weight is 0, but ties among zeros must not revive one
+                scores[name] = scores[name] * self.masks[name] + self.masks[name].float() * 1e-30
+            self.masks[name] = nm_mask(scores[name], n, M).to(mod.weight.device)
+        self.after_optimizer_step()
+        self.frozen = self.finished_early = True
+        log.warning("progressive sparsity: the run stopped before the masks were final; finished them one-shot "
+                    "by magnitude (density %.3f)", self.density())
+
+    @torch.no_grad()
     def after_optimizer_step(self) -> None:
         """Zero every masked weight (AdamW's decoupled update may have moved it)."""
         for name, mask in self.masks.items():
@@ -210,5 +239,5 @@ class ProgressiveSparsity:
         return kept / max(total, 1)
 
     def summary(self) -> dict[str, Any]:
-        return {"density": self.density(), "frozen": self.frozen,
+        return {"density": self.density(), "frozen": self.frozen, "finished_early": self.finished_early,
                 "patterns": {name: f"{self.current_n[name]}:{M}" for name in self.layers}}

@@ -418,8 +418,9 @@ def train_loop(
             selector.restore(model)
         stats.best = {"step": selector.step, "metric": selector.metric}
     if sparsity is not None:
-        if not sparsity.frozen:  # a time budget cut the schedule short: still leave exact masks
+        if not sparsity.frozen:  # a time budget / max_steps cut the schedule short: still leave exact masks
             log.warning("progressive sparsity did not reach its final masks (stopped at step %d)", stats.steps)
+            sparsity.finish_early()
         stats.sparsity = sparsity.summary()
     if qat is not None:  # plain forwards again: the caller saves / compresses the fp32 weights
         qat.detach()
