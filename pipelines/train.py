@@ -152,6 +152,12 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
 
     if not Path(config.index).is_dir():
         raise FileNotFoundError(f"index folder not found: {config.index}")
+    if config.queries is not None and config.valid_queries is not None:
+        shared = ({str(q) for q, _ in read_labelled_queries(config.queries)}
+                  & set(read_validation_qrels(config.valid_queries)))
+        if shared:  # model selection on queries the model trained on measures memory, not retrieval
+            raise ValueError(f"{len(shared)} validation queries are also training queries (e.g. "
+                             f"{sorted(shared)[0]!r}): split the labelled queries by query string")
     t0 = time.perf_counter()
     init_ray(num_cpus=config.num_cpus)
     # Ray Train workers do not run in the driver's working directory: every local path is made

@@ -58,6 +58,10 @@ def test_examples_and_batches(tok):
                                dict(zip(idx.ad_ids, TITLES)), [(q, 100 + r) for q, r in QUERIES] + [("x", 999)])
     assert stats["indexing"] == 8 and stats["retrieval"] == 4 and stats["labelled_not_in_index"] == 1
     assert len(ex) == 12 and int((ex.kinds == int(ExampleKind.RETRIEVAL)).sum()) == 4
+    # every labelled pair missing the index (here: ad ids as strings, the index's are ints) is an error
+    with pytest.raises(ValueError, match="none of the 4 labelled pairs"):
+        build_examples(tok, idx.ad_ids, idx.ad_codes.column("token_ids").to_pylist(),
+                       dict(zip(idx.ad_ids, TITLES)), [(q, str(100 + r)) for q, r in QUERIES])
     # the target of example 0 is exactly the index's token_ids of row 0, after the prompt
     e0 = ex.tokens[ex.offsets[0] + ex.prompt_lens[0]:ex.offsets[1]].tolist()
     assert e0 == idx.ad_codes.column("token_ids").to_pylist()[0]
@@ -454,3 +458,19 @@ def test_run_stopped_mid_schedule_still_leaves_exact_final_masks():
         assert (kept <= ps.current_n[name]).all() and (ps.masks[name].reshape(kept.shape[0], -1, 4).sum(-1)
                                                        == ps.current_n[name]).all()
         assert not (ps.masks[name] & ~before[name]).any()  # nothing pruned earlier comes back
+
+
+def test_train_job_refuses_validation_queries_that_are_training_queries(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.train import TrainJobConfig, run_train
+
+    (tmp_path / "index").mkdir()
+    pq.write_table(pa.table({"query": ["deck over", "angle bracket"], "ad_id": [1, 2]}), tmp_path / "train.parquet")
+    pq.write_table(pa.table({"query": ["angle bracket"], "ad_id": [2]}), tmp_path / "valid.parquet")
+    job = TrainJobConfig(index=tmp_path / "index", out=tmp_path / "model", queries=tmp_path / "train.parquet",
+                         valid_queries=tmp_path / "valid.parquet", train=TrainConfig(eval_every=1.0))
+    with pytest.raises(ValueError, match="1 validation queries are also training queries"):
+        run_train(job)
+

@@ -158,6 +158,10 @@ def build_examples(
         else:
             pairs.append((query, r))
     stats["labelled_not_in_index"] = not_in
+    if labelled and not pairs:  # a subset catalogue misses some pairs; missing all is a wrong file or id type
+        raise ValueError(f"none of the {len(labelled)} labelled pairs names an ad of the index (e.g. "
+                         f"{labelled[0][1]!r}, {type(labelled[0][1]).__name__}; the index has e.g. {ad_ids[0]!r}, "
+                         f"{type(ad_ids[0]).__name__}): check the queries file's ad_id column")
     if pairs:
         parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in pairs], max_query_tokens),
                             [targets[r] for _, r in pairs], ExampleKind.RETRIEVAL, [r for _, r in pairs]))
