@@ -165,7 +165,7 @@ def eval_targeting(cfg: TargetingEvalConfig, out: Path, model: str | None, compr
                 gen = TargetGenerator(spec, ix_dir, cfg.search.replace(verify=mode), gen_cfg)
                 m = evaluate_targeting(_target_ranker(gen), qrels, ks=(1, 10), batch_size=cfg.batch_size,
                                        max_queries=n_q)
-            except (ValueError, RuntimeError) as exc:  # e.g. a model trained on another index
+            except (ValueError, RuntimeError, OSError) as exc:  # another index's model, a missing checkpoint
                 log.warning("targeting %s/%s not evaluated: %s", name, mode.value, exc)
                 row["note"] = f"not evaluated: {exc}"[:160]
                 res["rows"].append(row)
@@ -211,12 +211,17 @@ def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path
     rows, outputs = [], {}
     gen_cfg = GenerateConfig(batch_size=cfg.batch_size, num_threads=num_threads)
     for name, spec in variants:
-        gen = CreativeGenerator(spec, cfg.creative, gen_cfg)
-        t0 = time.perf_counter()
-        answers = []
-        for s in range(0, requests.num_rows, cfg.batch_size):
-            answers.append(gen(requests.slice(s, cfg.batch_size)))
-        secs = time.perf_counter() - t0
+        try:
+            gen = CreativeGenerator(spec, cfg.creative, gen_cfg)
+            t0 = time.perf_counter()
+            answers = []
+            for s in range(0, requests.num_rows, cfg.batch_size):
+                answers.append(gen(requests.slice(s, cfg.batch_size)))
+            secs = time.perf_counter() - t0
+        except (ValueError, RuntimeError, OSError) as exc:  # e.g. a missing or damaged checkpoint
+            log.warning("creatives %s not evaluated: %s", name, exc)
+            rows.append({"variant": name, "note": f"not evaluated: {exc}"[:160]})
+            continue
         ans = pa.concat_tables(answers)
         hyps = [(h[0] if h else "") for h in ans.column("headlines").to_pylist()]
         outputs[name] = hyps

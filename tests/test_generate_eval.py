@@ -106,3 +106,26 @@ def test_run_eval_end_to_end_on_small_files(tmp_path):
     report = (tmp_path / "eval" / "report.md").read_text()
     assert "Home Depot" in report and "METEOR (exact+stem)" in report
     assert json.loads((tmp_path / "eval" / "manifest.json").read_text())["stage"] == "eval"
+
+
+def test_run_eval_reports_a_variant_it_cannot_load(tmp_path):
+    """A wrong compressed-checkpoint path costs that variant's rows (with the reason), not the report."""
+    from pipelines.evaluate import EvalJobConfig, run_eval
+
+    model = tiny_model_dir(tmp_path)
+    cfg = EvalJobConfig.from_dict({
+        "out": str(tmp_path / "eval"), "model": str(model), "compressed": str(tmp_path / "no_such_checkpoint"),
+        "targeting": {"home_depot": {"csv_path": str(_fake_home_depot(tmp_path / "hd.csv")), "catalogue_size": None,
+                                     "split_fractions": [0.0, 0.0, 1.0]},
+                      "max_queries": 3, "batch_size": 3, "search": {"num_beams": 3, "top_k": 3},
+                      "verify_modes": ["off"], "minilm": False},
+        "creatives": {"csv": str(_fake_slogans(tmp_path / "slogans.csv")), "max_examples": 2, "batch_size": 2,
+                      "creative": {"max_new_tokens": 3}},
+    })
+    res = run_eval(cfg)
+    rows = {r["variant"]: r for r in res["targeting"]}
+    assert rows["dense"]["queries"] == 3 and rows["compressed"]["note"].startswith("not evaluated")
+    creative = {r["variant"]: r for r in res["creatives"]}
+    assert creative["dense"]["examples"] == 2 and creative["compressed"]["note"].startswith("not evaluated")
+    assert "not evaluated" in (tmp_path / "eval" / "report.md").read_text()
+
