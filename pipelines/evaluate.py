@@ -65,6 +65,10 @@ class TargetingEvalConfig(ConfigBase):
             raise ConfigError(f"TargetingEvalConfig.batch_size must be >= 1, got {self.batch_size}")
         if (self.extra_index is None) != (self.extra_model is None):
             raise ConfigError("TargetingEvalConfig: extra_index and extra_model go together")
+        if self.search.top_k < 10:  # the report's metrics are @10, the MiniLM baseline ranks 10
+            raise ConfigError(f"TargetingEvalConfig.search.top_k must be >= 10 (recall@10 etc.), got {self.search.top_k}")
+        if not self.verify_modes:
+            raise ConfigError("TargetingEvalConfig.verify_modes must name at least one mode")
 
 
 @dataclasses.dataclass

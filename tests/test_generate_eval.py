@@ -87,7 +87,7 @@ def test_run_eval_end_to_end_on_small_files(tmp_path):
         "out": str(tmp_path / "eval"), "model": str(model),
         "targeting": {"home_depot": {"csv_path": str(hd), "catalogue_size": None,
                                      "split_fractions": [0.0, 0.0, 1.0]},
-                      "max_queries": 5, "batch_size": 5, "search": {"num_beams": 3, "top_k": 3},
+                      "max_queries": 5, "batch_size": 5, "search": {"num_beams": 3, "top_k": 10},
                       "verify_modes": ["off", "always"]},
         "creatives": {"csv": str(slog), "max_examples": 3, "batch_size": 3,
                       "creative": {"max_new_tokens": 4}},
@@ -97,7 +97,7 @@ def test_run_eval_end_to_end_on_small_files(tmp_path):
     assert set(rows) == {("dense", "off"), ("dense", "always"), ("MiniLM+faiss", None)}
     for r in rows.values():
         assert r["queries"] == 5 and 0.0 <= r["recall@10"] <= 1.0 and r["queries_per_s"] > 0
-    # beam 3 over 6 ads: off and always search the same trie exactly -> the same metrics
+    # 10 beams (raised to top_k) over 6 ads: off and always search the same trie exactly -> the same metrics
     assert rows[("dense", "off")]["recall@10"] == pytest.approx(rows[("dense", "always")]["recall@10"])
     # MiniLM finds the relevant product of these easy queries
     assert rows[("MiniLM+faiss", None)]["recall@1"] >= 0.8
@@ -117,7 +117,7 @@ def test_run_eval_reports_a_variant_it_cannot_load(tmp_path):
         "out": str(tmp_path / "eval"), "model": str(model), "compressed": str(tmp_path / "no_such_checkpoint"),
         "targeting": {"home_depot": {"csv_path": str(_fake_home_depot(tmp_path / "hd.csv")), "catalogue_size": None,
                                      "split_fractions": [0.0, 0.0, 1.0]},
-                      "max_queries": 3, "batch_size": 3, "search": {"num_beams": 3, "top_k": 3},
+                      "max_queries": 3, "batch_size": 3, "search": {"num_beams": 3, "top_k": 10},
                       "verify_modes": ["off"], "minilm": False},
         "creatives": {"csv": str(_fake_slogans(tmp_path / "slogans.csv")), "max_examples": 2, "batch_size": 2,
                       "creative": {"max_new_tokens": 3}},
