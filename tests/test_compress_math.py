@@ -234,3 +234,11 @@ def test_calibration_seq_len_needs_a_next_token():
     with pytest.raises(ConfigError, match="seq_len"):
         CalibrationConfig(seq_len=1)
     CalibrationConfig(seq_len=2)
+
+
+def test_non_finite_weights_name_the_layer():
+    w = torch.randn(8, 16)
+    w[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="layer blocks.0.up: weight has 1 NaN/Inf"):
+        compress_layer(LayerInput("blocks.0.up", w, None, None), (SparsityPattern.TWO_FOUR, CompressConfig()))
+

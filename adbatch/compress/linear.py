@@ -237,6 +237,8 @@ def compress_layer(item: LayerInput, plan: tuple[SparsityPattern, CompressConfig
     pattern, config = plan
     weight = item.weight.float()
     n_out, k_in = weight.shape
+    if not torch.isfinite(weight).all():  # say which layer, not just that a packed scale went non-finite
+        raise ValueError(f"layer {item.name}: weight has {int((~torch.isfinite(weight)).sum())} NaN/Inf values")
     st = item.stats
     if pattern.is_sparse:
         # a fixed mask has exactly n ones per group, so ranking it selects exactly its positions
