@@ -160,6 +160,9 @@ def load_calibration_texts(config: CalibrationConfig) -> list[str]:
         raise ValueError(f"CalibrationConfig.path: {path} must be .txt/.md or .parquet")
     if not texts:
         raise ValueError(f"CalibrationConfig.path: {path} holds no texts")
+    if len(texts) < config.num_texts:
+        log.warning("calibration: %s holds %d texts, fewer than num_texts = %d: using them all",
+                    path, len(texts), config.num_texts)
     g = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(texts), generator=g).tolist()[: config.num_texts]
     return [texts[i] for i in order]
