@@ -242,7 +242,10 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
         detail[new] = what if isinstance(what, str) else what[new]
 
     ad_null = table.column("ad_id").is_null().to_numpy(zero_copy_only=False)
-    flag(ad_null, RejectReason.NULL_AD_ID, f"column {cfg.ad_id!r} is null")
+    if id_kind == "string":  # a blank id joins to nothing downstream: as unusable as a null one
+        blank = pc.utf8_length(pc.utf8_trim_whitespace(table.column("ad_id"))).to_numpy(zero_copy_only=False)
+        ad_null = ad_null | (np.nan_to_num(blank) == 0)
+    flag(ad_null, RejectReason.NULL_AD_ID, f"column {cfg.ad_id!r} is null or blank")
     text = table.column("text")
     stripped_len = pc.utf8_length(pc.utf8_trim_whitespace(text)).to_numpy(zero_copy_only=False)
     empty = text.is_null().to_numpy(zero_copy_only=False) | (np.nan_to_num(stripped_len) == 0)

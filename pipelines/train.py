@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -171,13 +172,17 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
                          ads=Path(config.ads).resolve() if config.ads else None,
                          queries=Path(config.queries).resolve() if config.queries else None,
                          valid_queries=Path(config.valid_queries).resolve() if config.valid_queries else None)
+    # Ray Train's run storage (its own checkpoints / metrics; the model folder is written by rank 0)
     storage = Path(tempfile.mkdtemp(prefix="adbatch-train-"))
     trainer = TorchTrainer(
         _worker, train_loop_config=job.to_dict(),
         scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
         run_config=RunConfig(name="adbatch-train", storage_path=str(storage)),
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
     if result.error is not None:
         raise RuntimeError(f"training failed: {result.error}") from result.error
     # rank 0's record in the model folder is the source of truth (Ray's reported metrics are a

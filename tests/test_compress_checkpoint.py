@@ -228,3 +228,10 @@ def test_compressed_model_survives_dtype_casts(cast):
     assert torch.isfinite(out).all()
     if cast == "float":
         assert torch.equal(out, ref)
+
+
+def test_save_needs_the_tokenizer(tiny_compressed, tmp_path):
+    _, model, recipe, _ = tiny_compressed
+    with pytest.raises(ValueError, match="tokenizer"):
+        save_compressed(model, None, recipe, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

@@ -165,3 +165,10 @@ def test_uint64_ids_beyond_int64_are_a_schema_error_naming_the_column(tmp_path):
         read_corpus(p)
     ok = _write(tmp_path / "ok.parquet", ad_id=pa.array([1, 2**62], pa.uint64()), title=["x", "y"])
     assert read_corpus(ok).table.column("ad_id").to_pylist() == [1, 2**62]
+
+
+def test_blank_string_ids_are_rejected_like_null_ones(tmp_path):
+    p = _write(tmp_path / "c.parquet", ad_id=["a", "", "  ", "b"], title=["x y", "z w", "q r", "s t"])
+    c = read_corpus(p)
+    assert c.table.column("ad_id").to_pylist() == ["a", "b"]
+    assert c.rejected.column("reason").to_pylist() == ["null_ad_id", "null_ad_id"]

@@ -71,6 +71,8 @@ def save_compressed(model: nn.Module, tokenizer: Any, recipe: CompressionRecipe,
     The manifest is written last, so a directory without one is an unfinished checkpoint.
     """
     t0 = time.perf_counter()
+    if tokenizer is None:  # load_compressed always loads one: a checkpoint without it could not be opened
+        raise ValueError("save_compressed needs the model's tokenizer")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     compressed = {n: m for n, m in model.named_modules() if isinstance(m, CompressedLinear)}
@@ -121,8 +123,7 @@ def save_compressed(model: nn.Module, tokenizer: Any, recipe: CompressionRecipe,
     if getattr(model, "generation_config", None) is not None:
         # extra EOS ids (e.g. Llama-3 / Qwen2.5 instruct <|eot_id|>), pad id, sampling defaults
         model.generation_config.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     write_json_atomic(out / RECIPE_NAME, recipe.to_dict())
     hashed = {RECIPE_NAME: sha256_file(out / RECIPE_NAME)}
     if (out / "config.json").is_file():
