@@ -140,3 +140,16 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"no {MANIFEST_NAME} in {directory}: not a finished adbatch artifact")
     return json.loads(path.read_text())
+
+
+def verify_outputs(directory: str | Path, manifest: dict[str, Any], names: Any = None) -> None:
+    """Check files of an artifact against its manifest's ``outputs`` (relative path -> sha256): ``names``
+    (default: all listed). Raises FileNotFoundError for a missing file, ValueError for a changed one."""
+    directory = Path(directory)
+    listed = manifest.get("outputs") or {}
+    for name in (listed if names is None else names):
+        want, got = listed.get(name), sha256_file(directory / name)
+        if want != got:
+            raise ValueError(f"{directory / name}: sha256 {got[:12]} does not match the manifest's "
+                             f"{str(want)[:12]}; the artifact is damaged or mixed")
+

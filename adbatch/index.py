@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from adbatch.artifacts import (
-    MANIFEST_NAME, StageTimer, build_manifest, read_manifest, sha256_file, sha256_json,
+    MANIFEST_NAME, StageTimer, build_manifest, read_manifest, sha256_file, sha256_json, verify_outputs,
     write_json_atomic, write_parquet_atomic,
 )
 from adbatch.clustering import ClusterConfig, Hierarchy, build_hierarchy, update_hierarchy
@@ -275,11 +275,8 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     try:
         finish_interrupted_write(previous)
         prev = load_index(previous)
-        # the labels come from clusters.parquet, which load_index does not verify
-        clusters_file = Path(previous) / CLUSTERS_FILE
-        if sha256_file(clusters_file) != prev.manifest["outputs"].get(CLUSTERS_FILE):
-            raise ValueError(f"{clusters_file}: sha256 does not match the manifest's")
-        clusters = pq.read_table(clusters_file).to_pydict()
+        verify_outputs(previous, prev.manifest, (CLUSTERS_FILE,))  # the labels' source: load_index skips it
+        clusters = pq.read_table(Path(previous) / CLUSTERS_FILE).to_pydict()
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:
         log.info("index: no earlier index to keep codes from (%s): full build", e)
         return None
@@ -348,12 +345,7 @@ def load_index(directory: str | Path, mmap: bool = True, verify: bool = True) ->
         raise ValueError(f"{directory}: manifest is for stage {manifest.get('stage')!r}, not index")
     trie_file = directory / manifest.get("trie_file", TRIE_FILE)
     if verify:
-        for name in (AD_CODES_FILE, manifest.get("trie_file", TRIE_FILE)):
-            want = manifest["outputs"].get(name)
-            got = sha256_file(directory / name)
-            if want != got:
-                raise ValueError(f"{directory / name}: sha256 {got[:12]} does not match the "
-                                 f"manifest's {str(want)[:12]}; the index is damaged or mixed")
+        verify_outputs(directory, manifest, (AD_CODES_FILE, manifest.get("trie_file", TRIE_FILE)))
     trie = Trie.load(trie_file, mmap=mmap)
     ad_codes = pq.read_table(directory / AD_CODES_FILE)
     if ad_codes.num_rows != int(manifest["counts"]["ads_indexed"]):

@@ -26,7 +26,7 @@ from typing import Any, Callable
 if __package__ in (None, ""):  # run as a script (``python jobs/nightly_refresh.py`` / ray job submit)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adbatch.artifacts import sha256_file, sha256_json, sha256_paths, write_json_atomic
+from adbatch.artifacts import sha256_file, sha256_json, sha256_paths, verify_outputs, write_json_atomic
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.compress import CalibrationConfig, CompressConfig
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
@@ -243,14 +243,14 @@ def _outputs_intact(output: Path) -> bool:
     """Whether every file a stage's manifest lists under ``outputs`` (path relative to the manifest ->
     sha256) is still there unchanged: an intact manifest beside a deleted or damaged shard, partition
     or index file must re-run the stage, not be skipped into a failure downstream."""
-    listed = (_read(output) or {}).get("outputs")
-    if not isinstance(listed, dict):
+    manifest = _read(output) or {}
+    if not isinstance(manifest.get("outputs"), dict):
         return True
-    for rel, digest in listed.items():
-        f = output.parent / rel
-        if not f.is_file() or sha256_file(f) != digest:
-            log.warning("stage output %s is missing or changed since its manifest was written", f)
-            return False
+    try:
+        verify_outputs(output.parent, manifest)
+    except (FileNotFoundError, ValueError) as exc:
+        log.warning("stage output missing or changed since its manifest was written: %s", exc)
+        return False
     return True
 
 

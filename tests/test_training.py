@@ -376,18 +376,15 @@ def test_train_job_validation_needs_queries_and_eval_every(tmp_path):
     assert read_validation_qrels(valid) == {"deck over": {101: 3.0}}
 
 
-def test_one_four_layer_schedule_shares():
-    """docs/training.md: kept-per-4 steps 4 -> 3 -> 2 in equal shares of the window; the layers picked
-    for 1:4 (when the others reach 2) then step 2 -> 1: 1/2 of the window at 3 kept, 1/6 at 2, 1/3 at 1
-    (the schedule the measured sparse results used)."""
-    from collections import Counter
-
+def _run_schedule(steps: int, total: int = 120) -> tuple[ProgressiveSparsity, dict[str, list[int]]]:
+    """Drive a tiny model's ProgressiveSparsity (window = the whole run of ``total`` steps, half the layers
+    ending at 1:4) through its first ``steps`` optimizer steps; returns it and each layer's kept-per-4 history."""
     model = make_tiny_llama(vocab_size=64, hidden=32, intermediate=64)
     ps = ProgressiveSparsity(model, SparsityScheduleConfig(enabled=True, one_four_fraction=0.5, start_fraction=0.0,
-                                                           end_fraction=1.0), 120)
+                                                           end_fraction=1.0), total)
     x = torch.randint(0, 64, (2, 8))
     levels: dict[str, list[int]] = {}
-    for s in range(120):
+    for s in range(steps):
         if ps.wants_stats(s):
             ps.start_stats()
         model(x).logits.sum().backward()
@@ -396,6 +393,16 @@ def test_one_four_layer_schedule_shares():
         ps.after_optimizer_step()
         for name, n in ps.current_n.items():
             levels.setdefault(name, []).append(n)
+    return ps, levels
+
+
+def test_one_four_layer_schedule_shares():
+    """docs/training.md: kept-per-4 steps 4 -> 3 -> 2 in equal shares of the window; the layers picked
+    for 1:4 (when the others reach 2) then step 2 -> 1: 1/2 of the window at 3 kept, 1/6 at 2, 1/3 at 1
+    (the schedule the measured sparse results used)."""
+    from collections import Counter
+
+    ps, levels = _run_schedule(120)
     ends = Counter(h[-1] for h in levels.values())
     assert ends[1] == round(0.5 * len(levels)) and ends[1] + ends[2] == len(levels)
     for name, h in levels.items():
@@ -436,17 +443,7 @@ def test_save_cut_short_between_its_renames_keeps_last_nights_model(tmp_path, to
 def test_run_stopped_mid_schedule_still_leaves_exact_final_masks():
     """A time budget / max_steps stopping inside the sparsity window: finish_early jumps to the final
     masks (exactly final_n of every 4; 1:4 layers chosen), keeps earlier pruning, freezes them."""
-    model = make_tiny_llama(vocab_size=64, hidden=32, intermediate=64)
-    ps = ProgressiveSparsity(model, SparsityScheduleConfig(enabled=True, one_four_fraction=0.5, start_fraction=0.0,
-                                                           end_fraction=1.0), 120)
-    x = torch.randint(0, 64, (2, 8))
-    for s in range(30):  # stopped a quarter into the window: 3 kept of 4 so far
-        if ps.wants_stats(s):
-            ps.start_stats()
-        model(x).logits.sum().backward()
-        ps.before_optimizer_step(s)
-        model.zero_grad()
-        ps.after_optimizer_step()
+    ps, _ = _run_schedule(30)  # stopped a quarter into the window: 3 kept of 4 so far
     assert not ps.frozen and set(ps.current_n.values()) == {3}
     before = {name: ps.masks[name].clone() for name in ps.layers}
     ps.finish_early()

@@ -57,7 +57,7 @@ class IndexSnapshot:
         decision needs neither the targets nor the trie)."""
         import pyarrow.parquet as pq
 
-        from adbatch.artifacts import read_manifest, sha256_file
+        from adbatch.artifacts import read_manifest, verify_outputs
         from adbatch.index import AD_CODES_FILE
 
         manifest = read_manifest(index_dir)
@@ -65,8 +65,7 @@ class IndexSnapshot:
             raise ValueError(f"{index_dir}: manifest is for stage {manifest.get('stage')!r}, not index")
         # an index whose files do not match its manifest (e.g. one left by a build stopped mid-write
         # before writes were staged) must not pass for the index the manifest describes
-        if sha256_file(Path(index_dir) / AD_CODES_FILE) != (manifest.get("outputs") or {}).get(AD_CODES_FILE):
-            raise ValueError(f"{index_dir}: {AD_CODES_FILE} does not match its manifest (an interrupted build)")
+        verify_outputs(index_dir, manifest, (AD_CODES_FILE,))
         ids = pq.read_table(Path(index_dir) / AD_CODES_FILE, columns=["ad_id"]).column("ad_id").to_pylist()
         return IndexSnapshot(manifest["index_hash"], frozenset(ids), str(manifest["scheme"]),
                              tuple(manifest.get("special_tokens", [])))
