@@ -527,6 +527,33 @@ def plot_speedups(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def _cfg_label(c: dict) -> str:
+    kind = "tc" if c["use_dot"] else "gemv"
+    return (f"{kind} b{c['block_b']} n{c['block_n']} kk{c['block_kk']} s{c['split_k']} w{c['num_warps']}"
+            + (f" st{c['num_stages']}" if c["use_dot"] else f" pf{c.get('prefetch', 1)}"))
+
+
+def tune_log_summary(entries: list[dict]) -> str:
+    """Per tuning key: the fastest candidate with a warm and with a cold L2, and the fastest GEMV
+    candidate per prefetch depth (warm us / cold us)."""
+    by_key: dict[str, list[dict]] = {}
+    for e in entries:
+        by_key.setdefault(e["key"], []).append(e)
+    lines = ["| key | candidates | best warm (warm/cold us) | best cold (warm/cold us) | best pf1 | best pf2 |",
+             "|---|---|---|---|---|---|"]
+
+    def fmt(e):
+        return f"{_cfg_label(e['config'])} ({e['warm_us']:.1f}/{e['cold_us']:.1f})" if e else "-"
+
+    for key, es in by_key.items():
+        warm = min(es, key=lambda e: e["warm_us"])
+        cold = min(es, key=lambda e: e["cold_us"])
+        pf = {d: min((e for e in es if not e["config"]["use_dot"] and e["config"].get("prefetch", 1) == d),
+                     key=lambda e: e["warm_us"], default=None) for d in (1, 2)}
+        lines.append(f"| {key} | {len(es)} | {fmt(warm)} | {fmt(cold)} | {fmt(pf[1])} | {fmt(pf[2])} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
@@ -540,6 +567,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true", help="launch a few kernels once each (run under ncu)")
     ap.add_argument("--host", action="store_true", help="only the host launch-cost probe (B = 1, 576x1536)")
     ap.add_argument("--time-budget", type=float, default=540.0, help="skip remaining work after this many s")
+    ap.add_argument("--tune-log", action="store_true",
+                    help="record every candidate the tuner times (L2 warm and cold) and print the best per key")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     t0 = time.time()
@@ -570,6 +599,10 @@ def main(argv: list[str] | None = None) -> dict:
             precompile(list(SparsityPattern), ["float16"], batches, workers)
         if not args.no_decode:
             precompile([SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR], ["bfloat16"], [1, 8, 32], workers)
+    if args.tune_log:
+        from kernels import sparse_gemv as sg
+
+        sg.TUNE_LOG = []
     copy_gbs = copy_bandwidth(timer)
     log.info("env %s copy %.0f GB/s", env, copy_gbs)
     results: dict = dict(env=env, copy_gbs=copy_gbs, shape_convention="N x K = out_features x in_features", rows=[])
@@ -592,6 +625,12 @@ def main(argv: list[str] | None = None) -> dict:
     if cache.is_dir():
         for f in cache.glob("*.json"):
             (args.out / f.name).write_text(f.read_text())
+    if args.tune_log:
+        from kernels import sparse_gemv as sg
+
+        results["tune_log"] = sg.TUNE_LOG
+        (args.out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
+        print(tune_log_summary(sg.TUNE_LOG))
     if not args.decode_only:
         print(compact(results["rows"]))
     for r in results.get("decode", []):

@@ -64,7 +64,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GEMV_BATCH_TILES = (1, 2, 4, 8)  # batch tiles of the GEMV kernel
 GEMV_MAX_BATCH = GEMV_BATCH_TILES[-1]
 GEMV_TUNE_MAX_BATCH = 16  # largest bucket whose tuner also times GEMV configs (several batch tiles)
-KERNEL_VERSION = 6  # part of the tuning-cache file name: configs tuned for older kernels are not reused
+KERNEL_VERSION = 7  # part of the tuning-cache file name: configs tuned for older kernels are not reused
 
 
 # ---- small helpers shared by both kernels -----------------------------------------------------------
@@ -115,6 +115,29 @@ def _scale_zero(sz_ptr, gp0, gp_last, gsh, kk_first, n_mask, IS_BF16: tl.constex
     z = _half_to_f32(v >> 16, False)
     zz = _f32_to_half(z + 16.0, IS_BF16)
     return s, z, zz | (zz << 16)
+
+
+_ZZ_ASM = tl.constexpr(  # $0 = fp16 (16 + zero) in both halves; $1 = (scale, zero) word: one HADD2 of the high half
+    "{ .reg .b16 l, h; .reg .b32 c; mov.b32 {l, h}, $1; mov.b32 $0, {h, h}; mov.b32 c, 0x4C004C00; add.rn.f16x2 $0, $0, c; }")
+
+
+@triton.jit
+def _gemv_scale(sz_ptr, gp0, gp_last, gsh, kk_first, row_mask, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """GEMV operands of each row's group at kept offset ``kk_first``: ``(scale fp32, zz)``, zz = fp16
+    ``16 + zero`` in both halves. With EVEN (every row valid, ``kk_first < KP``) the load needs no mask
+    and no clamp: a row's ``ceil(Kk / g)`` groups cover every kept offset below ``KP = ceil(Kk / 32) * 32``
+    because g is a multiple of 32; the clamp of :func:`_sz_word` only guards the prefetch past the end."""
+    if EVEN:
+        v = tl.load(sz_ptr + gp0 + (kk_first >> gsh))
+    else:
+        v = _sz_word(sz_ptr, gp0, gp_last, gsh, kk_first, row_mask)
+    s = _half_to_f32(v, False)
+    if ASM:
+        zz = tl.inline_asm_elementwise(asm=_ZZ_ASM, constraints="=r,r", args=[v], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        zz = _f32_to_half(_half_to_f32(v >> 16, False) + 16.0, False)
+        zz = zz | (zz << 16)
+    return s, zz
 
 
 @triton.jit
@@ -406,7 +429,7 @@ def _row_step(acc, x64_row, kk_e, kmask, G, d, sel, s, NKEEP: tl.constexpr, IS_B
 
 @triton.jit
 def _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, kk0, e_idx, col, nm2, k_hi, N,
-                NKEEP: tl.constexpr, BLOCK_KK: tl.constexpr, EVEN: tl.constexpr):
+                NKEEP: tl.constexpr, BLOCK_KK: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
     """Global loads of one K step: value words (w0, w1), position word, and the per-element scale and
     16 + zero (gathered as [1, BLOCK_N] rows per 32-value sub-block and spread over the elements by
     selects: a gather of the element shape makes Triton 3.6 pick a transposed layout and shuttle the
@@ -428,9 +451,9 @@ def _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, kk0, e_idx, col, nm2,
             pw = w0
         else:
             pw = tl.load(qp_ptr + (kk_e // 16) * N + col, mask=m2, other=0)
-    s, z, zz = _scale_zero(sz_ptr, gp0, gp_last, gsh, kk0, nm2, False)
+    s, zz = _gemv_scale(sz_ptr, gp0, gp_last, gsh, kk0, nm2, EVEN, ASM)
     for sb in tl.static_range(1, BLOCK_KK // 32):
-        s_b, z_b, zz_b = _scale_zero(sz_ptr, gp0, gp_last, gsh, kk0 + 32 * sb, nm2, False)
+        s_b, zz_b = _gemv_scale(sz_ptr, gp0, gp_last, gsh, kk0 + 32 * sb, nm2, EVEN, ASM)
         in_b = e_idx >= 2 * sb
         s = tl.where(in_b, s_b, s)
         zz = tl.where(in_b, zz_b, zz)
@@ -467,6 +490,7 @@ def _nm_int4_gemv_kernel(
     IS_BF16: tl.constexpr,
     ASM: tl.constexpr,  # inline PTX (GPU) or its emulation (interpreter)
     EVEN: tl.constexpr,  # N % BLOCK_N == 0, KP % BLOCK_KK == 0, no padding: no load masks at all
+    PREFETCH: tl.constexpr,  # K steps of weight loads in flight ahead of the math (1 or 2)
 ):
     """GEMV path; see the module docstring. Every tensor in the loop has the 2-D element shape
     ``[BLOCK_KK / 16, BLOCK_N]`` (one element = 16 kept values of one row), so nothing needs a layout
@@ -503,19 +527,29 @@ def _nm_int4_gemv_kernel(
 
     k_lo = pid_k * kk_per_split
     k_hi = tl.minimum(k_lo + kk_per_split, KP)
-    # software pipelining in registers: the loads of step i + 1 are issued before the math of step i
-    # (Triton does not pipeline loops without tl.dot); the last prefetch re-reads the last step
+    # software pipelining in registers: the loads of step i + PREFETCH are issued before the math of
+    # step i (Triton does not pipeline loops without tl.dot), so PREFETCH steps of weight loads are in
+    # flight per thread; the prefetches past the end re-read the last step (EVEN) or are masked
     w0, w1, pw, s, zz = _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, k_lo, e_idx, col, nm2, k_hi, N,
-                                    NKEEP, BLOCK_KK, EVEN)
+                                    NKEEP, BLOCK_KK, EVEN, ASM)
+    if PREFETCH == 2:
+        if EVEN:
+            kk1 = tl.minimum(k_lo + BLOCK_KK, k_hi - BLOCK_KK)
+        else:
+            kk1 = k_lo + BLOCK_KK
+        v0, v1, vp, vs, vzz = _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, kk1, e_idx, col, nm2, k_hi, N,
+                                          NKEEP, BLOCK_KK, EVEN, ASM)
+    else:  # unused
+        v0, v1, vp, vs, vzz = w0, w1, pw, s, zz
     for kk0 in range(k_lo, k_hi, BLOCK_KK):
         kk_e = kk0 + 16 * e_idx  # [E, 1] first kept index of each element
         kmask = kk_e < k_hi  # KP and kk_per_split are multiples of 32: whole elements in or out
         if EVEN:
-            kk_next = tl.minimum(kk0 + BLOCK_KK, k_hi - BLOCK_KK)
+            kk_next = tl.minimum(kk0 + PREFETCH * BLOCK_KK, k_hi - BLOCK_KK)
         else:
-            kk_next = kk0 + BLOCK_KK
+            kk_next = kk0 + PREFETCH * BLOCK_KK
         nw0, nw1, npw, ns, nzz = _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, kk_next, e_idx, col, nm2, k_hi,
-                                             N, NKEEP, BLOCK_KK, EVEN)
+                                             N, NKEEP, BLOCK_KK, EVEN, ASM)
         d = _dequant16(w0, w1, zz, False, ASM)  # fp16 pairs for both activation types (exact q - zero)
         if NKEEP == 4:
             sel = d  # unused
@@ -532,7 +566,11 @@ def _nm_int4_gemv_kernel(
             acc5 = _row_step(acc5, y5, kk_e, kmask, G4, d, sel, s, NKEEP, IS_BF16, ASM, EVEN)
             acc6 = _row_step(acc6, y6, kk_e, kmask, G4, d, sel, s, NKEEP, IS_BF16, ASM, EVEN)
             acc7 = _row_step(acc7, y7, kk_e, kmask, G4, d, sel, s, NKEEP, IS_BF16, ASM, EVEN)
-        w0, w1, pw, s, zz = nw0, nw1, npw, ns, nzz
+        if PREFETCH == 2:
+            w0, w1, pw, s, zz = v0, v1, vp, vs, vzz
+            v0, v1, vp, vs, vzz = nw0, nw1, npw, ns, nzz
+        else:
+            w0, w1, pw, s, zz = nw0, nw1, npw, ns, nzz
 
     offs_b = row0 + tl.arange(0, BLOCK_B)
     rb = tl.arange(0, BLOCK_B)[:, None]
@@ -815,8 +853,11 @@ class KernelConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
+    prefetch: int = 1  # GEMV only: K steps of weight loads issued ahead of the math
 
     def validate(self, pattern: SparsityPattern) -> None:
+        if self.prefetch not in (1, 2) or (self.use_dot and self.prefetch != 1):
+            raise ValueError(f"prefetch={self.prefetch}: the GEMV takes 1 or 2, the tensor-core kernel 1 (its loads are pipelined by num_stages)")
         if self.block_kk not in (32, 64, 128):
             raise ValueError(f"block_kk={self.block_kk} must be 32, 64 or 128")
         if not self.use_dot and self.block_b not in GEMV_BATCH_TILES:
@@ -901,9 +942,11 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
     if bucket <= GEMV_TUNE_MAX_BATCH and _gemv_ok(p):
         tiles = ((64, 64, 4), (128, 64, 4), (128, 32, 4), (64, 128, 4))
         tiles = tiles[: {8: 2, 16: 1}.get(bucket, 4)]
-        for block_n, block_kk, warps in tiles:
+        for i, (block_n, block_kk, warps) in enumerate(tiles):
             cfg = KernelConfig(min(bucket, GEMV_MAX_BATCH), block_n, block_kk, 1, False, warps)
             out += _with_splits(p, batch, cfg, num_sms)
+            if i < 2 and bucket <= 4:  # two steps of loads in flight: more bytes in flight per thread
+                out += _with_splits(p, batch, dataclasses.replace(cfg, prefetch=2), num_sms)
     if bucket >= 8 or not _gemv_ok(p):
         kk = tc_block_kk(p.pattern)
         kk2 = 2 * kk if 2 * kk <= 128 else kk // 2
@@ -1022,6 +1065,7 @@ def _kernel_meta(cfg: KernelConfig, pattern: SparsityPattern, split: bool, has_b
         meta["DOT_F32"] = not asm and bf16  # interpreter only: numpy has no bf16 matmul
     else:
         meta["EVEN"] = even
+        meta["PREFETCH"] = cfg.prefetch
     return meta
 
 
@@ -1296,6 +1340,11 @@ def _cold_graph_ms(fn, calls: int = 8, replays: int = 7) -> float:
     return max(median_ms(graphs[1]) - median_ms(graphs[0]), 1e-6) / calls
 
 
+# When a list: autotune appends one dict per timed candidate (key, config, microseconds in the tuner's
+# L2 state and, for the record, in the other one). Benchmarks set it to report what the tuner saw.
+TUNE_LOG: list | None = None
+
+
 def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tuple[KernelConfig, float]:
     """Time every candidate on these inputs and return the fastest (config, microseconds)."""
     num_sms = _num_sms(x2.device)
@@ -1304,6 +1353,10 @@ def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tu
     for cfg in candidate_configs(p, x2.shape[0], num_sms):
         try:
             ms = _time_ms(lambda: launch(x2, p, bias, cfg), l2)
+            if TUNE_LOG is not None:
+                other = "cold" if l2 == "warm" else "warm"
+                TUNE_LOG.append(dict(key=tune_key(p, x2.shape[0], x2.dtype), config=dataclasses.asdict(cfg),
+                                     **{f"{l2}_us": ms * 1e3, f"{other}_us": _time_ms(lambda: launch(x2, p, bias, cfg), other) * 1e3}))
         except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:  # type: ignore[attr-defined]
             log.debug("config %s rejected: %s", cfg, e)
             continue
