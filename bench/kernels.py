@@ -530,16 +530,16 @@ def plot_speedups(rows: list[dict], path: Path) -> bool:
 def _cfg_label(c: dict) -> str:
     kind = "tc" if c["use_dot"] else "gemv"
     return (f"{kind} b{c['block_b']} n{c['block_n']} kk{c['block_kk']} s{c['split_k']} w{c['num_warps']}"
-            + (f" st{c['num_stages']}" if c["use_dot"] else f" pf{c.get('prefetch', 1)}"))
+            + (f" st{c['num_stages']}" if c["use_dot"] else ""))
 
 
 def tune_log_summary(entries: list[dict]) -> str:
-    """Per tuning key: the fastest candidate with a warm and with a cold L2, and the fastest GEMV
-    candidate per prefetch depth (warm us / cold us)."""
+    """Per tuning key: the fastest candidate with a warm and with a cold L2, and the fastest GEMV and
+    tensor-core candidates (warm us / cold us)."""
     by_key: dict[str, list[dict]] = {}
     for e in entries:
         by_key.setdefault(e["key"], []).append(e)
-    lines = ["| key | candidates | best warm (warm/cold us) | best cold (warm/cold us) | best pf1 | best pf2 |",
+    lines = ["| key | candidates | best warm (warm/cold us) | best cold (warm/cold us) | best GEMV | best tensor-core |",
              "|---|---|---|---|---|---|"]
 
     def fmt(e):
@@ -548,9 +548,9 @@ def tune_log_summary(entries: list[dict]) -> str:
     for key, es in by_key.items():
         warm = min(es, key=lambda e: e["warm_us"])
         cold = min(es, key=lambda e: e["cold_us"])
-        pf = {d: min((e for e in es if not e["config"]["use_dot"] and e["config"].get("prefetch", 1) == d),
-                     key=lambda e: e["warm_us"], default=None) for d in (1, 2)}
-        lines.append(f"| {key} | {len(es)} | {fmt(warm)} | {fmt(cold)} | {fmt(pf[1])} | {fmt(pf[2])} |")
+        kind = {dot: min((e for e in es if e["config"]["use_dot"] == dot), key=lambda e: e["warm_us"], default=None)
+                for dot in (False, True)}
+        lines.append(f"| {key} | {len(es)} | {fmt(warm)} | {fmt(cold)} | {fmt(kind[False])} | {fmt(kind[True])} |")
     return "\n".join(lines)
 
 

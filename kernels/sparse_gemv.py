@@ -490,7 +490,6 @@ def _nm_int4_gemv_kernel(
     IS_BF16: tl.constexpr,
     ASM: tl.constexpr,  # inline PTX (GPU) or its emulation (interpreter)
     EVEN: tl.constexpr,  # N % BLOCK_N == 0, KP % BLOCK_KK == 0, no padding: no load masks at all
-    PREFETCH: tl.constexpr,  # K steps of weight loads in flight ahead of the math (1 or 2)
 ):
     """GEMV path; see the module docstring. Every tensor in the loop has the 2-D element shape
     ``[BLOCK_KK / 16, BLOCK_N]`` (one element = 16 kept values of one row), so nothing needs a layout
@@ -527,27 +526,18 @@ def _nm_int4_gemv_kernel(
 
     k_lo = pid_k * kk_per_split
     k_hi = tl.minimum(k_lo + kk_per_split, KP)
-    # software pipelining in registers: the loads of step i + PREFETCH are issued before the math of
-    # step i (Triton does not pipeline loops without tl.dot), so PREFETCH steps of weight loads are in
-    # flight per thread; the prefetches past the end re-read the last step (EVEN) or are masked
+    # software pipelining in registers: the loads of step i + 1 are issued before the math of step i
+    # (Triton does not pipeline loops without tl.dot); the last prefetch re-reads the last step. (Two
+    # steps ahead measured no faster on the H200, round 8: the loop is issue-bound, not latency-bound.)
     w0, w1, pw, s, zz = _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, k_lo, e_idx, col, nm2, k_hi, N,
                                     NKEEP, BLOCK_KK, EVEN, ASM)
-    if PREFETCH == 2:
-        if EVEN:
-            kk1 = tl.minimum(k_lo + BLOCK_KK, k_hi - BLOCK_KK)
-        else:
-            kk1 = k_lo + BLOCK_KK
-        v0, v1, vp, vs, vzz = _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, kk1, e_idx, col, nm2, k_hi, N,
-                                          NKEEP, BLOCK_KK, EVEN, ASM)
-    else:  # unused
-        v0, v1, vp, vs, vzz = w0, w1, pw, s, zz
     for kk0 in range(k_lo, k_hi, BLOCK_KK):
         kk_e = kk0 + 16 * e_idx  # [E, 1] first kept index of each element
         kmask = kk_e < k_hi  # KP and kk_per_split are multiples of 32: whole elements in or out
         if EVEN:
-            kk_next = tl.minimum(kk0 + PREFETCH * BLOCK_KK, k_hi - BLOCK_KK)
+            kk_next = tl.minimum(kk0 + BLOCK_KK, k_hi - BLOCK_KK)
         else:
-            kk_next = kk0 + PREFETCH * BLOCK_KK
+            kk_next = kk0 + BLOCK_KK
         nw0, nw1, npw, ns, nzz = _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, kk_next, e_idx, col, nm2, k_hi,
                                              N, NKEEP, BLOCK_KK, EVEN, ASM)
         d = _dequant16(w0, w1, zz, False, ASM)  # fp16 pairs for both activation types (exact q - zero)
@@ -566,11 +556,7 @@ def _nm_int4_gemv_kernel(
             acc5 = _row_step(acc5, y5, kk_e, kmask, G4, d, sel, s, NKEEP, IS_BF16, ASM, EVEN)
             acc6 = _row_step(acc6, y6, kk_e, kmask, G4, d, sel, s, NKEEP, IS_BF16, ASM, EVEN)
             acc7 = _row_step(acc7, y7, kk_e, kmask, G4, d, sel, s, NKEEP, IS_BF16, ASM, EVEN)
-        if PREFETCH == 2:
-            w0, w1, pw, s, zz = v0, v1, vp, vs, vzz
-            v0, v1, vp, vs, vzz = nw0, nw1, npw, ns, nzz
-        else:
-            w0, w1, pw, s, zz = nw0, nw1, npw, ns, nzz
+        w0, w1, pw, s, zz = nw0, nw1, npw, ns, nzz
 
     offs_b = row0 + tl.arange(0, BLOCK_B)
     rb = tl.arange(0, BLOCK_B)[:, None]
@@ -606,12 +592,17 @@ def _nm_int4_gemv_kernel(
 # The dense tile [BLOCK_N, 4 * BLOCK_KK / n] is the *A* operand ("swap AB": out^T = W @ x^T), so the
 # weight rows fill the M = 64 side of a Hopper wgmma and the batch (16..64) is the N side.
 
-def _tc_asm(nkeep: int, bf16: bool) -> str:
+def _tc_asm(nkeep: int, bf16: bool, pairs: bool = False) -> str:
     """PTX for one unit: outputs $0..$(nout-1) (16-bit, dense columns in order); inputs value words w0,
     w1 ($nout, $nout+1), position word ($nout+2, ignored for dense), s2 = scale in both halves
     ($nout+3), nzs2 = -(16 + zero) * scale in both halves ($nout+4), all fp16."""
     nout = 16 * 4 // nkeep
-    p_in, s_in, z_in = f"${nout + 2}", f"${nout + 3}", f"${nout + 4}"
+    nreg = nout // 2 if pairs else nout  # pairs: one 32-bit output per two dense columns
+    p_in, s_in, z_in = f"${nreg + 2}", f"${nreg + 3}", f"${nreg + 4}"
+
+    def put(c: int, reg: str) -> str:  # dense columns c, c + 1 from the packed pair in reg
+        return f"mov.b32 ${c // 2}, {reg};" if pairs else f"mov.b32 {{${c}, ${c + 1}}}, {reg};"
+
     ops = [("shl.b32", 6), ("shl.b32", 2), ("shr.u32", 2), ("shr.u32", 6)]
     amt_ops = [("shl.b32", 3), ("shl.b32", 1), ("shr.u32", 1), ("shr.u32", 3)]
     body = ["mov.b32 kz, 0;"]
@@ -626,7 +617,7 @@ def _tc_asm(nkeep: int, bf16: bool) -> str:
             body.append(f"{aop} am, {p_in}, {ash}; and.b32 am, am, 0x18181818; "
                         "shr.u32 a1, am, 8; shr.u32 a2, am, 16; shr.u32 a3, am, 24;")
         for h in range(2):
-            w = f"${nout + h}"
+            w = f"${nreg + h}"
             body.append(f"{op} d, {w}, {amount}; lop3.b32 d, d, 0x03C003C0, 0x4C004C00, 0xEA; "
                         f"fma.rn.f16x2 d, d, {s_in}, {z_in};")
             if bf16:
@@ -634,17 +625,17 @@ def _tc_asm(nkeep: int, bf16: bool) -> str:
             ra, rb = ("am", "a1") if h == 0 else ("a2", "a3")
             if nkeep == 4:
                 c = 8 * h + 2 * t
-                body.append(f"mov.b32 {{${c}, ${c + 1}}}, d;")
+                body.append(put(c, "d"))
             elif nkeep == 2:
                 c = 16 * h + 4 * t
                 body.append(f"shf.l.wrap.b32 s, kc, kc, {ra}; shf.l.wrap.b32 u, kz, k12, {rb}; sub.u32 s, s, u; "
                             f"prmt.b32 lo, d, kz, s; shr.u32 s, s, 16; prmt.b32 hi, d, kz, s; "
-                            f"mov.b32 {{${c}, ${c + 1}}}, lo; mov.b32 {{${c + 2}, ${c + 3}}}, hi;")
+                            + put(c, "lo") + " " + put(c + 2, "hi"))
             else:
                 for e, (k, r) in enumerate((("kc", ra), ("kd", rb))):
                     c = 32 * h + 8 * t + 4 * e
                     body.append(f"shf.l.wrap.b32 s, {k}, {k}, {r}; prmt.b32 lo, d, kz, s; shr.u32 s, s, 16; "
-                                f"prmt.b32 hi, d, kz, s; mov.b32 {{${c}, ${c + 1}}}, lo; mov.b32 {{${c + 2}, ${c + 3}}}, hi;")
+                                "prmt.b32 hi, d, kz, s; " + put(c, "lo") + " " + put(c + 2, "hi"))
     decl = ("{ .reg .b32 d, s, u, lo, hi, am, a1, a2, a3, kz, kc, kd, k12; .reg .b16 l, hh; .reg .f32 fl, fh; ")
     return decl + " ".join(body) + " }"
 
@@ -657,6 +648,17 @@ _TC_ASM_1_F16, _TC_ASM_1_BF16 = _TC_ASM[1, False], _TC_ASM[1, True]
 _TC_CONS_4 = tl.constexpr("=h," * 16 + "r,r,r,r,r")
 _TC_CONS_2 = tl.constexpr("=h," * 32 + "r,r,r,r,r")
 _TC_CONS_1 = tl.constexpr("=h," * 64 + "r,r,r,r,r")
+# pairs variant: 32-bit outputs, each two dense columns packed (low half = the even column)
+_TC_PASM = {(n, bf): tl.constexpr(_tc_asm(n, bf, pairs=True)) for n in (1, 2, 4) for bf in (False, True)}
+_TC_PASM_4_F16, _TC_PASM_4_BF16 = _TC_PASM[4, False], _TC_PASM[4, True]
+_TC_PASM_2_F16, _TC_PASM_2_BF16 = _TC_PASM[2, False], _TC_PASM[2, True]
+_TC_PASM_1_F16, _TC_PASM_1_BF16 = _TC_PASM[1, False], _TC_PASM[1, True]
+_TC_PCONS_4 = tl.constexpr("=r," * 8 + "r,r,r,r,r")
+_TC_PCONS_2 = tl.constexpr("=r," * 16 + "r,r,r,r,r")
+_TC_PCONS_1 = tl.constexpr("=r," * 32 + "r,r,r,r,r")
+_TC_PDT_4 = tl.constexpr((tl.int32,) * 8)
+_TC_PDT_2 = tl.constexpr((tl.int32,) * 16)
+_TC_PDT_1 = tl.constexpr((tl.int32,) * 32)
 _TC_DT_4_F16, _TC_DT_4_BF16 = tl.constexpr((tl.float16,) * 16), tl.constexpr((tl.bfloat16,) * 16)
 _TC_DT_2_F16, _TC_DT_2_BF16 = tl.constexpr((tl.float16,) * 32), tl.constexpr((tl.bfloat16,) * 32)
 _TC_DT_1_F16, _TC_DT_1_BF16 = tl.constexpr((tl.float16,) * 64), tl.constexpr((tl.bfloat16,) * 64)
@@ -745,6 +747,73 @@ def _tc_unit(w0, w1, pw, s2, nzs2, NKEEP: tl.constexpr, IS_BF16: tl.constexpr, A
 
 
 @triton.jit
+def _tc_unit_pairs(w0, w1, pw, s2, nzs2, NKEEP: tl.constexpr, IS_BF16: tl.constexpr, ASM: tl.constexpr):
+    """Dense columns of one unit as packed pairs: tuple of 8 * 4 / NKEEP int32 tensors, word j = columns
+    (2j, 2j + 1), the even one in the low half; see _tc_asm."""
+    if ASM:
+        if NKEEP == 4:
+            return tl.inline_asm_elementwise(
+                asm=_TC_PASM_4_BF16 if IS_BF16 else _TC_PASM_4_F16, constraints=_TC_PCONS_4, args=[w0, w1, pw, s2, nzs2],
+                dtype=_TC_PDT_4, is_pure=True, pack=1)
+        elif NKEEP == 2:
+            return tl.inline_asm_elementwise(
+                asm=_TC_PASM_2_BF16 if IS_BF16 else _TC_PASM_2_F16, constraints=_TC_PCONS_2, args=[w0, w1, pw, s2, nzs2],
+                dtype=_TC_PDT_2, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                asm=_TC_PASM_1_BF16 if IS_BF16 else _TC_PASM_1_F16, constraints=_TC_PCONS_1, args=[w0, w1, pw, s2, nzs2],
+                dtype=_TC_PDT_1, is_pure=True, pack=1)
+    else:
+        out = ()
+        zero = tl.zeros_like(pw)
+        for h in tl.static_range(2):
+            w = w0 if h == 0 else w1
+            for t in tl.static_range(4):
+                d = _emu_tc_pair(w, t, s2, nzs2, IS_BF16)
+                if NKEEP == 4:
+                    out = out + (d,)
+                else:
+                    if t < 2:  # the same shifts as _tc_asm (a left shift by 3 - 2t would drop the top position)
+                        am = (pw << (3 - 2 * t)) & 0x18181818
+                    else:
+                        am = (pw.to(tl.uint32, bitcast=True) >> (2 * t - 3)).to(tl.int32, bitcast=True) & 0x18181818
+                    am = (am.to(tl.uint32, bitcast=True) >> (16 * h)).to(tl.int32, bitcast=True)
+                    if NKEEP == 2:
+                        s = _emu_rotl(zero + 0x44444410, am) - ((zero + 0x12) << ((am >> 8) & 31))
+                        out = out + _emu_scatter_pairs(d, zero, s)
+                    else:
+                        for e in tl.static_range(2):
+                            s = _emu_rotl(zero + (0x44444410 if e == 0 else 0x44444432), am >> (8 * e))
+                            out = out + _emu_scatter_pairs(d, zero, s)
+        return out
+
+
+@triton.jit
+def _emu_scatter_pairs(d, zero, s):
+    """The 4 dense columns of one column group as two packed words: ``prmt`` of the pair ``d`` with
+    selector ``s`` (columns 0-1) and ``s >> 16`` (columns 2-3)."""
+    return _prmt_emul(d, zero, s), _prmt_emul(d, zero, (s.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True))
+
+
+_UNPACK_ASM = tl.constexpr("mov.b32 $0, $1;")  # pack=2: both inputs are the same word; its halves are the outputs
+
+
+@triton.jit
+def _pairs_to_half(wp, IS_BF16: tl.constexpr, ASM: tl.constexpr):
+    """int32 [M, D] of packed pairs -> fp16 / bf16 [M, 2 * D] (low half first), without unpacking: on the
+    GPU an inline-asm ``mov`` with ``pack=2`` hands the word through as the two 16-bit elements."""
+    M: tl.constexpr = wp.shape[0]
+    D: tl.constexpr = wp.shape[1]
+    if ASM:
+        two = tl.inline_asm_elementwise(asm=_UNPACK_ASM, constraints="=r,r,r", args=[tl.join(wp, wp)],
+                                        dtype=tl.bfloat16 if IS_BF16 else tl.float16, is_pure=True, pack=2)
+    else:
+        lo, hi = _emu_halves(wp, IS_BF16)
+        two = tl.join(lo, hi)
+    return tl.reshape(two, [M, 2 * D])
+
+
+@triton.jit
 def _join_tree(v, LOG: tl.constexpr):
     """Stack the 2**LOG same-shape tensors of tuple v along new trailing axes, v[i] at flat index i."""
     cur = v
@@ -786,6 +855,7 @@ def _nm_int4_tc_kernel(
     IS_BF16: tl.constexpr,
     ASM: tl.constexpr,  # inline PTX (GPU) or its emulation (interpreter)
     DOT_F32: tl.constexpr,  # interpreter only: numpy has no bf16 matmul
+    PAIRS: tl.constexpr,  # the dequant block emits packed 32-bit column pairs (else 16-bit columns)
 ):
     """Tensor-core path, swap AB: acc^T [BLOCK_N, BLOCK_B] += dense W tile [BLOCK_N, 4*BLOCK_KK/n] @ x^T.
     Tiles are 3-D [BLOCK_N, SB, 2] over units (16 kept values; SB = BLOCK_KK / 32 sub-blocks of one
@@ -828,8 +898,12 @@ def _nm_int4_tc_kernel(
         zh = _f32_to_half(-(z + 16.0) * s, False)
         s2 = (sh | (sh << 16))[:, :, None]
         nzs2 = (zh | (zh << 16))[:, :, None]
-        cols = _tc_unit(w0, w1, pw, s2, nzs2, NKEEP, IS_BF16, ASM)
-        wt = tl.reshape(_join_tree(cols, LOG), [BLOCK_N, DCOL])
+        if PAIRS:
+            words = _tc_unit_pairs(w0, w1, pw, s2, nzs2, NKEEP, IS_BF16, ASM)
+            wt = _pairs_to_half(tl.reshape(_join_tree(words, LOG - 1), [BLOCK_N, DCOL // 2]), IS_BF16, ASM)
+        else:
+            cols = _tc_unit(w0, w1, pw, s2, nzs2, NKEEP, IS_BF16, ASM)
+            wt = tl.reshape(_join_tree(cols, LOG), [BLOCK_N, DCOL])
         offs_k = (kk0 // NKEEP) * 4 + tl.arange(0, DCOL)
         xt = tl.load(x_ptr + offs_b[None, :] * stride_xb + offs_k[:, None], mask=(offs_k < K)[:, None] & b_mask[None, :],
                      other=0.0)  # [DCOL, BLOCK_B]
@@ -853,11 +927,8 @@ class KernelConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
-    prefetch: int = 1  # GEMV only: K steps of weight loads issued ahead of the math
 
     def validate(self, pattern: SparsityPattern) -> None:
-        if self.prefetch not in (1, 2) or (self.use_dot and self.prefetch != 1):
-            raise ValueError(f"prefetch={self.prefetch}: the GEMV takes 1 or 2, the tensor-core kernel 1 (its loads are pipelined by num_stages)")
         if self.block_kk not in (32, 64, 128):
             raise ValueError(f"block_kk={self.block_kk} must be 32, 64 or 128")
         if not self.use_dot and self.block_b not in GEMV_BATCH_TILES:
@@ -933,7 +1004,7 @@ def heuristic_config(p: PackedNMInt4, batch: int, num_sms: int) -> KernelConfig:
 
 
 def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelConfig]:
-    """The configs the autotuner times for this (shape, batch bucket), at most 18: GEMV tiles up to
+    """The configs the autotuner times for this (shape, batch bucket), at most 21: GEMV tiles up to
     bucket 16 (fewer where tensor-core tiles compete), tensor-core tiles from bucket 8 up (one batch
     tile of max(16, bucket) rows: the MMA's N side); each without split-K and with splits giving about
     4 and 16 programs per SM; the first tensor-core tile also with 2 and 4 pipeline stages."""
@@ -942,22 +1013,22 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
     if bucket <= GEMV_TUNE_MAX_BATCH and _gemv_ok(p):
         tiles = ((64, 64, 4), (128, 64, 4), (128, 32, 4), (64, 128, 4))
         tiles = tiles[: {8: 2, 16: 1}.get(bucket, 4)]
-        for i, (block_n, block_kk, warps) in enumerate(tiles):
+        for block_n, block_kk, warps in tiles:
             cfg = KernelConfig(min(bucket, GEMV_MAX_BATCH), block_n, block_kk, 1, False, warps)
             out += _with_splits(p, batch, cfg, num_sms)
-            if i < 2 and bucket <= 4:  # two steps of loads in flight: more bytes in flight per thread
-                out += _with_splits(p, batch, dataclasses.replace(cfg, prefetch=2), num_sms)
     if bucket >= 8 or not _gemv_ok(p):
         kk = tc_block_kk(p.pattern)
         kk2 = 2 * kk if 2 * kk <= 128 else kk // 2
         # (block_n, block_kk, warps): 64 weight rows fill one warpgroup's wgmma M side; 128 rows on one
         # warpgroup amortize the per-step overhead best (sm_90 SASS per kept value at B = 16: 2:4 11.4
         # vs 13.5, 1:4 17.9 vs 22.4, dense 4.1 vs 5.3); the longer K step spills at 64 batch rows
+        # 8 warps (two warpgroups, 64 rows each) halve the registers per thread of a 128-row tile (2:4:
+        # 158 -> 88), so more CTAs fit per SM; 256 rows on 8 warps amortize like 128 on 4
         if bucket <= 16:
-            tiles = [(128, kk, 4), (128, kk2, 4), (64, kk, 4), (64, kk2, 4)]
+            tiles = [(128, kk, 4), (128, kk, 8), (128, kk2, 4), (256, kk, 8), (64, kk, 4), (64, kk2, 4)]
         else:
             tiles = [(128, kk, 4), (64, kk, 4), (64, kk2, 4), (128, kk, 8)]
-        tiles = tiles[: {8: 2, 16: 3}.get(bucket, 4)] if _gemv_ok(p) else tiles
+        tiles = tiles[: {8: 3, 16: 4}.get(bucket, 4)] if _gemv_ok(p) else tiles
         for i, (block_n, block_kk, warps) in enumerate(tiles):
             split_cfgs = _with_splits(p, batch, KernelConfig(max(16, bucket), block_n, block_kk, 1, True, warps), num_sms)
             out += split_cfgs
@@ -1063,9 +1134,9 @@ def _kernel_meta(cfg: KernelConfig, pattern: SparsityPattern, split: bool, has_b
                 HAS_BIAS=has_bias, IS_BF16=bf16, ASM=asm)
     if cfg.use_dot:
         meta["DOT_F32"] = not asm and bf16  # interpreter only: numpy has no bf16 matmul
+        meta["PAIRS"] = os.environ.get("ADBATCH_NM_INT4_TC_PAIRS", "1") == "1"
     else:
         meta["EVEN"] = even
-        meta["PREFETCH"] = cfg.prefetch
     return meta
 
 

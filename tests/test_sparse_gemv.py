@@ -51,7 +51,6 @@ def test_gemv_path(pattern, dtype, batch):
         sg.KernelConfig(block_b, 64, 64, 1, False),
         sg.KernelConfig(block_b, 16, 128, 2, False),  # split-K: partial tiles + last-arriving reduction
         sg.KernelConfig(max(1, block_b // 2), 32, 32, 3, False),  # 3 splits; B=3/6: two batch tiles
-        sg.KernelConfig(block_b, 16, 32, 3, False, prefetch=2),  # two steps in flight, masked past each split
     ):
         _check(p, batch, dtype, cfg, seed=batch)
 
@@ -62,9 +61,7 @@ def test_gemv_even_path(pattern):
     prefetch of the last step; split-K boundaries included."""
     p = random_packed(64, 512, pattern, generator=torch.Generator().manual_seed(31))
     assert p.kept == p.padded_kept and p.padded_kept % 64 == 0
-    for cfg in (sg.KernelConfig(2, 64, 64, 1, False), sg.KernelConfig(4, 32, 32, 2, False), sg.KernelConfig(1, 64, 64, 4, False),
-                sg.KernelConfig(4, 32, 32, 2, False, prefetch=2),  # several steps per split, double prefetch clamped
-                sg.KernelConfig(1, 64, 64, 4, False, prefetch=2)):  # 1-2 steps per split: both prefetches clamped
+    for cfg in (sg.KernelConfig(2, 64, 64, 1, False), sg.KernelConfig(4, 32, 32, 2, False), sg.KernelConfig(1, 64, 64, 4, False)):
         _, meta = sg._kernel_args(torch.zeros(2, 512, dtype=torch.float16), p, None, torch.zeros(2, 64), None, None, cfg,
                                   sg._Plan.of(p, cfg))
         assert meta["EVEN"]
@@ -196,8 +193,6 @@ def test_rejects_unsupported():
         sg.nm_int4_linear_triton(torch.randn(2, 66).half(), dense_odd, config=sg.KernelConfig(1, 16, 64, 1, False))
     with pytest.raises(ValueError, match="tl.dot"):
         sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, config=sg.KernelConfig(4, 16, 64, 1, True))
-    with pytest.raises(ValueError, match="prefetch"):
-        sg.nm_int4_linear_triton(torch.randn(2, 64).half(), p, config=sg.KernelConfig(1, 16, 64, 1, False, prefetch=3))
 
 
 def test_rejects_cpu_without_interpreter(monkeypatch):
