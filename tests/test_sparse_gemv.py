@@ -86,9 +86,9 @@ def test_dot_path(pattern, dtype, batch):
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
 @pytest.mark.parametrize("bf16", [False, True])
 def test_tc_unit_densify(pattern, bf16):
-    """_tc_unit (the emulation of the tensor-core kernel's PTX block) against dequantize_nm_int4 on 64
-    rows of 2 units each: pruned columns exactly zero, kept ones within the fp16 rounding of
-    (16 + zero) * scale and of the value itself."""
+    """_tc_unit_dense / _tc_unit_pairs + _pairs_to_half (the emulation of the tensor-core kernel's PTX
+    blocks) against dequantize_nm_int4 on 64 rows of 2 units each: pruned columns exactly zero, kept
+    ones within the fp16 rounding of (16 + zero) * scale and of the value itself."""
     import triton
     import triton.language as tl
 
@@ -105,8 +105,13 @@ def test_tc_unit_densify(pattern, bf16):
         s = sg._half_to_f32(v, False)
         z = sg._half_to_f32(v >> 16, False)
         zh = sg._f32_to_half(-(z + 16.0) * s, False)
-        cols = sg._tc_unit(w0, w1, pw, (v & 0xFFFF) | (v << 16), zh | (zh << 16), NKEEP, IS_BF16, False)
-        dense = tl.reshape(sg._join_tree(cols, LOG), [64, 128 // NKEEP])
+        s2 = (v & 0xFFFF) | (v << 16)
+        nzs2 = zh | (zh << 16)
+        if NKEEP == 4:
+            dense = tl.reshape(sg._join_tree(sg._tc_unit_dense(w0, w1, s2, nzs2, IS_BF16, False), LOG), [64, 32])
+        else:
+            words = sg._tc_unit_pairs(w0, w1, pw, s2, nzs2, NKEEP, IS_BF16, False)
+            dense = sg._pairs_to_half(tl.reshape(sg._join_tree(words, LOG - 1), [64, 64 // NKEEP]), IS_BF16, False)
         tl.store(out_ptr + r * (128 // NKEEP) + tl.arange(0, 128 // NKEEP)[None, :], dense.to(tl.float32))
 
     n = pattern.n
