@@ -140,6 +140,18 @@ class PackedNMInt4:
         devices = {t.device for t in self.tensors().values()}
         if len(devices) != 1:
             raise ValueError(f"all packed tensors must be on one device, got {devices}")
+        # the kernels index scale_zero with group_ptr[r] + (kk >> group_shift[r]) unchecked: a damaged or
+        # crafted file must fail here, not read out of bounds on the GPU (one host sync per object)
+        shift = self.group_shift.to(torch.int64)
+        gptr = self.group_ptr.to(torch.int64)
+        shift_ok = (shift >= 5) & (shift <= 8)  # group sizes 32..256
+        per_row = -(-kk // (torch.ones_like(shift) << shift.clamp(5, 8)))
+        ok = torch.stack([shift_ok.all(), gptr[0] == 0, gptr[-1] == sz.shape[0], (gptr.diff() == per_row).all()])
+        bad = [name for name, good in zip(("group_shift values in 5..8 (group sizes 32..256)", "group_ptr[0] == 0",
+                                           f"group_ptr[-1] == G = {sz.shape[0]}",
+                                           "group_ptr steps == ceil(kept / group size) per row"), ok.tolist()) if not good]
+        if bad:
+            raise ValueError(f"packed weight's group index is inconsistent: expected {'; '.join(bad)}")
 
     @property
     def device(self) -> torch.device:

@@ -168,3 +168,26 @@ def test_validate_rejects_wrong_shapes():
         PackedNMInt4(**{**p.__dict__, "qweight": p.qweight[:, :4]})
     with pytest.raises(ValueError, match="kept"):
         PackedNMInt4(**{**p.__dict__, "kept": 16})
+
+
+def test_validate_rejects_inconsistent_group_index():
+    """The kernels index scale_zero through group_ptr / group_shift without bounds checks: damaged or
+    crafted index tensors must be refused when the packed object is built (e.g. at checkpoint load)."""
+    p = random_packed(8, 256, SparsityPattern.TWO_FOUR, group_sizes=(32, 64))
+    PackedNMInt4(**p.__dict__)  # the consistent original passes
+    shift = p.group_shift.clone()
+    shift[3] = 9  # group size 512: not a supported size
+    with pytest.raises(ValueError, match="group_shift"):
+        PackedNMInt4(**{**p.__dict__, "group_shift": shift})
+    shift = p.group_shift.clone()
+    shift[2] = 5 if int(shift[2]) == 6 else 6  # a valid size that does not match the row's group count
+    with pytest.raises(ValueError, match="group_ptr steps"):
+        PackedNMInt4(**{**p.__dict__, "group_shift": shift})
+    gptr = p.group_ptr.clone()
+    gptr[-1] += 1  # points one group past scale_zero
+    with pytest.raises(ValueError, match="group_ptr\\[-1\\]"):
+        PackedNMInt4(**{**p.__dict__, "group_ptr": gptr})
+    gptr = p.group_ptr.clone()
+    gptr[0] = 1  # row 0 would start one group late
+    with pytest.raises(ValueError, match="group_ptr\\[0\\] == 0"):
+        PackedNMInt4(**{**p.__dict__, "group_ptr": gptr})
