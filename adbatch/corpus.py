@@ -34,6 +34,24 @@ import pyarrow.parquet as pq
 from adbatch.artifacts import sha256_paths
 from adbatch.config import ConfigBase, ConfigError
 
+# Format characters that render as nothing (zero-width space / non-joiner / joiner, word joiner, BOM).
+# Neither Python's str.strip nor Arrow's utf8_trim_whitespace treats them as whitespace, so a title of
+# only these would pass a plain "blank?" test and reach training / prompts as an invisible ad.
+INVISIBLE_CHARS = "\u200b\u200c\u200d\u2060\ufeff"
+_INVISIBLE = str.maketrans("", "", INVISIBLE_CHARS)
+
+
+def is_blank(text: str) -> bool:
+    """True when ``text`` has no visible character (whitespace and :data:`INVISIBLE_CHARS` only)."""
+    return not text.translate(_INVISIBLE).strip()
+
+
+def visible_lengths(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Per row, the length of a string column without :data:`INVISIBLE_CHARS` and outer whitespace
+    (0 where null): the vectorized :func:`is_blank`."""
+    cleaned = pc.utf8_trim_whitespace(pc.replace_substring_regex(col, f"[{INVISIBLE_CHARS}]", ""))
+    return np.nan_to_num(pc.utf8_length(cleaned).to_numpy(zero_copy_only=False)).astype(np.int64)
+
 log = logging.getLogger(__name__)
 
 #: the normalized column names of :attr:`Corpus.table`
@@ -243,12 +261,10 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
 
     ad_null = table.column("ad_id").is_null().to_numpy(zero_copy_only=False)
     if id_kind == "string":  # a blank id joins to nothing downstream: as unusable as a null one
-        blank = pc.utf8_length(pc.utf8_trim_whitespace(table.column("ad_id"))).to_numpy(zero_copy_only=False)
-        ad_null = ad_null | (np.nan_to_num(blank) == 0)
+        ad_null = ad_null | (visible_lengths(table.column("ad_id")) == 0)
     flag(ad_null, RejectReason.NULL_AD_ID, f"column {cfg.ad_id!r} is null or blank")
     text = table.column("text")
-    stripped_len = pc.utf8_length(pc.utf8_trim_whitespace(text)).to_numpy(zero_copy_only=False)
-    empty = text.is_null().to_numpy(zero_copy_only=False) | (np.nan_to_num(stripped_len) == 0)
+    empty = text.is_null().to_numpy(zero_copy_only=False) | (visible_lengths(text) == 0)
     flag(empty, RejectReason.EMPTY_TEXT, f"column {cfg.text!r} is null or blank")
     lengths = np.nan_to_num(pc.utf8_length(text).to_numpy(zero_copy_only=False)).astype(np.int64)
     too_long = lengths > cfg.max_text_chars

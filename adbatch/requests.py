@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.corpus import is_blank
 from adbatch.prompts import CREATIVE_FIELDS
 
 
@@ -215,7 +216,7 @@ def _id_to_str(value: Any) -> str | None:
             return None
         value = int(value)
     text = str(value).strip()
-    return text or None
+    return None if is_blank(text) else text
 
 
 def _text_value(value: Any) -> tuple[str | None, str | None]:
@@ -308,7 +309,7 @@ def validate_requests(
                     reject(f"query is {problem}", rid)
                     continue
                 query = query.strip()
-                if not query:
+                if is_blank(query):
                     reject("query is empty", rid)
                     continue
                 if len(query) > config.max_query_chars:
@@ -328,7 +329,7 @@ def validate_requests(
                     text, problem = _text_value(raw[c])
                     if problem and problem != "null":
                         problems.append(f"{c} is {problem}")
-                    row[c] = text.strip() if text else None
+                    row[c] = text.strip() if text and not is_blank(text) else None
                     total += len(row[c] or "")
                 if problems:
                     reject("; ".join(problems), rid)

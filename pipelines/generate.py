@@ -103,6 +103,11 @@ class GenerateJobConfig(ConfigBase):
             raise ConfigError("GenerateJobConfig.requests: required (request Parquet file or folder)")
         if self.out is None:
             raise ConfigError("GenerateJobConfig.out: required (output folder)")
+        req, out = Path(self.requests).resolve(), Path(self.out).resolve()
+        if out == req or req in out.parents:
+            # the requests folder is read recursively: a rerun would read the answers as requests
+            raise ConfigError(f"GenerateJobConfig.out: {self.out} lies inside the requests folder {self.requests}; "
+                              "choose an output folder outside it")
         if self.task is GenerateTask.TARGETS and self.index is None:
             raise ConfigError("GenerateJobConfig.index: required for task targets")
         if self.model is not None and self.compressed is not None:

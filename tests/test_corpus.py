@@ -172,3 +172,13 @@ def test_blank_string_ids_are_rejected_like_null_ones(tmp_path):
     c = read_corpus(p)
     assert c.table.column("ad_id").to_pylist() == ["a", "b"]
     assert c.rejected.column("reason").to_pylist() == ["null_ad_id", "null_ad_id"]
+
+
+def test_invisible_only_text_and_ids_are_blank(tmp_path):
+    """Zero-width spaces, joiners and BOMs render as nothing but are not whitespace to str.strip or
+    Arrow's trim: a title or id of only these is rejected like a blank one; visible text around them stays."""
+    p = _write(tmp_path / "c.parquet", ad_id=["a", "b", "\u200b", "d"],
+               title=["x y", "\u200b\ufeff \u200d", "q r", "s\u200bt"])
+    c = read_corpus(p)
+    assert c.table.column("ad_id").to_pylist() == ["a", "d"]
+    assert sorted(c.rejected.column("reason").to_pylist()) == ["empty_text", "null_ad_id"]

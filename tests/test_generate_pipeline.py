@@ -275,3 +275,15 @@ def test_all_requests_rejected_still_writes_the_output_schema(assets, tmp_path):
     assert table.num_rows == 0 and table.schema.names == TARGETS_OUT_SCHEMA.names
     assert pg.run_generate(_cfg(assets, req, tmp_path / "out"))["counts"]["rejected"] == 2  # re-run: same
 
+
+
+def test_out_inside_requests_folder_is_refused(assets, tmp_path):
+    """The requests folder is read recursively, so answers written inside it would be read as requests
+    on the rerun: refused when the config is built, before anything runs."""
+    req_dir = tmp_path / "requests"
+    req_dir.mkdir()
+    target_requests(req_dir / "part-0.parquet", n=3)
+    for out in (req_dir / "answers", req_dir):
+        with pytest.raises(pg.ConfigError, match="inside the requests folder"):
+            _cfg(assets, req_dir, out)
+    _cfg(assets, req_dir, tmp_path / "answers")  # a sibling folder is fine

@@ -175,3 +175,16 @@ def test_duplicate_column_name_is_a_schema_error_naming_the_file(tmp_path):
                                         names=["request_id", "query", "query"]), path)
     with pytest.raises(RequestSchemaError, match=r"r\.parquet: repeated column name\(s\): 'query' 2 times"):
         validate_requests(path, GenerateTask.TARGETS)
+
+
+def test_invisible_only_query_and_ad_text_are_empty(tmp_path):
+    """A query or ad field of only zero-width characters is empty, not a prompt of invisible text."""
+    path = _write(tmp_path / "r.parquet", request_id=["a", "b"], query=["\u200b\u2060", "lamp\u200b"])
+    v = validate_requests(path, GenerateTask.TARGETS)
+    assert v.accepted.column("request_id").to_pylist() == ["b"]
+    assert v.rejected.column("reason").to_pylist() == ["query is empty"]
+    path = _write(tmp_path / "c.parquet", request_id=["a", "b"], ad_id=["1", "\ufeff"], title=["\u200b", "saw"])
+    v = validate_requests(path, GenerateTask.CREATIVES)
+    assert v.accepted.num_rows == 0
+    reasons = v.rejected.column("reason").to_pylist()
+    assert reasons[0].startswith("no ad text") and reasons[1].startswith("ad_id is null, empty")
