@@ -517,7 +517,7 @@ def _nm_int4_gemv_kernel(
     k_hi = tl.minimum(k_lo + kk_per_split, KP)
     # software pipelining in registers: the loads of step i + 1 are issued before the math of step i
     # (Triton does not pipeline loops without tl.dot); the last prefetch re-reads the last step. (Two
-    # steps ahead measured no faster on the H200, round 8: the loop is issue-bound, not latency-bound.)
+    # steps ahead, +16 registers, measured no faster on the H200, round 8.)
     w0, w1, pw, s, zz = _gemv_stage(qw_ptr, qp_ptr, sz_ptr, gp0, gp_last, gsh, k_lo, e_idx, col, nm2, k_hi, N,
                                     NKEEP, BLOCK_KK, EVEN, ASM)
     for kk0 in range(k_lo, k_hi, BLOCK_KK):
@@ -680,6 +680,7 @@ def _tc_unit_dense(w0, w1, s2, nzs2, IS_BF16: tl.constexpr, ASM: tl.constexpr):
     """The 16 dense columns of one dense unit (tuple of fp16/bf16 tensors, column order); see _tc_asm."""
     if ASM:
         return tl.inline_asm_elementwise(
+            # the block's position operand is unused for dense: w0 fills the slot
             asm=_TC_ASM_4_BF16 if IS_BF16 else _TC_ASM_4_F16, constraints=_TC_CONS_4, args=[w0, w1, w0, s2, nzs2],
             dtype=_TC_DT_4_BF16 if IS_BF16 else _TC_DT_4_F16, is_pure=True, pack=1)
     else:
