@@ -633,7 +633,7 @@ def _tc_asm(nkeep: int, bf16: bool, pairs: bool = False) -> str:
 # dense: 16 outputs, one 16-bit register per dense column (ptxas packs them as well as the pairs variant:
 # measured equal or faster on the H200, round 8); 2:4 / 1:4: packed pairs, 32-bit outputs, each two
 # dense columns (low half = the even column) -- no 16-bit unpack / repack (SASS per kept value: 2:4
-# 11.4 -> 10.6, 1:4 17.9 -> 16.3; 1-8 % faster at B = 16-64, round 8). Inputs w0, w1, pw, s2, nzs2.
+# 11.4 -> 10.6, 1:4 17.9 -> 16.3; median 2.7 % faster at B = 16-64, round 8). Inputs w0, w1, pw, s2, nzs2.
 _TC_ASM_4_F16, _TC_ASM_4_BF16 = tl.constexpr(_tc_asm(4, False)), tl.constexpr(_tc_asm(4, True))
 _TC_CONS_4 = tl.constexpr("=h," * 16 + "r,r,r,r,r")
 _TC_DT_4_F16, _TC_DT_4_BF16 = tl.constexpr((tl.float16,) * 16), tl.constexpr((tl.bfloat16,) * 16)
