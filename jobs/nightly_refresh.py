@@ -267,6 +267,36 @@ def _model_hash(model: str | None) -> str:
     return ModelSpec(model=model).identity()["sha256"]
 
 
+def _folder_hash(path: Path | str | None, kind: str) -> str | None:
+    """Content hash of a configured model / checkpoint / index folder (None when not configured)."""
+    if path is None:
+        return None
+    if kind == "model":
+        try:
+            return _model_hash(str(path))
+        except (OSError, ValueError) as e:  # not resolvable here: the eval stage will say why
+            return f"unresolved: {e}"
+    manifest = _abs(path) / "manifest.json"
+    return sha256_file(manifest) if manifest.is_file() else "absent"
+
+
+def _eval_inputs(job: Any) -> dict[str, Any]:
+    """What the eval stage reads beyond its (stamped) config: the evaluation data files and every
+    explicitly configured model, checkpoint and index. Their paths are in the config, their contents
+    are not: a re-trained override model or an updated test file must re-run the stage."""
+    t, c = job.targeting, job.creatives
+    data = {}
+    for name, path in (("home_depot_csv", t.home_depot.csv_path), ("slogans_csv", c.csv)):
+        f = _abs(path)
+        data[name] = sha256_file(f) if f.is_file() else "absent"
+    folders = {"model": _folder_hash(job.model, "model"), "compressed": _folder_hash(job.compressed, "dir"),
+               "targeting.model": _folder_hash(t.model, "model"), "targeting.compressed": _folder_hash(t.compressed, "dir"),
+               "targeting.index": _folder_hash(t.index, "dir"), "targeting.extra_index": _folder_hash(t.extra_index, "dir"),
+               "targeting.extra_model": _folder_hash(t.extra_model, "model"),
+               "creatives.model": _folder_hash(c.model, "model"), "creatives.compressed": _folder_hash(c.compressed, "dir")}
+    return {"data": data, "folders": {k: v for k, v in folders.items() if v is not None}}
+
+
 def run_refresh(config: RefreshConfig) -> dict[str, Any]:
     """The whole refresh; returns per-stage status/timings and where the outputs and report are."""
     from pipelines.ray_runtime import init_ray
@@ -388,7 +418,7 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
         eval_job = base.replace(
             out=eval_dir, model=base.model or config.model, compressed=base.compressed or compressed_dir,
             creatives=base.creatives.replace(model=base.creatives.model or model_dir))
-        inputs = {"model": base_hash, "served_model": model_in}
+        inputs = {"model": base_hash, "served_model": model_in, "read": _eval_inputs(eval_job)}
         if compressed_dir is not None:
             inputs["compressed"] = sha256_file(compressed_dir / "manifest.json")
         runner.run(Stage.EVAL, eval_job, inputs, eval_dir / "manifest.json", lambda: run_eval(eval_job))

@@ -295,3 +295,47 @@ def test_refresh_reruns_a_stage_whose_listed_outputs_were_damaged(tmp_path, monk
     (tmp_path / "work" / "index" / "ad_codes.parquet").unlink()
     assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "ran"
 
+
+
+def test_refresh_reruns_eval_when_what_it_reads_changes(tmp_path, monkeypatch):
+    """The eval stage's stamp covers the evaluation data files and explicitly configured model folders
+    by content, not only by path: an updated test file or a re-trained override model re-runs it."""
+    import jobs.nightly_refresh as nr
+    import pipelines.evaluate
+    import pipelines.index
+    import pipelines.ray_runtime
+    from adbatch.artifacts import write_json_atomic
+
+    def fake_index(job):
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "index", "index_hash": "h"})
+        return {}
+
+    def fake_eval(job):
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "eval"})
+        return {}
+
+    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(pipelines.index, "run_index", fake_index)
+    monkeypatch.setattr(pipelines.evaluate, "run_eval", fake_eval)
+    monkeypatch.setattr(nr, "_model_hash", lambda model: "base" if model is None else nr.sha256_paths(
+        sorted(Path(model).glob("*.safetensors"))))
+    slogans, hd = tmp_path / "slogans.csv", tmp_path / "hd.csv"
+    slogans.write_text("a,b\n1,2\n")
+    hd.write_text("x\n1\n")
+    override = tmp_path / "override_model"
+    override.mkdir()
+    (override / "model.safetensors").write_bytes(b"weights v1")
+    cfg = nr.RefreshConfig.from_dict({
+        "work": str(tmp_path / "work"), "index": {"ads": str(REPO / "examples/slogan_ads.parquet"), "stable_ids": False},
+        "train": {"enabled": False}, "compress": {"enabled": False},
+        "eval": {"enabled": True, "config": {"creatives": {"csv": str(slogans), "model": str(override)},
+                                             "targeting": {"home_depot": {"csv_path": str(hd)}}}},
+        "generate": {"targets_requests": None, "creatives_requests": None}})
+    assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "ran"
+    assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "skipped"
+    slogans.write_text("a,b\n1,3\n")  # the test file changed, same path
+    assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "ran"
+    assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "skipped"
+    (override / "model.safetensors").write_bytes(b"weights v2")  # the override model re-trained in place
+    assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "ran"
+    assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "skipped"
