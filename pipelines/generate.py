@@ -33,6 +33,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
@@ -43,7 +44,7 @@ from adbatch.artifacts import (MANIFEST_NAME, StageTimer, build_manifest, sha256
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
 from adbatch.generation import (CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
-                                TargetGenerator, answers_to_output,
+                                TargetGenerator, answers_to_output, check_model_index,
                                 generator_fingerprint)
 from adbatch.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, output_schema,
                               validate_requests)
@@ -433,9 +434,13 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
         if config.task is GenerateTask.TARGETS:
             from adbatch.artifacts import read_manifest
 
-            index_hash = read_manifest(config.index).get("index_hash")
+            manifest = read_manifest(config.index)
+            index_hash = manifest.get("index_hash")
             if not index_hash:
                 raise ConfigError(f"GenerateJobConfig.index: {config.index} is not an index folder")
+            # a model trained on another index: refused here, not inside each Ray actor after start-up
+            check_model_index(config.spec, SimpleNamespace(index_hash=index_hash, scheme=manifest.get("scheme"),
+                                                           directory=Path(config.index)))
     log.info("requests: %d rows in, %d accepted, %d rejected", validated.rows_in,
              validated.accepted.num_rows, validated.rejected.num_rows)
     identity = {

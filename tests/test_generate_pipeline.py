@@ -287,3 +287,23 @@ def test_out_inside_requests_folder_is_refused(assets, tmp_path):
         with pytest.raises(pg.ConfigError, match="inside the requests folder"):
             _cfg(assets, req_dir, out)
     _cfg(assets, req_dir, tmp_path / "answers")  # a sibling folder is fine
+
+
+def test_model_trained_on_another_index_is_refused_before_any_work(assets, tmp_path):
+    """The model/index binding is checked on the driver from the index manifest, so a Ray run fails
+    before actors load the model, and the output folder is left untouched."""
+    import json
+    import shutil
+
+    from adbatch.prompts import TARGETING_PROMPT_VERSION
+    from adbatch.training import IndexMismatchError
+
+    model = tmp_path / "model_other_index"
+    shutil.copytree(assets["model"], model)
+    (model / "adbatch_training.json").write_text(json.dumps(
+        {"trained_on_index": "ff" * 32, "targeting_prompt_version": TARGETING_PROMPT_VERSION}))
+    req = target_requests(tmp_path / "req.parquet", n=3)
+    out = tmp_path / "out"
+    with pytest.raises(IndexMismatchError, match="was trained on index ffffffffffff"):
+        pg.run_generate(_cfg(assets, req, out, model=str(model), executor="ray"))
+    assert not out.exists()
