@@ -357,6 +357,25 @@ class TargetGenerator(_GeneratorBase):
                 "codes": [], "verify_mode": self.search.verify.value, "beams_verified": 0}
 
 
+_CUT_WARNED = False
+
+
+def _warn_cut_ad_text(rows: Sequence[dict[str, Any]]) -> None:
+    """Log (once per process) that ad text beyond AD_PROMPT_CHARS does not reach the model: validation
+    accepts up to ``max_ad_chars`` (4,000), so a long description would otherwise be cut silently."""
+    global _CUT_WARNED
+    if _CUT_WARNED:
+        return
+    from adbatch.prompts import AD_PROMPT_CHARS, render_ad_fields
+
+    cut = [r["request_id"] for r in rows if len(render_ad_fields(r, None)) > AD_PROMPT_CHARS]
+    if cut:
+        _CUT_WARNED = True
+        log.warning("creative prompts keep the first %d characters of the ad fields; request %s (and %d more in "
+                    "this batch) is longer: the rest does not reach the model (logged once per process)",
+                    AD_PROMPT_CHARS, cut[0], len(cut) - 1)
+
+
 class CreativeGenerator(_GeneratorBase):
     """Ad/product record -> headline variants (free-text generation).
 
@@ -379,6 +398,7 @@ class CreativeGenerator(_GeneratorBase):
         from adbatch.prompts import encode_creative_prompt
 
         prompts = [encode_creative_prompt(self.tokenizer, r) for r in rows]
+        _warn_cut_ad_text(rows)
         cfg = self.creative.replace(batch_size=len(rows))
         results = generate_creatives(self.model, self.tokenizer, prompts, cfg)
         return [{"request_id": r["request_id"], "ad_id": r["ad_id"], "error": None,

@@ -66,7 +66,11 @@ def encode_targeting_prompt(tokenizer: Any, query: str, max_query_tokens: int = 
     return _chat_or_plain(tokenizer, f"Query: {query}", "\nAd:", system=TARGETING_INSTRUCTION)
 
 
-def render_ad_fields(ad: Mapping[str, Any], max_chars: int = 600) -> str:
+AD_PROMPT_CHARS = 600  # ad text a creative prompt keeps: the tiny default model's context stays short
+
+
+def render_ad_fields(ad: Mapping[str, Any], max_chars: int | None = AD_PROMPT_CHARS) -> str:
+    """``Field: value`` lines of the ad's CREATIVE_FIELDS, cut to ``max_chars`` (None: whole)."""
     parts = []
     for key in CREATIVE_FIELDS:
         value = ad.get(key)
@@ -78,6 +82,6 @@ def render_ad_fields(ad: Mapping[str, Any], max_chars: int = 600) -> str:
     return "\n".join(parts)[:max_chars]
 
 
-def encode_creative_prompt(tokenizer: Any, ad: Mapping[str, Any], max_chars: int = 600) -> list[int]:
+def encode_creative_prompt(tokenizer: Any, ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS) -> list[int]:
     """Token ids of the creative prompt for one ad/product record (fields in CREATIVE_FIELDS)."""
     return _chat_or_plain(tokenizer, f"{CREATIVE_INSTRUCTION}\n{render_ad_fields(ad, max_chars)}", "\nHeadline:")

@@ -77,3 +77,24 @@ def test_model_trained_on_other_prompt_version_is_refused(tmp_path, version, ok)
     else:
         with pytest.raises(IndexMismatchError, match="targeting prompts of version 1"):
             check_model_index(spec, index)
+
+
+def test_long_ad_text_cut_in_the_prompt_is_logged_once(caplog, monkeypatch):
+    """Validation accepts up to 4,000 characters of ad fields, the prompt keeps AD_PROMPT_CHARS: the cut
+    is logged (once per process), not silent."""
+    import logging
+
+    import adbatch.generation as gen
+    from adbatch.prompts import AD_PROMPT_CHARS, render_ad_fields
+
+    monkeypatch.setattr(gen, "_CUT_WARNED", False)
+    short = {"request_id": "s", "title": "Cordless drill"}
+    long = {"request_id": "l", "title": "Saw", "description": "x" * (AD_PROMPT_CHARS + 50)}
+    assert len(render_ad_fields(long)) == AD_PROMPT_CHARS and len(render_ad_fields(long, None)) > AD_PROMPT_CHARS
+    with caplog.at_level(logging.WARNING, logger="adbatch.generation"):
+        gen._warn_cut_ad_text([short])
+        assert not caplog.records
+        gen._warn_cut_ad_text([short, long, long])
+        gen._warn_cut_ad_text([long])
+    assert len(caplog.records) == 1
+    assert "request l (and 1 more" in caplog.records[0].getMessage()
