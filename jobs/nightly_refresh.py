@@ -281,9 +281,10 @@ def _folder_hash(path: Path | str | None, kind: str) -> str | None:
 
 
 def _eval_inputs(job: Any) -> dict[str, Any]:
-    """What the eval stage reads beyond its (stamped) config: the evaluation data files and every
-    explicitly configured model, checkpoint and index. Their paths are in the config, their contents
-    are not: a re-trained override model or an updated test file must re-run the stage."""
+    """What the eval stage reads beyond its (stamped) config: the evaluation data files and every model,
+    checkpoint and index the user's eval config names (``job`` = ``eval.config`` before the refresh
+    fills in its own models, which the stage's other inputs already identify). Their paths are in the
+    config, their contents are not: a re-trained override model or an updated test file re-runs the stage."""
     t, c = job.targeting, job.creatives
     data = {}
     for name, path in (("home_depot_csv", t.home_depot.csv_path), ("slogans_csv", c.csv)):
@@ -418,7 +419,7 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
         eval_job = base.replace(
             out=eval_dir, model=base.model or config.model, compressed=base.compressed or compressed_dir,
             creatives=base.creatives.replace(model=base.creatives.model or model_dir))
-        inputs = {"model": base_hash, "served_model": model_in, "read": _eval_inputs(eval_job)}
+        inputs = {"model": base_hash, "served_model": model_in, "read": _eval_inputs(base)}
         if compressed_dir is not None:
             inputs["compressed"] = sha256_file(compressed_dir / "manifest.json")
         runner.run(Stage.EVAL, eval_job, inputs, eval_dir / "manifest.json", lambda: run_eval(eval_job))
