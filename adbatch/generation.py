@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import pyarrow as pa
 
@@ -116,26 +116,27 @@ class ModelSpec:
         return record
 
 
-def check_model_index(spec: ModelSpec, index: Any) -> dict[str, Any] | None:
+def check_model_index(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
     """Refuse a model trained on another index; allow an untrained model only on a text index.
 
-    An untrained model over a ``codes`` index cannot emit the code tokens at all, so it is refused
-    with a message saying what to do.
+    Reads only the index's manifest (``index_hash``, ``scheme``), so a driver can check before any
+    index or model is loaded. An untrained model over a ``codes`` index cannot emit the code tokens at
+    all, so it is refused with a message saying what to do.
     """
     from adbatch.training.checkpoint import IndexMismatchError, check_binding
 
     record = spec.training_record()
-    want = index.index_hash
+    want = manifest["index_hash"]
     if record is None:
-        if str(getattr(index.scheme, "value", index.scheme)) == "codes":
+        if str(manifest.get("scheme")) == "codes":
             raise IndexMismatchError(
-                f"model {spec.folder()} was never trained on an index, and index {index.directory} "
+                f"model {spec.folder()} was never trained on an index, and index {index_dir} "
                 f"uses the 'codes' scheme (special tokens it cannot emit): train it first "
                 f"(adbatch train) or use a 'text' index")
         log.warning("model %s is untrained (zero-shot) over text index %s; expect low recall",
                     spec.folder(), str(want)[:12])
         return None
-    check_binding(record, want, f"model {spec.folder()} (decoding index {index.directory})")
+    check_binding(record, want, f"model {spec.folder()} (decoding index {index_dir})")
     return record
 
 
@@ -316,7 +317,7 @@ class TargetGenerator(_GeneratorBase):
         if not isinstance(search, TargetSearchConfig):
             raise TypeError(f"search must be a TargetSearchConfig, got {type(search).__name__}")
         self.index = load_index(index_dir)
-        self.training_record = check_model_index(spec, self.index)
+        self.training_record = check_model_index(spec, self.index.directory, self.index.manifest)
         super().__init__(spec, config or GenerateConfig())
         self.search = search
         self.trie = self.index.trie.to(self.device)

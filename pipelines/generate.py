@@ -33,7 +33,6 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
@@ -439,8 +438,7 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
             if not index_hash:
                 raise ConfigError(f"GenerateJobConfig.index: {config.index} is not an index folder")
             # a model trained on another index: refused here, not inside each Ray actor after start-up
-            check_model_index(config.spec, SimpleNamespace(index_hash=index_hash, scheme=manifest.get("scheme"),
-                                                           directory=Path(config.index)))
+            check_model_index(config.spec, config.index, manifest)
     log.info("requests: %d rows in, %d accepted, %d rejected", validated.rows_in,
              validated.accepted.num_rows, validated.rejected.num_rows)
     identity = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 
@@ -70,13 +69,13 @@ def test_model_trained_on_other_prompt_version_is_refused(tmp_path, version, ok)
         record["targeting_prompt_version"] = version
     (tmp_path / "adbatch_training.json").write_text(json.dumps(record))
     (tmp_path / "config.json").write_text("{}")
-    index = types.SimpleNamespace(index_hash="ab" * 32, scheme="text", directory=tmp_path)
+    manifest = {"index_hash": "ab" * 32, "scheme": "text"}
     spec = ModelSpec(model=str(tmp_path))
     if ok:
-        assert check_model_index(spec, index)["trained_on_index"] == "ab" * 32
+        assert check_model_index(spec, tmp_path, manifest)["trained_on_index"] == "ab" * 32
     else:
         with pytest.raises(IndexMismatchError, match="targeting prompts of version 1"):
-            check_model_index(spec, index)
+            check_model_index(spec, tmp_path, manifest)
 
 
 def test_long_ad_text_cut_in_the_prompt_is_logged_once(caplog, monkeypatch):

@@ -8,7 +8,7 @@ Running beams are ranked by raw score, finished candidates by final score, as in
 
 Per step and query (mirrors HF ``generate(num_beams=B, early_stopping=False, length_penalty=0)``):
 expand every running beam by its trie children; a terminal child ranked among the query's top
-``B`` candidates enters the finished pool (``P = max(B, top_k)`` best trie nodes kept); the top
+``B`` candidates enters the finished pool (its ``P = B`` best trie nodes kept); the top
 ``B`` candidates that have children become the next running beams. With the plain sum, scores only
 decrease along a path, so a running beam scoring at or below the pool's worst cannot improve it and
 is dropped: a query ends when its pool is full and no beam can enter, or when no beam runs.
@@ -153,9 +153,10 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
     its terminals are already in the pool)."""
     dev = model_device(model)
     # At most B terminals enter the pool per step, so fewer than top_k beams can leave the pool
-    # short although the trie holds more ads (HF refuses num_return_sequences > num_beams):
-    # search with at least top_k beams.
-    Q, B, P = len(prompts), cfg.pool_size, cfg.pool_size
+    # short although the trie holds more ads (HF refuses num_return_sequences > num_beams): the
+    # search runs max(num_beams, top_k) beams and keeps as many finished nodes.
+    Q = len(prompts)
+    B = P = cfg.pool_size
     lp_pen = cfg.length_penalty
     max_steps = cfg.max_steps or aux.max_depth
 

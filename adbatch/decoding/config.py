@@ -64,7 +64,7 @@ class TargetSearchConfig(ConfigBase):
 
     @property
     def pool_size(self) -> int:
-        """Finished trie nodes kept per query: max(num_beams, top_k)."""
+        """Beams searched and finished trie nodes kept per query: max(num_beams, top_k)."""
         return max(self.num_beams, self.top_k)
 
 
