@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adbatch.decoding import CostModel, load_or_calibrate
-from adbatch.decoding.kv import cache_kwarg, decoder_of, forward_hidden, left_pad, new_cache
+from adbatch.decoding.engine import engine_for
 from adbatch.decoding.tree_verify import TrieAux, verify_trees
 from adbatch.trie import Trie
 from conftest import make_tiny_llama
@@ -24,15 +24,13 @@ def test_tree_pass_matches_full_forward(n_beams):
     trie = Trie.from_sequences(seqs)
     aux = TrieAux(trie)
     prompts = [list(map(int, rng.integers(3, 40, size=n))) for n in (4, 7, 2)][:n_beams]
-    ids, attn, pos = left_pad(prompts, 0, torch.device("cpu"))
-    cache = new_cache()
-    with torch.no_grad():
-        forward_hidden(model, ids, attn, pos, cache)
+    engine = engine_for(model)
+    engine.prefill(prompts, 1, 8)            # one slot per query: slot row b holds prompt b, t = 0
     node = int(trie.step(torch.tensor([0]), torch.tensor([5]))[0])   # beam at "5", token pending
     nodes = torch.full((n_beams,), node)
     base = torch.zeros(n_beams)
     scores, cand, raw = verify_trees(
-        model, cache, torch.arange(n_beams), attn, attn.sum(1), nodes, base, aux,
+        engine, torch.arange(n_beams), 0, nodes, base, aux,
         fed_max=int(aux.fed[node]), sub_max=int(aux.sub[node]), height_max=int(aux.height[node]))
     assert raw.shape == (n_beams, int(aux.sub[node]))
     for b, prompt in enumerate(prompts):
@@ -74,14 +72,14 @@ def test_cost_model_interpolation_and_json(tmp_path):
     path = tmp_path / "c.json"
     cm.save(path)
     assert CostModel.load(path) == cm
-    assert json.loads(path.read_text())["version"] == 2
+    assert json.loads(path.read_text())["version"] == 3
     with pytest.raises(ValueError, match="ascending"):
         CostModel([4, 2], [1.0, 1.0], [1], [1.0])
 
 
 def test_calibration_measures_and_is_reused(tmp_path, monkeypatch):
     model = make_tiny_llama(vocab_size=64)
-    cm = load_or_calibrate(model, cache_dir=tmp_path, rows=(1, 4), tokens=(8, 32), context_len=8, repeats=1)
+    cm = load_or_calibrate(model, cache_dir=tmp_path, rows=(8, 32), tokens=(8, 32), context_len=8, repeats=1)
     assert len(cm.step_ms) == 2 and all(t > 0 for t in cm.step_ms + cm.verify_ms)
     files = list(tmp_path.glob("*.json"))
     assert [f.stem for f in files] == [cm.key]
@@ -95,12 +93,29 @@ def test_calibration_measures_and_is_reused(tmp_path, monkeypatch):
         load_or_calibrate(other, cache_dir=tmp_path)  # another model: another key
 
 
-def test_cache_kwarg_follows_signature():
-    model = make_tiny_llama(vocab_size=32)
-    assert cache_kwarg(decoder_of(model)) in ("cache", "past_key_values")
-
-    class Old(torch.nn.Module):
-        def forward(self, input_ids=None, past_key_values=None):
-            return None
-
-    assert cache_kwarg(Old()) == "past_key_values"
+def test_tree_pass_after_decoded_suffix_matches_full_forward():
+    """A tree hanging below a beam that already decoded suffix tokens (t > 0, reordered rows) sees
+    the shared prompt, the beam's own suffix and its ancestors: scores == a plain full forward."""
+    model = make_tiny_llama(vocab_size=40, seed=3)
+    trie = Trie.from_sequences([[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 10], [5, 11]])
+    aux = TrieAux(trie)
+    prompts = [[3, 4, 12, 13], [20, 21]]
+    engine = engine_for(model)
+    engine.prefill(prompts, 2, 8)
+    # two slots per query; feed "5" (t = 0) then "6" (t = 1) with the slots' parents swapped
+    with torch.no_grad():
+        engine.step(torch.tensor([5, 5, 5, 5]), 0, 2, torch.tensor([0, 0, 2, 2]))
+        engine.step(torch.tensor([6, 6, 6, 6]), 1, 2, torch.tensor([1, 0, 3, 2]))
+    node = int(trie.walk(torch.tensor([[5, 6, 7]]))[0])           # beam at "5 6 7", "7" pending
+    rows = torch.tensor([1, 2])
+    scores, cand, _ = verify_trees(engine, rows, 2, torch.full((2,), node), torch.zeros(2), aux,
+                                   fed_max=int(aux.fed[node]), sub_max=int(aux.sub[node]),
+                                   height_max=int(aux.height[node]))
+    for b, prompt in enumerate([prompts[0], prompts[1]]):
+        for s, c in zip(scores[b].tolist(), cand[b].tolist()):
+            if c < 0:
+                continue
+            last = int(trie.token[c])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([prompt + [5, 6, 7, last]])).logits.float(), -1)[0]
+            assert s == pytest.approx(float(lp[len(prompt) + 2, last]), abs=1e-4)

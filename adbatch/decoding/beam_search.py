@@ -33,8 +33,8 @@ import torch
 
 from adbatch.decoding.config import TargetSearchConfig, VerifyMode
 from adbatch.decoding.cost_model import CostModel, load_or_calibrate
-from adbatch.decoding.kv import (check_supported, forward_hidden, gather_logprobs, head_logits_lse,
-                                 keep_rows, left_pad, model_device, new_cache)
+from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, engine_for, exact_logprobs_of,
+                                     model_device)
 from adbatch.decoding.tree_verify import TrieAux, final_scores, verify_trees
 
 log = logging.getLogger(__name__)
@@ -144,59 +144,61 @@ def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
 
 
 @torch.no_grad()
-def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
+def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, trie: Any,
                   cfg: TargetSearchConfig, cost: CostModel | None, pad_id: int,
                   stats: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query batch. Beam slots ``[Q * B]`` are REAL (prefix in a cache row, decoded step by
-    step) or VIRTUAL (inside a verified subtree: every descendant's exact score is already known,
-    so the slot keeps competing for beam places exactly as in ``off`` mode, at no model cost;
-    its terminals are already in the pool)."""
-    dev = model_device(model)
+    """One query batch on the engine's static cache. Query rows ``Qb`` (a power-of-two bucket)
+    hold ``B`` beam slots each; slot ``q * B + b`` is also the slot's cache row. A slot is REAL
+    (its prefix decoded step by step) or VIRTUAL (inside a verified subtree: every descendant's
+    exact score is already known, so the slot keeps competing for beam places exactly as in ``off``
+    mode, at no model cost; its terminals are already in the pool). When at most half of the query
+    rows still have real beams, the rest are dropped and the batch continues at a smaller bucket."""
+    dev = engine.device
     # At most B terminals enter the pool per step, so fewer than top_k beams can leave the pool
     # short although the trie holds more ads (HF refuses num_return_sequences > num_beams): the
     # search runs max(num_beams, top_k) beams and keeps as many finished nodes.
     Q = len(prompts)
     B = P = cfg.pool_size
     lp_pen = cfg.length_penalty
-    max_steps = cfg.max_steps or aux.max_depth
+    max_steps = min(cfg.max_steps or aux.max_depth, aux.max_depth)
 
     clock = _PhaseClock(stats, dev, cfg.profile)
-    ids, attn, pos = left_pad(prompts, pad_id, dev)
-    cache = new_cache()
-    hidden = forward_hidden(model, ids, attn, pos, cache)
-    logits, lse = head_logits_lse(model, hidden[:, -1], cfg.logprob_chunk)  # [R, V], [R]
-    next_pos = attn.sum(1)                                                # [R]
-    row_slot = torch.arange(Q, device=dev) * B                            # [R] slot of each row
-    S = Q * B
-    s_node = torch.full((S,), -1, dtype=torch.long, device=dev)
-    s_node[row_slot] = 0
-    s_score = torch.full((S,), NEG_INF, device=dev)
-    s_score[row_slot] = 0.0
+    logits, lse, Qb = engine.prefill(prompts, B, max_steps, pad_id)          # [Qb, V], [Qb]
+    qmap = torch.full((Qb,), -1, dtype=torch.long, device=dev)               # original query per row
+    qmap[:Q] = torch.arange(Q, device=dev)
+    out_s = torch.full((Q, P), NEG_INF, device=dev)
+    out_n = torch.full((Q, P), -1, dtype=torch.long, device=dev)
+    S = Qb * B
+    slot = torch.arange(S, device=dev)
+    s_node = torch.where((slot % B == 0) & (slot // B < Q), 0, -1)
+    s_score = torch.where(s_node == 0, 0.0, NEG_INF)
     s_virtual = torch.zeros(S, dtype=torch.bool, device=dev)
     s_vbase = torch.zeros(S, dtype=torch.long, device=dev)
+    logit_row = slot // B    # the first step reads its query's prefill row, later steps its own row
     vraw = torch.zeros(1, device=dev)        # raw scores of verified subtrees, flat
     width = max(aux.root_degree, 1)
-    pool_s = torch.full((Q, P), NEG_INF, device=dev)
-    pool_n = torch.full((Q, P), -1, dtype=torch.long, device=dev)
-    q_of_slot = torch.arange(S, device=dev) // B
+    pool_s = torch.full((Qb, P), NEG_INF, device=dev)
+    pool_n = torch.full((Qb, P), -1, dtype=torch.long, device=dev)
     stats["prefill_rows"] += Q
     clock.mark("prefill")
 
-    for _ in range(max_steps):
-        R = row_slot.shape[0]
+    def flush() -> None:  # the pools of real query rows into the batch's results
+        real = qmap >= 0
+        out_s[qmap[real]] = pool_s[real]
+        out_n[qmap[real]] = pool_n[real]
+
+    for t in range(max_steps):
+        S = Qb * B
+        q_of_slot = torch.arange(S, device=dev) // B
         tok, child = trie.children_padded(s_node, width=width)            # [S, C]
         C = tok.shape[1]
         csafe = child.clamp(min=0)
-        cand = torch.full((S, C), NEG_INF, device=dev)
-        if R:
-            cand[row_slot] = s_score[row_slot, None] + gather_logprobs(logits, lse, None, tok[row_slot])
+        cand = s_score[:, None] + exact_logprobs_of(logits, lse, logit_row[:, None].expand(S, C), tok)
         virt = s_virtual[:, None].expand(S, C)
         cand = torch.where(virt, vraw[(s_vbase[:, None] + csafe).clamp(0, vraw.numel() - 1)], cand)
         cand = torch.where((tok >= 0) & (s_node[:, None] >= 0), cand, NEG_INF)
-        row_of_slot = torch.full((S,), -1, dtype=torch.long, device=dev)
-        row_of_slot[row_slot] = torch.arange(R, device=dev)
-        flat_s, flat_t, flat_c = cand.view(Q, B * C), tok.view(Q, B * C), child.view(Q, B * C)
-        flat_v = virt.reshape(Q, B * C)
+        flat_s, flat_t, flat_c = cand.view(Qb, B * C), tok.view(Qb, B * C), child.view(Qb, B * C)
+        flat_v = virt.reshape(Qb, B * C)
         k1 = min(B, B * C)
 
         # Finished: terminal children among the query's top-B candidates (HF's rule); virtual
@@ -210,21 +212,20 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
 
         # Running: the top-B candidates that can still grow.
         grow = (flat_c >= 0) & (aux.degree[flat_c.clamp(min=0)] > 0)
-        run_s, run_i = torch.where(grow, flat_s, NEG_INF).topk(k1, dim=1)  # [Q, k1]
+        run_s, run_i = torch.where(grow, flat_s, NEG_INF).topk(k1, dim=1)  # [Qb, k1]
         alive = torch.isfinite(run_s)
         if lp_pen == 0.0:  # bound: descendants score <= the beam; drop beams that cannot enter
             alive &= run_s > pool_s[:, -1:]
         if k1 < B:
             pad = B - k1
-            run_s = torch.cat([run_s, torch.full((Q, pad), NEG_INF, device=dev)], 1)
-            run_i = torch.cat([run_i, torch.zeros((Q, pad), dtype=torch.long, device=dev)], 1)
-            alive = torch.cat([alive, torch.zeros((Q, pad), dtype=torch.bool, device=dev)], 1)
+            run_s = torch.cat([run_s, torch.full((Qb, pad), NEG_INF, device=dev)], 1)
+            run_i = torch.cat([run_i, torch.zeros((Qb, pad), dtype=torch.long, device=dev)], 1)
+            alive = torch.cat([alive, torch.zeros((Qb, pad), dtype=torch.bool, device=dev)], 1)
         run_c = flat_c.gather(1, run_i).reshape(-1)
         run_t = flat_t.gather(1, run_i).reshape(-1)
         run_s, alive = run_s.reshape(-1), alive.reshape(-1)
         parent_slot = q_of_slot * B + run_i.reshape(-1) // C
         run_virtual = s_virtual[parent_slot] & alive
-        parent_row = row_of_slot[parent_slot]
         nsafe = run_c.clamp(min=0)
         # The step's one GPU->CPU sync: everything the trigger and the bookkeeping need.
         host = torch.stack([alive.long(), run_virtual.long(), aux.fed[nsafe], aux.height[nsafe],
@@ -243,15 +244,15 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
             v_slots = torch.from_numpy(vs).to(dev)
             fed_max, sub_max = int(host[2][vs].max()), int(host[4][vs].max())
             scores, nodes, raw = verify_trees(
-                model, cache, parent_row[v_slots], attn, next_pos, run_c[v_slots], run_s[v_slots],
-                aux, fed_max=fed_max, sub_max=sub_max, height_max=int(host[3][vs].max()),
-                length_penalty=lp_pen, chunk=cfg.logprob_chunk)
+                engine, parent_slot[v_slots], t, run_c[v_slots], run_s[v_slots], aux,
+                fed_max=fed_max, sub_max=sub_max, height_max=int(host[3][vs].max()),
+                length_penalty=lp_pen)
             m = min(P, scores.shape[1])
             s_top, i_top = scores.topk(m, dim=1)                          # [V, m]
             buf_s = torch.full((S, m), NEG_INF, device=dev)
             buf_n = torch.full((S, m), -1, dtype=torch.long, device=dev)
             buf_s[v_slots], buf_n[v_slots] = s_top, nodes.gather(1, i_top)
-            pool_s, pool_n = _merge_pool(pool_s, pool_n, buf_s.view(Q, B * m), buf_n.view(Q, B * m))
+            pool_s, pool_n = _merge_pool(pool_s, pool_n, buf_s.view(Qb, B * m), buf_n.view(Qb, B * m))
             # The verified slots turn virtual: node c of beam v's subtree scores vraw[vbase + c].
             offset = vraw.numel()
             vraw = torch.cat([vraw, raw.reshape(-1)])
@@ -269,29 +270,43 @@ def _search_batch(model: Any, prompts: list[list[int]], aux: TrieAux, trie: Any,
         s_score = torch.where(alive, run_s, NEG_INF)
         s_virtual, s_vbase = run_virtual, new_vbase
         width = max(int(host[5][h_alive].max()), 1)
-        if not cont.any():
+        if not cont.any() or t + 1 >= max_steps:
             break
-        cs = np.flatnonzero(cont)
-        c_slots = torch.from_numpy(cs).to(dev)
-        parents = parent_row[c_slots]
-        keep_rows(cache, parents)
-        attn = torch.cat([attn[parents], torch.ones(cs.size, 1, dtype=attn.dtype, device=dev)], 1)
-        step_pos = next_pos[parents]
-        hidden = forward_hidden(model, run_t[c_slots][:, None], attn, step_pos[:, None], cache)
-        logits, lse = head_logits_lse(model, hidden[:, -1], cfg.logprob_chunk)
-        next_pos = step_pos + 1
-        row_slot = c_slots
+        tokens = torch.where(torch.from_numpy(cont).to(dev), run_t, 0)
+        # Query rows with no real beam left are final (virtual beams' terminals are all in the
+        # pool): once they are half the bucket or more, continue on a smaller one.
+        live_q = np.flatnonzero(cont.reshape(Qb, B).any(1))
+        if bucket_queries(live_q.size) < Qb:
+            flush()
+            keep = torch.from_numpy(live_q).to(dev)
+            new_qb = engine.compact(keep)
+            src_q = torch.cat([keep, keep[-1:].expand(new_qb - keep.numel())])
+            is_pad = torch.arange(new_qb, device=dev) >= keep.numel()
+            src = (src_q[:, None] * B + torch.arange(B, device=dev)).reshape(-1)
+            pad_slot = is_pad.repeat_interleave(B)
+            qmap = torch.where(is_pad, -1, qmap[src_q])
+            pool_s, pool_n = pool_s[src_q], pool_n[src_q]
+            s_node = torch.where(pad_slot, -1, s_node[src])
+            s_score = torch.where(pad_slot, NEG_INF, s_score[src])
+            s_virtual, s_vbase = s_virtual[src] & ~pad_slot, s_vbase[src]
+            tokens, parent_slot = tokens[src], parent_slot[src]  # parents: rows of the old layout
+            Qb = new_qb
+            stats["compactions"] += 1
+        logits, lse = engine.step(tokens, t, Qb, parent_slot)
+        logit_row = torch.arange(Qb * B, device=dev)
         clock.mark("decode")
         stats["steps"] += 1
-        stats["decode_rows"] += int(cs.size)
-    out = _rows_from_pool(pool_s, pool_n, aux, cfg.top_k)
+        stats["decode_rows"] += int(cont.sum())
+        stats["rows_computed"] += Qb * B
+    flush()
+    out = _rows_from_pool(out_s, out_n, aux, cfg.top_k)
     clock.mark("finish")
     return out
 
 
 def _new_stats(cfg: TargetSearchConfig) -> dict[str, Any]:
     return {"mode": cfg.verify.value, "queries": 0, "prefill_rows": 0, "steps": 0, "decode_rows": 0,
-            "verify_passes": 0, "beams_verified": 0, "verify_tokens": 0, "tree_tokens_sum": 0,
+            "verify_passes": 0, "beams_verified": 0, "compactions": 0, "rows_computed": 0, "verify_tokens": 0, "tree_tokens_sum": 0,
             "tree_tokens_max": 0, "verified_depths": Counter()}
 
 
@@ -329,13 +344,14 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     pad_id = getattr(model.config, "pad_token_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)
     stats = _new_stats(config)
+    engine = engine_for(model)
     rows, scores = [], []
     was_training = model.training
     model.eval()
     try:
         for start in range(0, len(prompts), config.batch_size):
             chunk = [list(map(int, p)) for p in prompts[start:start + config.batch_size]]
-            r, s = _search_batch(model, chunk, aux, trie, config, cost_model, pad_id, stats)
+            r, s = _search_batch(engine, chunk, aux, trie, config, cost_model, pad_id, stats)
             rows.append(r.cpu())
             scores.append(s.cpu())
     finally:

@@ -3,7 +3,8 @@
 Two piecewise-linear curves, measured on the hardware in use (never constants):
 ``step_ms(rows)`` — one decode step of ``rows`` cache rows (one token each), and
 ``verify_ms(tokens)`` — one tree-verification pass feeding ``tokens`` tree tokens in total.
-Both are timed on a context of ``context_len`` cached tokens. A calibration is saved as JSON in
+Both are timed on the decode engine exactly as the search runs them (graph-replayed steps on CUDA,
+eager on CPU; shared prompt of ``context_len`` tokens, 16 suffix tokens, 8 beams per query). A calibration is saved as JSON in
 ``<adbatch cache>/decoding_calibration/<key>.json``, the key hashing the model config, the device
 name and the dtype, and loaded instead of re-measuring when present.
 
@@ -25,12 +26,11 @@ import numpy as np
 import torch
 
 from adbatch.artifacts import sha256_json, write_json_atomic
-from adbatch.decoding.kv import (cache_length, copy_rows, forward_hidden, head_logits_lse, keep_rows,
-                                 model_device, model_dtype, new_cache)
+from adbatch.decoding.engine import engine_for, model_device, model_dtype
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 2  # 2: steps timed with in-place reorder + log-sum-exp head, as searched
+CALIBRATION_VERSION = 3  # 3: steps and tree passes timed on the static-cache engine (graphs on CUDA)
 
 
 @dataclasses.dataclass
@@ -110,30 +110,33 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def calibrate(model: Any, rows: tuple[int, ...] = (1, 4, 16, 64, 256),
-              tokens: tuple[int, ...] = (16, 64, 256, 1024, 4096), context_len: int = 64,
-              repeats: int = 3) -> CostModel:
-    """Time decode steps vs rows and tree passes vs tree tokens on ``model``'s device.
+def calibrate(model: Any, rows: tuple[int, ...] | None = None, tokens: tuple[int, ...] | None = None,
+              context_len: int = 64, repeats: int = 3, beams: int = 8) -> CostModel:
+    """Time decode steps vs rows and tree passes vs tree tokens on ``model``'s device, on its engine.
 
-    Trees are timed as chains of 32 tokens (``tokens // 32`` beams), which exercises the same 4-D
-    mask path as real trees; cost depends on the token count, not the tree's shape.
+    Steps run ``rows // beams`` queries of ``beams`` slots (rows are rounded to that grid); trees
+    are timed as chains of 32 tokens (``tokens // 32`` beams), which exercises the same tree mask
+    path as real trees; cost depends on the token count, not the tree's shape.
     """
     dev = model_device(model)
     dtype = model_dtype(model)
-    vocab = model.get_output_embeddings().weight.shape[0] if hasattr(
-        model.get_output_embeddings(), "weight") else model.config.vocab_size
+    # default points: what beam search reaches on the device (CPU: small batches only)
+    if rows is None:
+        rows = (8, 32, 128, 512, 2048, 8192) if dev.type == "cuda" else (8, 32, 128)
+    if tokens is None:
+        tokens = (16, 64, 256, 1024, 4096) if dev.type == "cuda" else (16, 64, 256)
+    engine = engine_for(model)
+    vocab = engine.vocab
     gen = torch.Generator().manual_seed(0)
-
-    def prefix(n: int) -> tuple[Any, torch.Tensor]:
-        ids = torch.randint(0, vocab, (n, context_len), generator=gen).to(dev)
-        mask = torch.ones_like(ids)
-        pos = torch.arange(context_len, device=dev)[None].expand(n, -1)
-        cache = new_cache()
-        forward_hidden(model, ids, mask, pos, cache)
-        return cache, mask
+    suffix_t = 16
+    chain = 32
+    max_q = max(max(r // beams, 1) for r in rows)
+    max_q = max(max_q, max(max(t // chain, 1) for t in tokens) // beams + 1)
+    prompts = torch.randint(0, vocab, (max_q, context_len), generator=gen).tolist()
+    engine.prefill(prompts, beams, suffix_t + 1)
 
     def best_of(fn) -> float:
-        fn()  # warm-up (allocator, kernel selection)
+        fn()  # warm-up (graph capture, allocator, kernel selection)
         fn()
         _sync(dev)
         times = []
@@ -144,46 +147,39 @@ def calibrate(model: Any, rows: tuple[int, ...] = (1, 4, 16, 64, 256),
             times.append((time.perf_counter() - t0) * 1e3)
         return float(np.median(times))
 
-    step_ms = []
+    step_rows, step_ms = [], []
     for r in rows:
-        cache, mask = prefix(r)
-        ids = torch.randint(0, vocab, (r, 1), generator=gen).to(dev)
+        qb = max(r // beams, 1)
+        qb = 1 << (qb - 1).bit_length()
+        n = qb * beams
+        if step_rows and n <= step_rows[-1]:
+            continue
+        ids = torch.randint(0, vocab, (n,), generator=gen).to(dev)
+        parent = torch.arange(n, device=dev)
 
-        def step() -> None:
-            # exactly a search step: reorder rows in place, feed one token, log-normalize the head
-            keep_rows(cache, torch.arange(r, device=dev))
-            length = cache_length(cache)
-            m2 = torch.ones(r, length + 1, dtype=torch.long, device=dev)
-            pos = torch.full((r, 1), length, device=dev)
-            h = forward_hidden(model, ids, m2, pos, cache)
-            head_logits_lse(model, h[:, 0])  # the cache grows by one per call: negligible here
+        def step() -> None:  # exactly a search step: reorder by parent, one token per row, log-normalize
+            engine.step(ids, suffix_t, qb, parent)
+        step_rows.append(n)
         step_ms.append(best_of(step))
-        del cache
 
     verify_ms = []
-    chain = 32
     for t in tokens:
-        beams = max(t // chain, 1)
+        nb = max(t // chain, 1)
         length = min(t, chain)
-        cache, mask = prefix(beams)
-        ids = torch.randint(0, vocab, (beams, length), generator=gen).to(dev)
-        pos = context_len + torch.arange(length, device=dev)[None].expand(beams, -1)
-        causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()
-        vis = torch.cat([torch.ones(beams, length, context_len, dtype=torch.bool, device=dev),
-                         causal[None].expand(beams, -1, -1)], -1)[:, None]
-        m4 = torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill_(~vis, torch.finfo(dtype).min)
+        rows_v = torch.arange(nb, device=dev)
+        ids = torch.randint(0, vocab, (nb, length), generator=gen).to(dev)
+        pos = engine.prompt_len[rows_v // engine.B][:, None] + suffix_t + torch.arange(length, device=dev)
+        causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()[None].expand(nb, -1, -1)
 
         def verify() -> None:
-            c = copy_rows(cache, torch.arange(beams, device=dev))
-            h = forward_hidden(model, ids, m4, pos, c)
-            head_logits_lse(model, h.reshape(beams * length, -1))
+            engine.tree_forward(rows_v, suffix_t, ids, pos, causal)
         verify_ms.append(best_of(verify))
-        del cache
-    cm = CostModel(list(rows), step_ms, list(tokens), verify_ms, key=calibration_key(model),
+    cm = CostModel(step_rows, step_ms, list(tokens), verify_ms, key=calibration_key(model),
                    meta={"device": device_name(dev), "dtype": str(dtype), "context_len": context_len,
+                         "beams": beams, "graphs": engine.graphs_enabled,
                          "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     log.info("decode cost model: step_ms %s at rows %s; verify_ms %s at tokens %s",
-             [round(x, 2) for x in step_ms], list(rows), [round(x, 2) for x in verify_ms], list(tokens))
+             [round(x, 2) for x in step_ms], step_rows, [round(x, 2) for x in verify_ms], list(tokens))
     return cm
 
 

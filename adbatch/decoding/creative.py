@@ -1,26 +1,31 @@
-"""Creative (free-text) generation on the same KV-cache loop: greedy, sampling, beam search.
+"""Creative (free-text) generation on the decode engine: greedy, sampling, beam search.
 
-Rows are ``prompt x candidate`` on one left-padded cache (``kv.left_pad``), the prompt prefilled
-once and its cache rows repeated. Every step feeds one token per row. A row ends at the model's EOS
-token or when its text contains a stop string; its text is cut before the stop string. Each
-returned text carries the mean log-prob per generated token (full-vocabulary log-softmax at
-temperature 1), counted up to and including the token that ended it (EOS or the stop string's
-last token). Stop strings are checked by decoding the rows' tails once per step (one batched
-tokenizer call), which is the one host sync of a step besides the EOS check.
+Each prompt's KV is computed once (the engine's shared prompt region); its ``num_return`` samples or
+``num_beams`` beams are slot rows that read it, each with its own suffix. Every step feeds one token
+per row (graph-replayed on CUDA). A row ends at the model's EOS token or at a token whose text
+contains a stop string, both checked on the device against a per-vocabulary mask built once per
+(tokenizer, stop strings); the host looks at the rows only every ``SYNC_EVERY`` steps (are all
+done?) and once at the end, when the texts are decoded and cut before the first stop string (which
+also catches a stop string split across tokens). Each returned text carries the mean log-prob per
+generated token (full-vocabulary log-softmax at temperature 1), counted up to and including the
+token that ended it (EOS or the stop string's last token).
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any
 
-import numpy as np
 import torch
 
 from adbatch.decoding.config import CreativeConfig, CreativeStrategy
-from adbatch.decoding.kv import check_supported, forward_hidden, head_logprobs, keep_rows, left_pad, model_device, new_cache
+from adbatch.decoding.engine import DecodeEngine, check_supported, engine_for
 
 NEG_INF = float("-inf")
+SYNC_EVERY = 4  # steps between the host's "all rows done?" checks (one 1-byte sync each)
+
+_STOP_MASKS: "weakref.WeakKeyDictionary[Any, dict[tuple, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -38,6 +43,33 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
     cut = min((text.find(s) for s in stops if s in text), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def end_token_mask(model: Any, tokenizer: Any, stops: list[str], vocab: int, device: torch.device
+                   ) -> torch.Tensor:
+    """``Bool[vocab]``: tokens that end a text — the model's EOS ids, and tokens whose own text
+    contains a stop string (decoded once per tokenizer and stop list, then cached)."""
+    key = (tuple(stops), vocab, tuple(_eos_ids(model, tokenizer)))
+    try:
+        per_tok = _STOP_MASKS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: build the mask every call
+        per_tok = {}
+    mask = per_tok.get(key)
+    if mask is None:
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        if stops:
+            try:
+                n = min(vocab, len(tokenizer))
+            except TypeError:
+                n = vocab
+            texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=True)
+            hits = [i for i, text in enumerate(texts) if any(s in text for s in stops)]
+            mask[hits] = True
+        for e in _eos_ids(model, tokenizer):
+            if 0 <= e < vocab:
+                mask[e] = True
+        per_tok[key] = mask
+    return mask.to(device)
 
 
 def _row_uniforms(prompts: list[list[int]], n: int, seed: int, steps: int) -> torch.Tensor:
@@ -71,116 +103,128 @@ def _sample(logp: torch.Tensor, cfg: CreativeConfig, u: torch.Tensor | None) -> 
     return tok.clamp_(max=probs.shape[-1] - 1)
 
 
-@torch.no_grad()
-def _sample_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: CreativeConfig
-                  ) -> list[list[tuple[str, float]]]:
-    dev = model_device(model)
-    n = cfg.num_return
-    u = (None if cfg.strategy is CreativeStrategy.GREEDY
-         else _row_uniforms(prompts, n, cfg.seed, cfg.max_new_tokens).to(dev))
-    eos = torch.tensor(_eos_ids(model, tokenizer) or [-1], device=dev)
-    ids, attn, pos = left_pad(prompts, 0, dev)
-    cache = new_cache()
-    hidden = forward_hidden(model, ids, attn, pos, cache)
-    rep = torch.arange(len(prompts), device=dev).repeat_interleave(n)
-    keep_rows(cache, rep)
-    attn, next_pos = attn[rep], attn.sum(1)[rep]
-    logp = head_logprobs(model, hidden[:, -1])[rep]
-    R = rep.shape[0]
-    out_tok = torch.full((R, cfg.max_new_tokens), -1, dtype=torch.long, device=dev)
-    out_lp = torch.zeros(R, cfg.max_new_tokens, device=dev)
-    done = np.zeros(R, dtype=bool)
-    length = np.full(R, cfg.max_new_tokens)
-    texts = [""] * R
-    for t in range(cfg.max_new_tokens):
-        tok = _sample(logp, cfg, None if u is None else u[:, t])
-        out_tok[:, t], out_lp[:, t] = tok, logp.gather(1, tok[:, None])[:, 0]
-        is_eos = torch.isin(tok, eos).cpu().numpy()
-        live = np.flatnonzero(~done)
-        decoded = tokenizer.batch_decode(out_tok[live, : t + 1].clamp(min=0).tolist(), skip_special_tokens=True)
-        for i, text in zip(live, decoded):  # host bookkeeping of the step's finished rows
-            texts[i], hit = _cut(text, cfg.stop_strings)
-            if hit or is_eos[i]:
-                done[i], length[i] = True, t + 1
-        if done.all() or t + 1 == cfg.max_new_tokens:
-            break
-        attn = torch.cat([attn, torch.ones(R, 1, dtype=attn.dtype, device=dev)], 1)
-        hidden = forward_hidden(model, tok[:, None], attn, next_pos[:, None], cache)
-        next_pos = next_pos + 1
-        logp = head_logprobs(model, hidden[:, -1])
-    lens = torch.from_numpy(length).to(dev)
-    mask = torch.arange(cfg.max_new_tokens, device=dev)[None] < lens[:, None]
-    mean = ((out_lp * mask).sum(1) / lens).cpu().tolist()
-    return [[(texts[q * n + i], mean[q * n + i]) for i in range(n)] for q in range(len(prompts))]
+def _decode(tokenizer: Any, seq: list[int]) -> str:
+    return tokenizer.batch_decode([seq], skip_special_tokens=True)[0]
 
 
-@torch.no_grad()
-def _beam_batch(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: CreativeConfig
-                ) -> list[list[tuple[str, float]]]:
-    """Beam search ranked by mean log-prob per token; a query stops once ``num_beams`` distinct
-    texts ended."""
-    dev = model_device(model)
-    Q, B = len(prompts), cfg.num_beams
-    eos = torch.tensor(_eos_ids(model, tokenizer) or [-1], device=dev)
-    ids, attn, pos = left_pad(prompts, 0, dev)
-    cache = new_cache()
-    hidden = forward_hidden(model, ids, attn, pos, cache)
-    rep = torch.arange(Q, device=dev).repeat_interleave(B)
-    keep_rows(cache, rep)
-    attn, next_pos = attn[rep], attn.sum(1)[rep]
-    logp = head_logprobs(model, hidden[:, -1])[rep]                      # [Q*B, V]
-    V = logp.shape[1]
-    beam_s = torch.full((Q, B), NEG_INF, device=dev)
-    beam_s[:, 0] = 0.0  # all beams start identical: only one may expand at the first step
-    seqs = torch.zeros(Q * B, 0, dtype=torch.long, device=dev)
-    # finished texts per query: text -> best mean log-prob. Hypotheses that differ only after a
-    # stop string are cut to one text; it counts (and is returned) once.
-    finished: list[dict[str, float]] = [{} for _ in range(Q)]
-    q_done = np.zeros(Q, dtype=bool)
-    for t in range(cfg.max_new_tokens):
-        cand = (beam_s.view(-1, 1) + logp).view(Q, B * V)
-        top_s, top_i = cand.topk(2 * B, dim=1)                            # [Q, 2B]
-        src = (torch.arange(Q, device=dev)[:, None] * B + top_i // V)     # [Q, 2B] rows
-        tok = top_i % V
-        new_seqs = torch.cat([seqs[src.view(-1)], tok.view(-1, 1)], 1)    # [Q*2B, t+1]
-        ended = torch.isin(tok, eos).cpu().numpy()
-        h_s = top_s.cpu().numpy()
-        texts = tokenizer.batch_decode(new_seqs.tolist(), skip_special_tokens=True)
-        run_pick = np.zeros((Q, B), dtype=np.int64)
-        run_ok = np.zeros((Q, B), dtype=bool)
-        for q in np.flatnonzero(~q_done):  # host bookkeeping per query (B-sized lists)
-            k = 0
-            for r in range(2 * B):
-                if not np.isfinite(h_s[q, r]):
-                    continue
-                text, hit = _cut(texts[q * 2 * B + r], cfg.stop_strings)
-                if ended[q, r] or hit or t + 1 == cfg.max_new_tokens:
-                    if r < B:
-                        score = float(h_s[q, r] / (t + 1))
-                        if score > finished[q].get(text, NEG_INF):
-                            finished[q][text] = score
-                elif k < B:
-                    run_pick[q, k], run_ok[q, k] = r, True
-                    k += 1
-            if len(finished[q]) >= B or not run_ok[q].any():
-                q_done[q] = True
-        if q_done.all() or t + 1 == cfg.max_new_tokens:
-            break
-        pick = torch.from_numpy(run_pick).to(dev)
-        ok = torch.from_numpy(run_ok & ~q_done[:, None]).to(dev)
-        beam_s = torch.where(ok, top_s.gather(1, pick), NEG_INF)
-        rows = src.gather(1, pick).view(-1)
-        seqs = new_seqs.view(Q, 2 * B, -1).gather(1, pick[:, :, None].expand(-1, -1, t + 1)).view(Q * B, -1)
-        keep_rows(cache, rows)
-        attn = torch.cat([attn[rows], torch.ones(Q * B, 1, dtype=attn.dtype, device=dev)], 1)
-        step_pos = next_pos[rows]
-        hidden = forward_hidden(model, tok.gather(1, pick).view(-1, 1), attn, step_pos[:, None], cache)
-        next_pos = step_pos + 1
-        logp = head_logprobs(model, hidden[:, -1])
+def _texts(tokenizer: Any, seqs: list[list[int]], stops: list[str]) -> list[tuple[str, int]]:
+    """Decode ``seqs`` (generated ids, ended) once; cut before the first stop string. Returns
+    ``(text, tokens counted)``: where a stop string spans tokens (the device mask sees one token at
+    a time), the count is cut back to the token that completes it."""
     out = []
-    for q in range(Q):
-        best = sorted(finished[q].items(), key=lambda x: -x[1])[: cfg.num_return]
-        out.append([(text, float(score)) for text, score in best])
+    for seq, text in zip(seqs, tokenizer.batch_decode(seqs, skip_special_tokens=True)):
+        cut, hit = _cut(text, stops)
+        n = len(seq)
+        if hit and _cut(_decode(tokenizer, seq[:-1]), stops)[1]:
+            # the stop string was complete before the last token: find the shortest prefix showing it
+            for k in range(1, len(seq)):
+                if _cut(_decode(tokenizer, seq[:k]), stops)[1]:
+                    n = k
+                    break
+        out.append((cut, n))
+    return out
+
+
+@torch.no_grad()
+def _sample_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]], cfg: CreativeConfig,
+                  end_mask: torch.Tensor) -> list[list[tuple[str, float]]]:
+    dev = engine.device
+    n, T = cfg.num_return, cfg.max_new_tokens
+    Q = len(prompts)
+    logits, lse, Qb = engine.prefill(prompts, n, T)
+    R = Qb * n
+    u = None
+    if cfg.strategy is not CreativeStrategy.GREEDY:
+        u = torch.ones(R, T)
+        u[: Q * n] = _row_uniforms(prompts, n, cfg.seed, T)
+        u = u.to(dev)
+    row = torch.arange(R, device=dev)
+    logit_row = row // n                         # the first token comes from the prompt's prefill row
+    out_tok = torch.full((R, T), -1, dtype=torch.long, device=dev)
+    out_lp = torch.zeros(R, T, device=dev)
+    done = row >= Q * n                          # padding rows are done from the start
+    length = torch.full((R,), T, dtype=torch.long, device=dev)
+    for t in range(T):
+        lg, ls = logits[logit_row], lse[logit_row]
+        if u is None:
+            tok = lg.argmax(-1)
+        else:
+            tok = _sample(lg.float() - ls[:, None], cfg, u[:, t])
+        lp = lg.gather(1, tok[:, None])[:, 0].float() - ls
+        out_tok[:, t] = torch.where(done, -1, tok)
+        out_lp[:, t] = torch.where(done, 0.0, lp)
+        ended = end_mask[tok] & ~done
+        length = torch.where(ended, t + 1, length)
+        done = done | ended
+        if t + 1 == T or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
+            break
+        logits, lse = engine.step(torch.where(done, 0, tok), t, Qb)
+        logit_row = row
+    lens = torch.minimum(length, (out_tok >= 0).sum(1).clamp(min=1))
+    h_tok, h_len = out_tok[: Q * n].tolist(), lens[: Q * n].tolist()
+    seqs = [toks[:k] for toks, k in zip(h_tok, h_len)]
+    texts = _texts(tokenizer, seqs, cfg.stop_strings)
+    counted = torch.tensor([c for _, c in texts], device=dev)
+    mask = torch.arange(T, device=dev)[None] < counted[:, None]
+    mean = ((out_lp[: Q * n] * mask).sum(1) / counted).tolist()
+    return [[(texts[q * n + i][0], mean[q * n + i]) for i in range(n)] for q in range(Q)]
+
+
+@torch.no_grad()
+def _beam_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]], cfg: CreativeConfig,
+                end_mask: torch.Tensor) -> list[list[tuple[str, float]]]:
+    """Beam search ranked by mean log-prob per token, bookkept on the device: per step the top
+    ``2B`` continuations of each query; ended ones among the first ``B`` enter a pool of ``B``
+    finished hypotheses (HF's rule), the best ``B`` others run on. A query stops once its pool is
+    full. Finished texts that are equal after the stop-string cut count once (their best score)."""
+    dev = engine.device
+    Q, B, T = len(prompts), cfg.num_beams, cfg.max_new_tokens
+    logits, lse, Qb = engine.prefill(prompts, B, T)
+    R = Qb * B
+    V = logits.shape[1]
+    beam_s = torch.full((Qb, B), NEG_INF, device=dev)
+    beam_s[:Q, 0] = 0.0  # all beams start identical: only one may expand at the first step
+    seqs = torch.full((R, T), -1, dtype=torch.long, device=dev)
+    pool_s = torch.full((Qb, B), NEG_INF, device=dev)
+    pool_seq = torch.full((Qb, B, T), -1, dtype=torch.long, device=dev)
+    logit_row = torch.arange(R, device=dev) // B
+    rank = torch.arange(2 * B, device=dev)[None]
+    for t in range(T):
+        logp = logits[logit_row].float() - lse[logit_row, None]              # [R, V]
+        cand = (beam_s.view(-1, 1) + logp).view(Qb, B * V)
+        top_s, top_i = cand.topk(2 * B, dim=1)                                # [Qb, 2B]
+        src = torch.arange(Qb, device=dev)[:, None] * B + top_i // V          # [Qb, 2B] rows
+        tok = top_i % V
+        new_seqs = seqs[src.view(-1)]
+        new_seqs[:, t] = tok.view(-1)
+        new_seqs = new_seqs.view(Qb, 2 * B, T)
+        live = torch.isfinite(top_s)
+        ended = end_mask[tok] | (t + 1 == T)
+        fin = ended & live & (rank < B)
+        all_s = torch.cat([pool_s, torch.where(fin, top_s / (t + 1), NEG_INF)], 1)
+        pool_s, keep = all_s.topk(B, dim=1)
+        pool_seq = torch.cat([pool_seq, new_seqs], 1).gather(1, keep[..., None].expand(-1, -1, T))
+        run_ok = live & ~ended
+        pick = torch.where(run_ok, rank, rank + 2 * B).argsort(1)[:, :B]       # first B running, by rank
+        ok = run_ok.gather(1, pick) & ~torch.isfinite(pool_s).all(1, keepdim=True)
+        beam_s = torch.where(ok, top_s.gather(1, pick), NEG_INF)
+        if t + 1 == T or ((t + 1) % SYNC_EVERY == 0 and not bool(torch.isfinite(beam_s).any())):
+            break
+        rows = src.gather(1, pick).view(-1)
+        seqs = new_seqs.gather(1, pick[..., None].expand(-1, -1, T)).view(R, T)
+        logits, lse = engine.step(tok.gather(1, pick).view(-1), t, Qb, rows)
+        logit_row = torch.arange(R, device=dev)
+    h_s = pool_s[:Q].tolist()
+    h_seq = pool_seq[:Q].tolist()
+    out = []
+    for q in range(Q):  # host: decode and dedupe the B finished texts of each query, once
+        best: dict[str, float] = {}
+        live = [(sc, [x for x in seq if x >= 0]) for sc, seq in zip(h_s[q], h_seq[q]) if sc != NEG_INF]
+        for (sc, _), (text, _) in zip(live, _texts(tokenizer, [sq for _, sq in live], cfg.stop_strings)):
+            if sc > best.get(text, NEG_INF):
+                best[text] = sc
+        ranked = sorted(best.items(), key=lambda x: -x[1])[: cfg.num_return]
+        out.append([(text, float(score)) for text, score in ranked])
     return out
 
 
@@ -198,6 +242,8 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
     check_supported(model)
     if not isinstance(config, CreativeConfig):
         raise TypeError(f"config must be a CreativeConfig, got {type(config).__name__}")
+    engine = engine_for(model)
+    end_mask = end_token_mask(model, tokenizer, config.stop_strings, engine.vocab, engine.device)
     was_training = model.training
     model.eval()
     out: list[list[tuple[str, float]]] = []
@@ -205,9 +251,9 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
         for s in range(0, len(prompts), config.batch_size):
             chunk = [list(map(int, p)) for p in prompts[s:s + config.batch_size]]
             if config.strategy is CreativeStrategy.BEAM:
-                out.extend(_beam_batch(model, tokenizer, chunk, config))
+                out.extend(_beam_batch(engine, tokenizer, chunk, config, end_mask))
             else:
-                out.extend(_sample_batch(model, tokenizer, chunk, config))
+                out.extend(_sample_batch(engine, tokenizer, chunk, config, end_mask))
     finally:
         model.train(was_training)
     return out

@@ -10,8 +10,9 @@ token equals the one a plain step-by-step decode of its branch would give.
 The trie keeps node ids in depth-first preorder (adbatch/trie.py), so the subtree of ``n`` is the
 id range ``[n, n + subtree_nodes[n])`` and "a is an ancestor of b" is the interval test
 ``a <= b < a + subtree_nodes[a]``: trees, masks and path sums are built on the device with no
-per-beam Python. Several beams of several queries share one pass (trees right-padded); the tree
-tokens go into a throw-away copy of the beams' cache rows, so the main cache needs no crop.
+per-beam Python. Several beams of several queries share one pass (trees right-padded). The pass
+reads the engine's static cache in place (the query's shared prompt row and the parent slot's suffix)
+and writes nothing there: the tree tokens' K/V live only inside the pass.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from adbatch.decoding.kv import copy_rows, forward_hidden, gather_logprobs, head_logits_lse, model_dtype
+from adbatch.decoding.engine import DecodeEngine, exact_logprobs_of
 
 
 class TrieAux:
@@ -67,18 +68,15 @@ def final_scores(raw: torch.Tensor, length: torch.Tensor, length_penalty: float)
 
 
 @torch.no_grad()
-def verify_trees(model: Any, cache: Any, parent_rows: torch.Tensor, prefix_mask: torch.Tensor,
-                 next_pos: torch.Tensor, nodes: torch.Tensor, base_scores: torch.Tensor,
-                 aux: TrieAux, fed_max: int, sub_max: int, height_max: int,
-                 length_penalty: float = 0.0, chunk: int = 1024
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def verify_trees(engine: DecodeEngine, parent_rows: torch.Tensor, t: int, nodes: torch.Tensor,
+                 base_scores: torch.Tensor, aux: TrieAux, fed_max: int, sub_max: int, height_max: int,
+                 length_penalty: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact scores of every complete candidate strictly below each verified beam.
 
     Args:
-        cache: the main cache (rows ``R``, length ``L``); not modified.
-        parent_rows: ``Long[V]`` cache row holding each beam's prefix.
-        prefix_mask: ``Long[R, L]`` 2-D attention mask of the cache rows.
-        next_pos: ``Long[R]`` position of the next token of each cache row.
+        engine: the decode engine holding the batch's cache (not modified).
+        parent_rows: ``Long[V]`` slot row holding each beam's prefix (suffix positions ``[0, t)``).
+        t: tokens fed so far (each beam's own token goes at suffix position ``t``).
         nodes: ``Long[V]`` trie node of each beam (its token not yet fed).
         base_scores: ``Float32[V]`` sum of log-probs of each beam's tokens up to ``nodes``.
         fed_max: ``max(aux.fed[nodes])``; sub_max: ``max(aux.sub[nodes])``;
@@ -104,26 +102,18 @@ def verify_trees(model: Any, cache: Any, parent_rows: torch.Tensor, prefix_mask:
     fed_safe = fed_node.clamp(min=0)
     fed_tok = torch.where(fed_valid, aux.token[fed_safe], 0)
     rel_depth = torch.where(fed_valid, aux.depth[fed_safe] - aux.depth[nodes][:, None], 0)
-    pos = next_pos[parent_rows][:, None] + rel_depth                      # [V, F]
+    pos = engine.prompt_len[parent_rows // engine.B][:, None] + t + rel_depth  # [V, F]
 
     a = fed_node[:, None, :]                                              # key   [V, 1, F]
     b = fed_node[:, :, None]                                              # query [V, F, 1]
     tree_vis = (a <= b) & (b < a + aux.sub[a.clamp(min=0)]) & fed_valid[:, None, :]
     tree_vis |= torch.eye(fed_max, dtype=torch.bool, device=dev)[None]   # padding sees itself
-    prefix_vis = prefix_mask[parent_rows].bool()[:, None, :].expand(V, fed_max, -1)
-    vis = torch.cat([prefix_vis, tree_vis], dim=-1)[:, None]              # [V, 1, F, L + F]
-    dtype = model_dtype(model)
-    mask4 = torch.zeros(vis.shape, dtype=dtype, device=dev).masked_fill_(~vis, torch.finfo(dtype).min)
-
-    sub_cache = copy_rows(cache, parent_rows)
-    hidden = forward_hidden(model, fed_tok, mask4, pos, sub_cache)        # [V, F, H]
-    del sub_cache
-    logits, lse = head_logits_lse(model, hidden.reshape(V * fed_max, -1), chunk)  # [V*F, vocab]
+    logits, lse = engine.tree_forward(parent_rows, t, fed_tok, pos, tree_vis)  # [V*F, vocab]
 
     par_local = torch.where(in_tree & (j[None, :] > 0), aux.parent[ids] - nodes[:, None], 0)
     par_fed = fed_idx.gather(1, par_local)                                # [V, S]
     src = torch.arange(V, device=dev)[:, None] * fed_max + par_fed         # [V, S] fed row
-    edge = gather_logprobs(logits, lse, src, aux.token[ids])
+    edge = exact_logprobs_of(logits, lse, src, aux.token[ids])
     edge = torch.where(in_tree & (j[None, :] > 0), edge, 0.0)              # [V, S]
     # Path sums by pointer chasing over the tree depth (entries at depth d are final after d rounds).
     cum = edge

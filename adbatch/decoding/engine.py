@@ -1,0 +1,570 @@
+"""The decoding engine: a static KV cache with a shared prompt prefix, and the decoder forward over it.
+
+Layout (one engine per model, buffers grown on demand and reused across batches):
+
+- **Prompt region**, per layer ``Kp, Vp: [Qmax, kv_heads, Lp, head_dim]``: one row per *query*,
+  computed once by :meth:`DecodeEngine.prefill` (prompts left-padded to ``Lp``). Every beam (or
+  sample) of a query reads its query's row: the prompt's KV is never duplicated per beam.
+- **Suffix region**, per layer ``Ks, Vs: [Qmax * B, kv_heads, S, head_dim]``: one row per beam slot
+  ``q * B + b``; step ``t`` writes its token's K/V at index ``t`` (all live rows of a batch are at the
+  same depth, so ``t`` is one scalar). Beam reordering gathers only the suffix region, only its first
+  ``Sb`` (a bucket >= t) positions: at most a few dozen tokens per row, never the prompt.
+
+The decode step (:meth:`DecodeEngine.step`) feeds one token per slot row: optional suffix reorder
+by parent row, embeddings, per layer norm -> q/k/v -> rotary -> write K/V at ``t`` -> attention over
+(shared prompt row of the query) + (own suffix ``[0, t]``) -> o_proj -> MLP, then the final norm, the
+LM head and the full-vocabulary log-normalizer. On CUDA each step shape ``(queries bucket Qb, Lp,
+Sb)`` is captured once as a CUDA graph and replayed: a forward of the 30-layer default model is a few
+hundred small kernels, and eager launches cost more than the math at beam-search row counts.
+
+The forward reuses the HF modules' weights and submodules (norms, projections, MLP, rotary): dense
+``nn.Linear`` or :class:`adbatch.compress.CompressedLinear` alike. Per row bucket the engine times the
+packed kernel against a dense copy of each compressed layer shape (:class:`LinearPlan`) and keeps
+the faster, so a compressed model is never slower than its dense form at any bucket it serves.
+
+Supported decoder families: Llama (SmolLM2), Mistral, Qwen2, Qwen3 (q/k norms), Gemma 3 (q/k norms,
+sandwich norms, sliding-window layers, scaled embeddings). Others are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+NEG_INF = float("-inf")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+PROMPT_BUCKET = 16     # prompt widths are rounded up to a multiple of this (graph keys)
+SUFFIX_BUCKET = 8      # suffix positions attended / reordered are rounded up to a multiple of this
+LSE_CHUNK = 1024       # rows per float32 log-sum-exp chunk (bounds the [chunk, vocab] temporary)
+
+
+def bucket_queries(n: int) -> int:
+    """Query-count bucket: the next power of two (graph keys; few shapes, at most 2x padding)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    """Dtype of the activations (the input embeddings' dtype; compressed linears keep it too)."""
+    w = getattr(model.get_input_embeddings(), "weight", None)
+    if isinstance(w, torch.Tensor) and w.is_floating_point():
+        return w.dtype
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def decoder_of(model: Any) -> Any:
+    """The transformer body of a causal LM (without its LM head)."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if dec is None or dec is model:
+        dec = getattr(model, "model", None)
+    if dec is None:
+        raise TypeError(f"{type(model).__name__}: cannot find the decoder body (get_decoder/model)")
+    return dec
+
+
+def check_supported(model: Any) -> None:
+    """Refuse models the engine's forward does not reproduce exactly."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "final_logit_softcapping", None):
+        raise ValueError(f"{type(model).__name__} uses final_logit_softcapping; adbatch decoding "
+                         "computes log-probs as log_softmax(lm_head(hidden)) and does not support it")
+    if cfg is not None and getattr(cfg, "attn_logit_softcapping", None):
+        raise ValueError(f"{type(model).__name__} uses attn_logit_softcapping, which the decoding "
+                         "engine does not implement")
+    if model.get_output_embeddings() is None:
+        raise TypeError(f"{type(model).__name__} has no output embeddings (LM head)")
+    mtype = getattr(cfg, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"decoder family {mtype!r} ({type(model).__name__}) is not supported by the "
+                         f"decoding engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x: [N, heads, T, D]``, ``cos/sin: [N, T, D]`` (HF's rotary outputs)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+# ------------------------------------------------------------------------------------------ linears
+@dataclass
+class LinearPlan:
+    """Per compressed layer shape and row bucket: packed kernel or its dense copy, by measurement.
+
+    ``choice[(N, K, pattern, rows)]`` is ``"packed"`` or ``"dense"``; ``timings`` keeps the measured
+    microseconds (graph-replayed, median of 5) behind each choice, for the log and the cost model.
+    """
+
+    choice: dict[tuple, str] = field(default_factory=dict)
+    timings: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+
+
+def _is_packed(mod: Any) -> bool:
+    return hasattr(mod, "packed") and hasattr(mod, "qweight")
+
+
+def _shape_key(mod: Any) -> tuple:
+    return (int(mod.out_features), int(mod.in_features), str(getattr(mod.pattern, "value", mod.pattern)))
+
+
+def _time_graphed_us(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Median per-call microseconds of ``fn`` replayed ``reps`` times inside one CUDA graph."""
+    fn()  # warm-up: Triton autotune, cuBLAS handles
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+# ------------------------------------------------------------------------------------------ engine
+@dataclass
+class _Graph:
+    graph: Any
+    logits: torch.Tensor
+    lse: torch.Tensor
+
+
+class DecodeEngine:
+    """Static-cache decoding over one HF causal LM (see the module docstring).
+
+    Public tensors: ``prompt_len Long[Qmax]`` (real prompt tokens per query row), ``prompt_bias
+    Float32[Qmax, Lp]`` (0 on real prompt keys, -inf on left padding). ``step`` returns ``logits
+    [R, V]`` in the head's dtype and ``lse Float32[R]`` with ``log_softmax = logits - lse``.
+    """
+
+    def __init__(self, model: Any) -> None:
+        check_supported(model)
+        self.model = model
+        self.cfg = model.config
+        self.dec = decoder_of(model)
+        self.layers = list(self.dec.layers)[: self.cfg.num_hidden_layers]
+        self.head = model.get_output_embeddings()
+        self.device = model_device(model)
+        self.dtype = model_dtype(model)
+        attn0 = self.layers[0].self_attn
+        self.n_heads = int(self.cfg.num_attention_heads)
+        self.n_kv = int(getattr(self.cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(attn0, "head_dim", None) or self.cfg.hidden_size // self.n_heads)
+        self.scaling = [float(getattr(l.self_attn, "scaling", self.head_dim ** -0.5)) for l in self.layers]
+        self.gemma = hasattr(self.layers[0], "pre_feedforward_layernorm")
+        types = getattr(self.cfg, "layer_types", None) or ["full_attention"] * len(self.layers)
+        self.layer_types = list(types)[: len(self.layers)]
+        window = getattr(self.cfg, "sliding_window", None)
+        self.window = [int(window) if (window and t == "sliding_attention") else 0 for t in self.layer_types]
+        if getattr(self.cfg, "model_type", "") == "mistral" and window:
+            self.window = [int(window)] * len(self.layers)  # Mistral: every layer slides
+        self.vocab = int(getattr(self.head, "out_features", 0) or self.cfg.vocab_size)
+        self.plan = LinearPlan()
+        self._dense: dict[int, torch.Tensor] = {}
+        self._use_dense: set[int] = set()
+        self._graphs: dict[tuple, _Graph] = {}
+        self._pool = None
+        self.graphs_enabled = self.device.type == "cuda"
+        self.capture_seconds = 0.0
+        # buffers (allocated by reserve)
+        self.Qmax = self.Lp = self.S = self.B = 0
+        self.kp: list[torch.Tensor] = []
+        self.vp: list[torch.Tensor] = []
+        self.ks: torch.Tensor | None = None  # [layers, Qmax * B, kv, S, D]
+        self.vs: torch.Tensor | None = None
+        self.prompt_len = self.prompt_bias = self.prompt_pos = None
+        self.in_tokens = self.in_parent = self.in_t = None
+
+    # -------------------------------------------------------------- buffers
+    def reserve(self, queries: int, beams: int, prompt_width: int, suffix: int) -> None:
+        """Make room for ``queries`` query rows of ``beams`` slots, prompts of ``prompt_width``
+        tokens and ``suffix`` generated tokens. Reallocating drops the captured graphs (they
+        point at the old buffers)."""
+        Q = bucket_queries(queries)
+        Lp = _round_up(max(prompt_width, 1), PROMPT_BUCKET)
+        S = _round_up(max(suffix, 1), SUFFIX_BUCKET)
+        if beams == self.B:
+            if Q <= self.Qmax and Lp <= self.Lp and S <= self.S:
+                return
+            # grow to cover both: shapes seen before keep fitting (fewer reallocations / captures)
+            Q, Lp, S = max(Q, self.Qmax), max(Lp, self.Lp), max(S, self.S)
+        self._graphs.clear()
+        self.kp = self.vp = []
+        self.ks = self.vs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        L, kv, D, dev, dt = len(self.layers), self.n_kv, self.head_dim, self.device, self.dtype
+        # zeros, not empty: padded query rows and dead slots are computed too; their keys must be
+        # finite so the rows stay finite (they are masked out of every result)
+        self.kp = [torch.zeros(Q, kv, Lp, D, device=dev, dtype=dt) for _ in range(L)]
+        self.vp = [torch.zeros(Q, kv, Lp, D, device=dev, dtype=dt) for _ in range(L)]
+        self.ks = torch.zeros(L, Q * beams, kv, S, D, device=dev, dtype=dt)
+        self.vs = torch.zeros(L, Q * beams, kv, S, D, device=dev, dtype=dt)
+        self.prompt_len = torch.ones(Q, dtype=torch.long, device=dev)
+        self.prompt_pos = torch.zeros(Q, Lp, dtype=torch.long, device=dev)
+        self.prompt_bias = torch.zeros(Q, Lp, dtype=torch.float32, device=dev)
+        self.in_tokens = torch.zeros(Q * beams, dtype=torch.long, device=dev)
+        self.in_parent = torch.arange(Q * beams, dtype=torch.long, device=dev)
+        self.in_t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.Qmax, self.Lp, self.S, self.B = Q, Lp, S, beams
+
+    def memory_bytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t in self.kp + self.vp)
+        if self.ks is not None:
+            n += 2 * self.ks.numel() * self.ks.element_size()
+        return n
+
+    # -------------------------------------------------------------- building blocks
+    def _linear(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
+        if id(mod) in self._use_dense:
+            return F.linear(x, self._dense[id(mod)], getattr(mod, "bias", None))
+        return mod(x)
+
+    def _rotary(self, x: torch.Tensor, pos: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[N, T, D]`` for positions ``pos: Long[N, T]``."""
+        rot = self.dec.rotary_emb
+        if self.gemma:
+            local = getattr(self.dec, "rotary_emb_local", None)
+            if local is not None:  # transformers < 5.x: a separate module for sliding layers
+                return (local if layer_type == "sliding_attention" else rot)(x, pos)
+            return rot(x, pos, layer_type)
+        return rot(x, pos)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        # Gemma 3's embedding module scales by sqrt(hidden) itself (Gemma3TextScaledWordEmbedding)
+        return self.dec.embed_tokens(tokens)
+
+    def _qkv(self, layer: Any, x: torch.Tensor, rope: dict[str, tuple], li: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x: [N, T, hidden]`` -> q ``[N, H, T, D]``, k/v ``[N, kv, T, D]`` (rotary applied)."""
+        attn = layer.self_attn
+        N, T, _ = x.shape
+        D = self.head_dim
+        q = self._linear(attn.q_proj, x).view(N, T, self.n_heads, D).transpose(1, 2)
+        k = self._linear(attn.k_proj, x).view(N, T, self.n_kv, D).transpose(1, 2)
+        v = self._linear(attn.v_proj, x).view(N, T, self.n_kv, D).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = rope[self.layer_types[li]]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def _block_tail(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residuals, norms and MLP after attention (``attn_out`` before o_proj, ``[N, T, H*D]``)."""
+        a = self._linear(layer.self_attn.o_proj, attn_out)
+        if self.gemma:
+            h = h + layer.post_attention_layernorm(a)
+            m = layer.pre_feedforward_layernorm(h)
+            return h + layer.post_feedforward_layernorm(self._mlp(layer.mlp, m))
+        h = h + a
+        return h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+
+    def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
+        act = mlp.act_fn
+        gate, up = self._linear(mlp.gate_proj, x), self._linear(mlp.up_proj, x)
+        return self._linear(mlp.down_proj, act(gate) * up)
+
+    def _rope_all(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple]:
+        return {t: self._rotary(h, pos, t) for t in set(self.layer_types)}
+
+    def head_lse(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden [N, H]`` (final-normed) -> ``(logits [N, V], lse Float32[N])``."""
+        logits = self._linear(self.head, hidden)
+        n = logits.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, LSE_CHUNK):
+            lse[s:s + LSE_CHUNK] = torch.logsumexp(logits[s:s + LSE_CHUNK].float(), dim=-1)
+        return logits, lse
+
+    # -------------------------------------------------------------- prefill
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], beams: int, suffix: int, pad_id: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Compute the prompt region for ``Q`` prompts (left-padded) and reset the suffix.
+
+        Returns ``(logits [Qb, V], lse Float32[Qb], Qb)``: the next-token distribution after each
+        prompt (rows ``Q..Qb-1`` are padding), ``Qb`` the query bucket the steps run at.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+        Q = len(prompts)
+        width = max(len(p) for p in prompts)
+        self.reserve(Q, beams, width, suffix)
+        Qb, Lp, dev = bucket_queries(Q), self.Lp, self.device
+        ids = torch.full((Qb, Lp), pad_id, dtype=torch.long)
+        valid = torch.zeros(Qb, Lp, dtype=torch.bool)
+        for i, p in enumerate(prompts):  # once per prompt at prefill, not per step
+            ids[i, Lp - len(p):] = torch.tensor(p, dtype=torch.long)
+            valid[i, Lp - len(p):] = True
+        valid[Q:, -1] = True  # padding queries: one visible key keeps their rows finite
+        ids, valid = ids.to(dev), valid.to(dev)
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        self.prompt_len[:Qb] = valid.sum(1)
+        self.prompt_pos[:Qb] = pos
+        self.prompt_bias[:Qb] = torch.where(valid, 0.0, NEG_INF)
+        causal = torch.ones(Lp, Lp, dtype=torch.bool, device=dev).tril()
+        vis = causal[None] & valid[:, None, :]
+        vis |= torch.eye(Lp, dtype=torch.bool, device=dev)[None]  # padding queries see themselves
+        h = self._embed(ids)
+        rope = self._rope_all(h, pos)
+        for li, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer, x, rope, li)
+            self.kp[li][:Qb] = k
+            self.vp[li][:Qb] = v
+            m = vis
+            if self.window[li]:
+                m = vis & ((pos[:, :, None] - pos[:, None, :]) < self.window[li])
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=self.scaling[li],
+                                               enable_gqa=self.n_kv != self.n_heads)
+            h = self._block_tail(layer, h, o.transpose(1, 2).reshape(Qb, Lp, -1))
+        last = self.dec.norm(h[:, -1])
+        logits, lse = self.head_lse(last)
+        return logits, lse, Qb
+
+    @torch.no_grad()
+    def compact(self, keep: torch.Tensor) -> int:
+        """Keep query rows ``keep: Long[Qn]`` (in that order) of the prompt region, at the front.
+        The suffix region follows at the next :meth:`step` through its parent rows. Returns the new
+        query bucket (rows past ``Qn`` are padding)."""
+        Qn = int(keep.numel())
+        Qb = bucket_queries(Qn)
+        src = torch.cat([keep, keep[-1:].expand(Qb - Qn)]) if Qb > Qn else keep
+        for li in range(len(self.layers)):
+            self.kp[li][:Qb] = self.kp[li][src]
+            self.vp[li][:Qb] = self.vp[li][src]
+        self.prompt_len[:Qb] = self.prompt_len[src]
+        self.prompt_pos[:Qb] = self.prompt_pos[src]
+        self.prompt_bias[:Qb] = self.prompt_bias[src]
+        return Qb
+
+    # -------------------------------------------------------------- decode step
+    def _step_body(self, Qb: int, Sb: int, reorder: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per slot row ``R = Qb * B`` from the static inputs ``in_tokens / in_parent /
+        in_t``. Graph-safe: no host syncs, fixed shapes."""
+        B, R, H, D = self.B, Qb * self.B, self.n_heads, self.head_dim
+        kv, g = self.n_kv, self.n_heads // self.n_kv
+        t = self.in_t
+        if reorder:  # beams take their parent's suffix rows (only the first Sb positions exist yet)
+            par = self.in_parent[:R]
+            self.ks[:, :R, :, :Sb] = self.ks[:, par, :, :Sb]
+            self.vs[:, :R, :, :Sb] = self.vs[:, par, :, :Sb]
+        plen = self.prompt_len[:Qb].repeat_interleave(B)                     # [R]
+        pos = (plen + t)[:, None]                                             # [R, 1]
+        h = self._embed(self.in_tokens[:R, None])                             # [R, 1, hidden]
+        rope = self._rope_all(h, pos)
+        j = torch.arange(Sb, device=self.device)
+        s_bias = torch.where(j <= t, 0.0, NEG_INF)                            # [Sb]
+        p_bias = self.prompt_bias[:Qb]                                        # [Qb, Lp]
+        win_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for li, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer, x, rope, li)                           # [R, H, 1, D]
+            ks, vs = self.ks[li, :R], self.vs[li, :R]                         # [R, kv, S, D]
+            ks.index_copy_(2, t, k)
+            vs.index_copy_(2, t, v)
+            w = self.window[li]
+            pb, sb = p_bias[:, None, None, :], s_bias
+            if w:
+                if w not in win_bias:
+                    qpos = plen.view(Qb, B)[:, 0] + t                         # [Qb]
+                    far_p = (qpos[:, None] - self.prompt_pos[:Qb]) >= w       # [Qb, Lp]
+                    win_bias[w] = (torch.where(far_p, NEG_INF, p_bias), torch.where(t - j >= w, NEG_INF, s_bias))
+                pb, sb = win_bias[w][0][:, None, None, :], win_bias[w][1]
+            o = shared_prefix_attention(q.reshape(Qb, B, H, D), self.kp[li][:Qb], self.vp[li][:Qb], pb,
+                                        ks[:, :, :Sb], vs[:, :, :Sb], sb, self.scaling[li])
+            h = self._block_tail(layer, h, o.reshape(R, 1, H * D))
+        logits, lse = self.head_lse(self.dec.norm(h[:, 0]))
+        return logits, lse
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, t: int, Qb: int, parent: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``tokens: Long[Qb * B]`` at suffix position ``t`` (slot rows take the suffix of
+        ``parent: Long[Qb * B]`` rows first, when given). Returns ``(logits [R, V], lse [R])``,
+        valid until the next call."""
+        R = Qb * self.B
+        if t >= self.S:
+            raise ValueError(f"suffix position {t} beyond the reserved {self.S}")
+        self.in_tokens[:R].copy_(tokens)
+        if parent is not None:
+            self.in_parent[:R].copy_(parent)
+        self.in_t.fill_(t)
+        Sb = min(_round_up(t + 1, SUFFIX_BUCKET), self.S)
+        reorder = parent is not None
+        if not self.graphs_enabled:
+            return self._step_body(Qb, Sb, reorder)
+        key = (Qb, self.Lp, Sb, reorder)
+        g = self._graphs.get(key)
+        if g is not None:
+            g.graph.replay()
+            return g.logits, g.lse
+        # First use of this shape: choose each compressed layer's path at this row count, run the
+        # step eagerly (this IS the step: its reorder and K/V writes are real), then capture it for
+        # the next uses (capture records kernels, it does not run them).
+        self._plan_linears(R)
+        out = self._step_body(Qb, Sb, reorder)
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, lse = self._step_body(Qb, Sb, reorder)
+        self._graphs[key] = _Graph(graph, logits, lse)
+        self.capture_seconds += time.perf_counter() - t0
+        return out
+
+    # -------------------------------------------------------------- packed vs dense, per bucket
+    def _plan_linears(self, rows: int) -> None:
+        """For every compressed layer shape, time packed vs dense at ``rows`` rows (graph-replayed)
+        and route the layer's calls accordingly while this bucket is captured."""
+        mods = [m for m in self.model.modules() if _is_packed(m)]
+        if not mods or self.device.type != "cuda":
+            return
+        from kernels.nm_int4 import dequantize_nm_int4
+
+        self._use_dense = set()
+        for m in mods:
+            key = _shape_key(m) + (rows,)
+            if key not in self.plan.choice:
+                x = torch.randn(rows, m.in_features, device=self.device, dtype=self.dtype)
+                w = dequantize_nm_int4(m.packed, self.dtype)
+                packed_us = _time_graphed_us(lambda: m(x))
+                dense_us = _time_graphed_us(lambda: F.linear(x, w))
+                self.plan.timings[key] = (packed_us, dense_us)
+                self.plan.choice[key] = "packed" if packed_us <= dense_us else "dense"
+                log.info("linear %s at %d rows: packed %.1f us, dense %.1f us -> %s", key[:3], rows,
+                         packed_us, dense_us, self.plan.choice[key])
+                del w
+            if self.plan.choice[key] == "dense":
+                if id(m) not in self._dense:
+                    self._dense[id(m)] = dequantize_nm_int4(m.packed, self.dtype)
+                self._use_dense.add(id(m))
+
+    # -------------------------------------------------------------- tree pass
+    @torch.no_grad()
+    def tree_forward(self, rows: torch.Tensor, t: int, tokens: torch.Tensor, pos: torch.Tensor,
+                     tree_vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score token trees hanging below slot rows, without touching the cache.
+
+        Args:
+            rows: ``Long[V]`` slot row whose suffix ``[0, t)`` is each tree's prefix (the row's
+                query prompt comes first).
+            tokens: ``Long[V, F]`` tree tokens; ``pos: Long[V, F]`` their positions.
+            tree_vis: ``Bool[V, F, F]`` which tree tokens each tree token sees (ancestor-or-self).
+        Returns:
+            ``(logits [V*F, vocab], lse Float32[V*F])`` at every tree token.
+        """
+        V, Fn = tokens.shape
+        q_of = rows // self.B
+        Lp = self.Lp
+        p_vis = (self.prompt_bias[q_of] == 0)[:, None, :].expand(V, Fn, Lp)
+        s_vis = torch.ones(V, Fn, t, dtype=torch.bool, device=self.device)
+        vis = torch.cat([p_vis, s_vis, tree_vis], -1)[:, None]                # [V, 1, F, Lp+t+F]
+        key_pos = torch.cat([self.prompt_pos[q_of],
+                             self.prompt_len[q_of][:, None] + torch.arange(t, device=self.device), pos], 1)
+        h = self._embed(tokens)
+        rope = self._rope_all(h, pos)
+        for li, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer, x, rope, li)
+            kk = torch.cat([self.kp[li][q_of], self.ks[li, rows, :, :t], k], 2)
+            vv = torch.cat([self.vp[li][q_of], self.vs[li, rows, :, :t], v], 2)
+            m = vis
+            if self.window[li]:
+                m = vis & ((pos[:, None, :, None] - key_pos[:, None, None, :]) < self.window[li])
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=m, scale=self.scaling[li],
+                                               enable_gqa=self.n_kv != self.n_heads)
+            h = self._block_tail(layer, h, o.transpose(1, 2).reshape(V, Fn, -1))
+        return self.head_lse(self.dec.norm(h).reshape(V * Fn, -1))
+
+
+def shared_prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
+                            ks: torch.Tensor, vs: torch.Tensor, s_bias: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
+    """One-token attention of ``B`` rows per query over the query's shared prompt and each row's own
+    suffix, with one softmax over both.
+
+    Args:
+        q: ``[Qb, B, H, D]``; kp/vp: ``[Qb, kv, Lp, D]`` (read once per query: the beams act as extra
+            query heads of one matmul); p_bias: additive, broadcastable to ``[Qb, kv, B*g, Lp]``.
+        ks/vs: ``[Qb*B, kv, Sb, D]``; s_bias: additive, broadcastable to ``[Qb*B, kv, g, Sb]``.
+    Returns:
+        ``[Qb*B, H, D]`` in q's dtype (scores and softmax in float32).
+    """
+    Qb, B, H, D = q.shape
+    kv = kp.shape[1]
+    g = H // kv
+    Lp, Sb = kp.shape[2], ks.shape[2]
+    qh = q.view(Qb, B, kv, g, D).permute(0, 2, 1, 3, 4).reshape(Qb, kv, B * g, D)
+    sp = torch.matmul(qh, kp.transpose(-1, -2)).float() * scaling + p_bias    # [Qb, kv, B*g, Lp]
+    ss = torch.matmul(q.view(Qb * B, kv, g, D), ks.transpose(-1, -2)).float() * scaling + s_bias
+    sp = sp.view(Qb, kv, B, g, Lp).transpose(1, 2)                            # [Qb, B, kv, g, Lp]
+    ss = ss.view(Qb, B, kv, g, Sb)
+    m = torch.maximum(sp.amax(-1, keepdim=True), ss.amax(-1, keepdim=True))
+    ep, es = (sp - m).exp(), (ss - m).exp()
+    denom = ep.sum(-1, keepdim=True) + es.sum(-1, keepdim=True)
+    pp = (ep / denom).to(q.dtype).transpose(1, 2).reshape(Qb, kv, B * g, Lp)
+    ps = (es / denom).to(q.dtype).view(Qb * B, kv, g, Sb)
+    op = torch.matmul(pp, vp).view(Qb, kv, B, g, D).transpose(1, 2).reshape(Qb * B, kv, g, D)
+    out = op + torch.matmul(ps, vs)
+    return out.reshape(Qb * B, H, D)
+
+
+_ENGINES: "weakref.WeakKeyDictionary[Any, DecodeEngine]" = weakref.WeakKeyDictionary()
+
+
+def engine_for(model: Any) -> DecodeEngine:
+    """The model's engine (buffers, captured graphs and linear plan are kept across calls)."""
+    eng = _ENGINES.get(model)
+    dev = model_device(model)
+    if eng is None or eng.device != dev or eng.dtype != model_dtype(model):
+        eng = DecodeEngine(model)
+        _ENGINES[model] = eng
+    return eng
+
+
+def exact_logprobs_of(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None,
+                      tokens: torch.Tensor) -> torch.Tensor:
+    """Exact log-probs at chosen entries: ``logits[rows, tokens].float() - lse[rows]``.
+
+    ``rows``/``tokens``: Long tensors of one shape (``rows=None``: ``tokens`` is ``[N, C]`` and row
+    ``i`` of it reads row ``i``); negative tokens read token 0 (mask them afterwards).
+    """
+    tok = tokens.clamp(min=0)
+    if rows is None:
+        return logits.gather(1, tok).float() - lse[:, None]
+    return logits[rows, tok].float() - lse[rows]
+
+
+__all__ = ["DecodeEngine", "LinearPlan", "engine_for", "exact_logprobs_of", "check_supported",
+           "shared_prefix_attention", "bucket_queries", "model_device", "model_dtype", "decoder_of",
+           "SUPPORTED_MODEL_TYPES"]
+
