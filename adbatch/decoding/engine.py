@@ -5,10 +5,12 @@ Layout (one engine per model, buffers grown on demand and reused across batches)
 - **Prompt region**, per layer ``Kp, Vp: [Qmax, kv_heads, Lp, head_dim]``: one row per *query*,
   computed once by :meth:`DecodeEngine.prefill` (prompts left-padded to ``Lp``). Every beam (or
   sample) of a query reads its query's row: the prompt's KV is never duplicated per beam.
-- **Suffix region**, per layer ``Ks, Vs: [Qmax * B, kv_heads, S, head_dim]``: one row per beam slot
-  ``q * B + b``; step ``t`` writes its token's K/V at index ``t`` (all live rows of a batch are at the
-  same depth, so ``t`` is one scalar). Beam reordering gathers only the suffix region, only its first
-  ``Sb`` (a bucket >= t) positions: at most a few dozen tokens per row, never the prompt.
+- **Suffix region**, per layer ``Ks, Vs: [S, Qmax * B, kv_heads, head_dim]``: step ``t`` writes the
+  token of slot row ``r`` (``q * B + b``) at cell ``(t, r)``; every cell is written once per batch (all
+  live rows of a batch are at the same depth, so ``t`` is one scalar). A block table
+  ``ancestry Long[Qmax * B, S]`` says in which row of position ``j`` each row's ancestor token lies:
+  reordering beams gathers that small table (``R x S`` ints), never K/V. Attention reads a row's
+  suffix through it (fused into the attention reduction when compiled).
 
 The decode step (:meth:`DecodeEngine.step`) feeds one token per slot row: optional suffix reorder
 by parent row, embeddings, per layer norm -> q/k/v -> rotary -> write K/V at ``t`` -> attention over
@@ -107,6 +109,55 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """HF's RMSNorm, op for op: Llama/Qwen/Mistral (``weight * normed.to(dtype)``) or Gemma 3
+    (``normed * (1 + weight)`` in float32, ``unit_offset``)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (y * (1.0 + weight.float())).to(x.dtype)
+    return weight * y.to(x.dtype)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up  # gelu_pytorch_tanh (Gemma)
+
+
+def rows_lse(logits: torch.Tensor) -> torch.Tensor:
+    """``Float32[N]`` log-sum-exp of each row, computed in float32."""
+    return torch.logsumexp(logits.float(), dim=-1)
+
+
+class _Ops:
+    """The step's elementwise / reduction pieces: plain torch (CPU, tests) or the same functions
+    compiled by TorchInductor (CUDA), which fuses each into one or two kernels. Pure functions of
+    tensors, so one compilation serves every layer (a compiled module would recompile per layer)."""
+
+    def __init__(self, compiled: bool) -> None:
+        if compiled:
+            import torch._dynamo
+
+            # each function meets a handful of stride patterns (beam counts, suffix slices); past
+            # the limit Dynamo falls back to eager for the new pattern, which stays correct
+            for knob in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, knob):
+                    setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+        wrap = (lambda f: torch.compile(f, dynamic=True)) if compiled else (lambda f: f)
+        self.compiled = compiled
+        self.rms_norm = wrap(rms_norm)
+        self.rotary_qk = wrap(rotary_qk)
+        self.gated_act = wrap(gated_act)
+        self.attention = wrap(shared_prefix_attention)
+        self.rows_lse = wrap(rows_lse)
+
+
 # ------------------------------------------------------------------------------------------ linears
 @dataclass
 class LinearPlan:
@@ -164,7 +215,7 @@ class DecodeEngine:
     [R, V]`` in the head's dtype and ``lse Float32[R]`` with ``log_softmax = logits - lse``.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, compile: bool | None = None, compile_step: bool = False) -> None:
         check_supported(model)
         self.model = model
         self.cfg = model.config
@@ -192,13 +243,23 @@ class DecodeEngine:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self.graphs_enabled = self.device.type == "cuda"
+        self.ops = _Ops(self.device.type == "cuda" if compile is None else compile)
+        # the whole step body through TorchInductor (fuses across ops, e.g. residual + norm);
+        # slower to compile than the per-op functions above
+        self._step_fn = torch.compile(self._step_body, dynamic=True) if compile_step else self._step_body
+        act = str(getattr(self.cfg, "hidden_act", None) or getattr(self.cfg, "hidden_activation", "silu"))
+        self.act = act if act in ("silu", "gelu_pytorch_tanh") else None  # None: the module's own act_fn
+        self._fused: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
+        self._fuse_dense_projections()
         self.capture_seconds = 0.0
+        self.signature: tuple = ()
         # buffers (allocated by reserve)
         self.Qmax = self.Lp = self.S = self.B = 0
         self.kp: list[torch.Tensor] = []
         self.vp: list[torch.Tensor] = []
-        self.ks: torch.Tensor | None = None  # [layers, Qmax * B, kv, S, D]
+        self.ks: torch.Tensor | None = None  # [layers, S, Qmax * B, kv, D]
         self.vs: torch.Tensor | None = None
+        self.ancestry: torch.Tensor | None = None  # Long[Qmax * B, S]
         self.prompt_len = self.prompt_bias = self.prompt_pos = None
         self.in_tokens = self.in_parent = self.in_t = None
 
@@ -216,6 +277,7 @@ class DecodeEngine:
             # grow to cover both: shapes seen before keep fitting (fewer reallocations / captures)
             Q, Lp, S = max(Q, self.Qmax), max(Lp, self.Lp), max(S, self.S)
         self._graphs.clear()
+        self._pool = None
         self.kp = self.vp = []
         self.ks = self.vs = None
         if self.device.type == "cuda":
@@ -225,8 +287,9 @@ class DecodeEngine:
         # finite so the rows stay finite (they are masked out of every result)
         self.kp = [torch.zeros(Q, kv, Lp, D, device=dev, dtype=dt) for _ in range(L)]
         self.vp = [torch.zeros(Q, kv, Lp, D, device=dev, dtype=dt) for _ in range(L)]
-        self.ks = torch.zeros(L, Q * beams, kv, S, D, device=dev, dtype=dt)
-        self.vs = torch.zeros(L, Q * beams, kv, S, D, device=dev, dtype=dt)
+        self.ks = torch.zeros(L, S, Q * beams, kv, D, device=dev, dtype=dt)
+        self.vs = torch.zeros(L, S, Q * beams, kv, D, device=dev, dtype=dt)
+        self.ancestry = torch.zeros(Q * beams, S, dtype=torch.long, device=dev)
         self.prompt_len = torch.ones(Q, dtype=torch.long, device=dev)
         self.prompt_pos = torch.zeros(Q, Lp, dtype=torch.long, device=dev)
         self.prompt_bias = torch.zeros(Q, Lp, dtype=torch.float32, device=dev)
@@ -261,45 +324,81 @@ class DecodeEngine:
         # Gemma 3's embedding module scales by sqrt(hidden) itself (Gemma3TextScaledWordEmbedding)
         return self.dec.embed_tokens(tokens)
 
+    def _fuse_dense_projections(self) -> None:
+        """Concatenate each layer's dense q/k/v and gate/up weights into one matrix (one GEMM
+        instead of three / two: at beam-search row counts the launches cost more than the math).
+        A copy: the model's own parameters stay untouched. Compressed layers keep their kernels."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                if not all(type(m) is torch.nn.Linear for m in group):
+                    continue
+                biases = [m.bias for m in group]
+                if any(b is None for b in biases) and not all(b is None for b in biases):
+                    continue
+                w = torch.cat([m.weight.detach() for m in group], 0)
+                b = None if biases[0] is None else torch.cat([x.detach() for x in biases], 0)
+                self._fused[id(group[0])] = (w, b, tuple(int(m.out_features) for m in group))
+
+    def _projections(self, group: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
+        fused = self._fused.get(id(group[0]))
+        if fused is None:
+            return [self._linear(m, x) for m in group]
+        w, b, sizes = fused
+        return list(F.linear(x, w, b).split(sizes, dim=-1))
+
+    def _norm(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
+        eps = getattr(mod, "variance_epsilon", None)
+        if eps is not None and type(mod).__name__ != "Gemma3RMSNorm":
+            return self.ops.rms_norm(x, mod.weight, float(eps), False)
+        if type(mod).__name__ == "Gemma3RMSNorm":
+            return self.ops.rms_norm(x, mod.weight, float(mod.eps), True)
+        return mod(x)
+
     def _qkv(self, layer: Any, x: torch.Tensor, rope: dict[str, tuple], li: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x: [N, T, hidden]`` -> q ``[N, H, T, D]``, k/v ``[N, kv, T, D]`` (rotary applied)."""
         attn = layer.self_attn
         N, T, _ = x.shape
         D = self.head_dim
-        q = self._linear(attn.q_proj, x).view(N, T, self.n_heads, D).transpose(1, 2)
-        k = self._linear(attn.k_proj, x).view(N, T, self.n_kv, D).transpose(1, 2)
-        v = self._linear(attn.v_proj, x).view(N, T, self.n_kv, D).transpose(1, 2)
+        q, k, v = self._projections((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        q = q.reshape(N, T, self.n_heads, D).transpose(1, 2)
+        k = k.reshape(N, T, self.n_kv, D).transpose(1, 2)
+        v = v.reshape(N, T, self.n_kv, D).transpose(1, 2)
         if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         cos, sin = rope[self.layer_types[li]]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        q, k = self.ops.rotary_qk(q, k, cos, sin)
+        return q, k, v
 
     def _block_tail(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residuals, norms and MLP after attention (``attn_out`` before o_proj, ``[N, T, H*D]``)."""
         a = self._linear(layer.self_attn.o_proj, attn_out)
         if self.gemma:
-            h = h + layer.post_attention_layernorm(a)
-            m = layer.pre_feedforward_layernorm(h)
-            return h + layer.post_feedforward_layernorm(self._mlp(layer.mlp, m))
+            h = h + self._norm(layer.post_attention_layernorm, a)
+            m = self._norm(layer.pre_feedforward_layernorm, h)
+            return h + self._norm(layer.post_feedforward_layernorm, self._mlp(layer.mlp, m))
         h = h + a
-        return h + self._mlp(layer.mlp, layer.post_attention_layernorm(h))
+        return h + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, h))
 
     def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        act = mlp.act_fn
-        gate, up = self._linear(mlp.gate_proj, x), self._linear(mlp.up_proj, x)
-        return self._linear(mlp.down_proj, act(gate) * up)
+        gate, up = self._projections((mlp.gate_proj, mlp.up_proj), x)
+        hidden = mlp.act_fn(gate) * up if self.act is None else self.ops.gated_act(gate, up, self.act)
+        return self._linear(mlp.down_proj, hidden)
 
     def _rope_all(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple]:
         return {t: self._rotary(h, pos, t) for t in set(self.layer_types)}
+
+    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self._norm(self.dec.norm, h)
 
     def head_lse(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [N, H]`` (final-normed) -> ``(logits [N, V], lse Float32[N])``."""
         logits = self._linear(self.head, hidden)
         n = logits.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for s in range(0, n, LSE_CHUNK):
-            lse[s:s + LSE_CHUNK] = torch.logsumexp(logits[s:s + LSE_CHUNK].float(), dim=-1)
+        for s in range(0, n, LSE_CHUNK):  # chunks bound the float32 temporary (eager path)
+            lse[s:s + LSE_CHUNK] = self.ops.rows_lse(logits[s:s + LSE_CHUNK])
         return logits, lse
 
     # -------------------------------------------------------------- prefill
@@ -334,7 +433,7 @@ class DecodeEngine:
         h = self._embed(ids)
         rope = self._rope_all(h, pos)
         for li, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
+            x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)
             self.kp[li][:Qb] = k
             self.vp[li][:Qb] = v
@@ -344,7 +443,7 @@ class DecodeEngine:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=self.scaling[li],
                                                enable_gqa=self.n_kv != self.n_heads)
             h = self._block_tail(layer, h, o.transpose(1, 2).reshape(Qb, Lp, -1))
-        last = self.dec.norm(h[:, -1])
+        last = self._final_norm(h[:, -1])
         logits, lse = self.head_lse(last)
         return logits, lse, Qb
 
@@ -371,10 +470,12 @@ class DecodeEngine:
         B, R, H, D = self.B, Qb * self.B, self.n_heads, self.head_dim
         kv, g = self.n_kv, self.n_heads // self.n_kv
         t = self.in_t
-        if reorder:  # beams take their parent's suffix rows (only the first Sb positions exist yet)
-            par = self.in_parent[:R]
-            self.ks[:, :R, :, :Sb] = self.ks[:, par, :, :Sb]
-            self.vs[:, :R, :, :Sb] = self.vs[:, par, :, :Sb]
+        rows = torch.arange(R, device=self.device)
+        if reorder:  # beams take their parent's ancestry (moving K/V rows instead cost 5 of a 15 ms
+            # step at 2,560 rows on the H200: gathers of strided 5-D tensors run far below bandwidth)
+            self.ancestry[:R] = self.ancestry.index_select(0, self.in_parent[:R])
+        self.ancestry[:R].index_copy_(1, t, rows[:, None])
+        anc = self.ancestry[:R, :Sb]                                          # [R, Sb]
         plen = self.prompt_len[:Qb].repeat_interleave(B)                     # [R]
         pos = (plen + t)[:, None]                                             # [R, 1]
         h = self._embed(self.in_tokens[:R, None])                             # [R, 1, hidden]
@@ -384,11 +485,10 @@ class DecodeEngine:
         p_bias = self.prompt_bias[:Qb]                                        # [Qb, Lp]
         win_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for li, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
+            x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)                           # [R, H, 1, D]
-            ks, vs = self.ks[li, :R], self.vs[li, :R]                         # [R, kv, S, D]
-            ks.index_copy_(2, t, k)
-            vs.index_copy_(2, t, v)
+            self.ks[li, :, :R].index_copy_(0, t, k.transpose(1, 2).transpose(0, 1))
+            self.vs[li, :, :R].index_copy_(0, t, v.transpose(1, 2).transpose(0, 1))
             w = self.window[li]
             pb, sb = p_bias[:, None, None, :], s_bias
             if w:
@@ -397,10 +497,10 @@ class DecodeEngine:
                     far_p = (qpos[:, None] - self.prompt_pos[:Qb]) >= w       # [Qb, Lp]
                     win_bias[w] = (torch.where(far_p, NEG_INF, p_bias), torch.where(t - j >= w, NEG_INF, s_bias))
                 pb, sb = win_bias[w][0][:, None, None, :], win_bias[w][1]
-            o = shared_prefix_attention(q.reshape(Qb, B, H, D), self.kp[li][:Qb], self.vp[li][:Qb], pb,
-                                        ks[:, :, :Sb], vs[:, :, :Sb], sb, self.scaling[li])
+            o = self.ops.attention(q.reshape(Qb, B, H, D), self.kp[li][:Qb], self.vp[li][:Qb], pb,
+                                   self.ks[li], self.vs[li], anc, sb, self.scaling[li], self.ops.compiled)
             h = self._block_tail(layer, h, o.reshape(R, 1, H * D))
-        logits, lse = self.head_lse(self.dec.norm(h[:, 0]))
+        logits, lse = self.head_lse(self._final_norm(h[:, 0]))
         return logits, lse
 
     @torch.no_grad()
@@ -419,7 +519,7 @@ class DecodeEngine:
         Sb = min(_round_up(t + 1, SUFFIX_BUCKET), self.S)
         reorder = parent is not None
         if not self.graphs_enabled:
-            return self._step_body(Qb, Sb, reorder)
+            return self._step_fn(Qb, Sb, reorder)
         key = (Qb, self.Lp, Sb, reorder)
         g = self._graphs.get(key)
         if g is not None:
@@ -429,14 +529,15 @@ class DecodeEngine:
         # step eagerly (this IS the step: its reorder and K/V writes are real), then capture it for
         # the next uses (capture records kernels, it does not run them).
         self._plan_linears(R)
-        out = self._step_body(Qb, Sb, reorder)
+        out = self._step_fn(Qb, Sb, reorder)
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        # every step graph shares the first one's memory pool (they replay one at a time)
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, lse = self._step_body(Qb, Sb, reorder)
+            logits, lse = self._step_fn(Qb, Sb, reorder)
+        if self._pool is None:
+            self._pool = graph.pool()
         self._graphs[key] = _Graph(graph, logits, lse)
         self.capture_seconds += time.perf_counter() - t0
         return out
@@ -490,63 +591,92 @@ class DecodeEngine:
         vis = torch.cat([p_vis, s_vis, tree_vis], -1)[:, None]                # [V, 1, F, Lp+t+F]
         key_pos = torch.cat([self.prompt_pos[q_of],
                              self.prompt_len[q_of][:, None] + torch.arange(t, device=self.device), pos], 1)
+        anc = self.ancestry.index_select(0, rows)[:, :t]                     # [V, t]
         h = self._embed(tokens)
         rope = self._rope_all(h, pos)
         for li, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
+            x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)
-            kk = torch.cat([self.kp[li][q_of], self.ks[li, rows, :, :t], k], 2)
-            vv = torch.cat([self.vp[li][q_of], self.vs[li, rows, :, :t], v], 2)
+            kk = torch.cat([self.kp[li].index_select(0, q_of), _suffix_rows(self.ks[li], anc), k], 2)
+            vv = torch.cat([self.vp[li].index_select(0, q_of), _suffix_rows(self.vs[li], anc), v], 2)
             m = vis
             if self.window[li]:
                 m = vis & ((pos[:, None, :, None] - key_pos[:, None, None, :]) < self.window[li])
             o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=m, scale=self.scaling[li],
                                                enable_gqa=self.n_kv != self.n_heads)
             h = self._block_tail(layer, h, o.transpose(1, 2).reshape(V, Fn, -1))
-        return self.head_lse(self.dec.norm(h).reshape(V * Fn, -1))
+        return self.head_lse(self._final_norm(h).reshape(V * Fn, -1))
+
+
+def _suffix_rows(cache: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+    """Each row's suffix keys/values through the block table: ``cache [S, Rmax, kv, D]``, ``anc
+    Long[R, Sb]`` (row of position j's token) -> ``[R, kv, Sb, D]``."""
+    pos = torch.arange(anc.shape[1], device=anc.device)
+    return cache[pos[None, :], anc].permute(0, 2, 1, 3)
 
 
 def shared_prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
-                            ks: torch.Tensor, vs: torch.Tensor, s_bias: torch.Tensor,
-                            scaling: float) -> torch.Tensor:
+                            ks_cache: torch.Tensor, vs_cache: torch.Tensor, anc: torch.Tensor,
+                            s_bias: torch.Tensor, scaling: float, suffix_by_reduce: bool = False) -> torch.Tensor:
     """One-token attention of ``B`` rows per query over the query's shared prompt and each row's own
     suffix, with one softmax over both.
 
     Args:
         q: ``[Qb, B, H, D]``; kp/vp: ``[Qb, kv, Lp, D]`` (read once per query: the beams act as extra
             query heads of one matmul); p_bias: additive, broadcastable to ``[Qb, kv, B*g, Lp]``.
-        ks/vs: ``[Qb*B, kv, Sb, D]``; s_bias: additive, broadcastable to ``[Qb*B, kv, g, Sb]``.
+        ks_cache/vs_cache: the layer's suffix region ``[S, Rmax, kv, D]``; anc: ``Long[Qb*B, Sb]`` the
+            block table (row of each suffix position's token); s_bias: additive, broadcastable to
+            ``[Qb*B, kv, g, Sb]``.
+        suffix_by_reduce: the suffix part as multiply-and-sum instead of batched GEMMs. The same
+            math; compiled, it is one fused reduction reading each suffix key once, where cuBLAS
+            ran one tiny (g x Sb) GEMM per row and head (25 us a layer at 2,560 rows on the H200).
     Returns:
         ``[Qb*B, H, D]`` in q's dtype (scores and softmax in float32).
     """
     Qb, B, H, D = q.shape
     kv = kp.shape[1]
     g = H // kv
-    Lp, Sb = kp.shape[2], ks.shape[2]
+    Lp, Sb = kp.shape[2], anc.shape[1]
+    ks, vs = _suffix_rows(ks_cache, anc), _suffix_rows(vs_cache, anc)    # [Qb*B, kv, Sb, D]
     qh = q.view(Qb, B, kv, g, D).permute(0, 2, 1, 3, 4).reshape(Qb, kv, B * g, D)
     sp = torch.matmul(qh, kp.transpose(-1, -2)).float() * scaling + p_bias    # [Qb, kv, B*g, Lp]
-    ss = torch.matmul(q.view(Qb * B, kv, g, D), ks.transpose(-1, -2)).float() * scaling + s_bias
+    qs = q.reshape(Qb * B, kv, g, D)
+    if suffix_by_reduce:
+        ss = (qs[:, :, :, None, :].float() * ks[:, :, None, :, :].float()).sum(-1) * scaling + s_bias
+    else:
+        ss = torch.matmul(qs, ks.transpose(-1, -2)).float() * scaling + s_bias
     sp = sp.view(Qb, kv, B, g, Lp).transpose(1, 2)                            # [Qb, B, kv, g, Lp]
     ss = ss.view(Qb, B, kv, g, Sb)
     m = torch.maximum(sp.amax(-1, keepdim=True), ss.amax(-1, keepdim=True))
     ep, es = (sp - m).exp(), (ss - m).exp()
     denom = ep.sum(-1, keepdim=True) + es.sum(-1, keepdim=True)
     pp = (ep / denom).to(q.dtype).transpose(1, 2).reshape(Qb, kv, B * g, Lp)
-    ps = (es / denom).to(q.dtype).view(Qb * B, kv, g, Sb)
     op = torch.matmul(pp, vp).view(Qb, kv, B, g, D).transpose(1, 2).reshape(Qb * B, kv, g, D)
-    out = op + torch.matmul(ps, vs)
+    if suffix_by_reduce:
+        ps = (es / denom).view(Qb * B, kv, g, Sb)
+        out = op + (ps[..., None] * vs[:, :, None, :, :].float()).sum(-2).to(q.dtype)
+    else:
+        out = op + torch.matmul((es / denom).to(q.dtype).view(Qb * B, kv, g, Sb), vs)
     return out.reshape(Qb * B, H, D)
 
 
 _ENGINES: "weakref.WeakKeyDictionary[Any, DecodeEngine]" = weakref.WeakKeyDictionary()
 
 
+def weights_signature(model: Any) -> tuple:
+    """Where every parameter / buffer lives and its in-place version counter: changes when the model
+    is trained further, moved, cast or reloaded (the engine's fused copies and graphs would be stale)."""
+    return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
+
+
 def engine_for(model: Any) -> DecodeEngine:
-    """The model's engine (buffers, captured graphs and linear plan are kept across calls)."""
+    """The model's engine (buffers, captured graphs and linear plan are kept across calls while
+    the weights are unchanged; a changed model gets a new engine)."""
     eng = _ENGINES.get(model)
-    dev = model_device(model)
-    if eng is None or eng.device != dev or eng.dtype != model_dtype(model):
+    sig = weights_signature(model)
+    if eng is None or eng.signature != sig:
         eng = DecodeEngine(model)
+        eng.signature = sig
         _ENGINES[model] = eng
     return eng
 
