@@ -5,12 +5,12 @@ Layout (one engine per model, buffers grown on demand and reused across batches)
 - **Prompt region**, per layer ``Kp, Vp: [Qmax, kv_heads, Lp, head_dim]``: one row per *query*,
   computed once by :meth:`DecodeEngine.prefill` (prompts left-padded to ``Lp``). Every beam (or
   sample) of a query reads its query's row: the prompt's KV is never duplicated per beam.
-- **Suffix region**, per layer ``Ks, Vs: [S, Qmax * B, kv_heads, head_dim]``: step ``t`` writes the
-  token of slot row ``r`` (``q * B + b``) at cell ``(t, r)``; every cell is written once per batch (all
-  live rows of a batch are at the same depth, so ``t`` is one scalar). A block table
-  ``ancestry Long[Qmax * B, S]`` says in which row of position ``j`` each row's ancestor token lies:
-  reordering beams gathers that small table (``R x S`` ints), never K/V. Attention reads a row's
-  suffix through it (fused into the attention reduction when compiled).
+- **Suffix region**, ``Ks, Vs: [layers, Qmax * B, kv_heads, S, head_dim]``: one row per beam slot
+  ``q * B + b``; step ``t`` writes its token's K/V at index ``t`` (all live rows of a batch are at the
+  same depth, so ``t`` is one scalar). Beam reordering gathers only the suffix region, only its first
+  ``Sb`` (a bucket >= t) positions: at most a few dozen tokens per row, never the prompt. (Measured
+  on the H200 against two alternatives, a whole-row ``index_select`` + copy and a block table read
+  through a fused gather in the attention: this was the fastest at 640-10,240 rows.)
 
 The decode step (:meth:`DecodeEngine.step`) feeds one token per slot row: optional suffix reorder
 by parent row, embeddings, per layer norm -> q/k/v -> rotary -> write K/V at ``t`` -> attention over
@@ -215,7 +215,7 @@ class DecodeEngine:
     [R, V]`` in the head's dtype and ``lse Float32[R]`` with ``log_softmax = logits - lse``.
     """
 
-    def __init__(self, model: Any, compile: bool | None = None, compile_step: bool = False) -> None:
+    def __init__(self, model: Any, compile: bool | None = None) -> None:
         check_supported(model)
         self.model = model
         self.cfg = model.config
@@ -244,9 +244,9 @@ class DecodeEngine:
         self._pool = None
         self.graphs_enabled = self.device.type == "cuda"
         self.ops = _Ops(self.device.type == "cuda" if compile is None else compile)
-        # the whole step body through TorchInductor (fuses across ops, e.g. residual + norm);
-        # slower to compile than the per-op functions above
-        self._step_fn = torch.compile(self._step_body, dynamic=True) if compile_step else self._step_body
+        # (Compiling the whole 30-layer step instead was tried on the H200: its compilation had not
+        # finished in the two minutes left of that device call. The per-op functions compile in
+        # seconds and one compilation serves every layer.)
         act = str(getattr(self.cfg, "hidden_act", None) or getattr(self.cfg, "hidden_activation", "silu"))
         self.act = act if act in ("silu", "gelu_pytorch_tanh") else None  # None: the module's own act_fn
         self._fused: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
@@ -257,9 +257,8 @@ class DecodeEngine:
         self.Qmax = self.Lp = self.S = self.B = 0
         self.kp: list[torch.Tensor] = []
         self.vp: list[torch.Tensor] = []
-        self.ks: torch.Tensor | None = None  # [layers, S, Qmax * B, kv, D]
+        self.ks: torch.Tensor | None = None  # [layers, Qmax * B, kv, S, D]
         self.vs: torch.Tensor | None = None
-        self.ancestry: torch.Tensor | None = None  # Long[Qmax * B, S]
         self.prompt_len = self.prompt_bias = self.prompt_pos = None
         self.in_tokens = self.in_parent = self.in_t = None
 
@@ -287,9 +286,8 @@ class DecodeEngine:
         # finite so the rows stay finite (they are masked out of every result)
         self.kp = [torch.zeros(Q, kv, Lp, D, device=dev, dtype=dt) for _ in range(L)]
         self.vp = [torch.zeros(Q, kv, Lp, D, device=dev, dtype=dt) for _ in range(L)]
-        self.ks = torch.zeros(L, S, Q * beams, kv, D, device=dev, dtype=dt)
-        self.vs = torch.zeros(L, S, Q * beams, kv, D, device=dev, dtype=dt)
-        self.ancestry = torch.zeros(Q * beams, S, dtype=torch.long, device=dev)
+        self.ks = torch.zeros(L, Q * beams, kv, S, D, device=dev, dtype=dt)
+        self.vs = torch.zeros(L, Q * beams, kv, S, D, device=dev, dtype=dt)
         self.prompt_len = torch.ones(Q, dtype=torch.long, device=dev)
         self.prompt_pos = torch.zeros(Q, Lp, dtype=torch.long, device=dev)
         self.prompt_bias = torch.zeros(Q, Lp, dtype=torch.float32, device=dev)
@@ -470,12 +468,10 @@ class DecodeEngine:
         B, R, H, D = self.B, Qb * self.B, self.n_heads, self.head_dim
         kv, g = self.n_kv, self.n_heads // self.n_kv
         t = self.in_t
-        rows = torch.arange(R, device=self.device)
-        if reorder:  # beams take their parent's ancestry (moving K/V rows instead cost 5 of a 15 ms
-            # step at 2,560 rows on the H200: gathers of strided 5-D tensors run far below bandwidth)
-            self.ancestry[:R] = self.ancestry.index_select(0, self.in_parent[:R])
-        self.ancestry[:R].index_copy_(1, t, rows[:, None])
-        anc = self.ancestry[:R, :Sb]                                          # [R, Sb]
+        if reorder:  # beams take their parent's suffix rows (only the first Sb positions exist yet)
+            par = self.in_parent[:R]
+            self.ks[:, :R, :, :Sb] = self.ks[:, par, :, :Sb]
+            self.vs[:, :R, :, :Sb] = self.vs[:, par, :, :Sb]
         plen = self.prompt_len[:Qb].repeat_interleave(B)                     # [R]
         pos = (plen + t)[:, None]                                             # [R, 1]
         h = self._embed(self.in_tokens[:R, None])                             # [R, 1, hidden]
@@ -487,8 +483,9 @@ class DecodeEngine:
         for li, layer in enumerate(self.layers):
             x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)                           # [R, H, 1, D]
-            self.ks[li, :, :R].index_copy_(0, t, k.transpose(1, 2).transpose(0, 1))
-            self.vs[li, :, :R].index_copy_(0, t, v.transpose(1, 2).transpose(0, 1))
+            ks, vs = self.ks[li, :R], self.vs[li, :R]                         # [R, kv, S, D]
+            ks.index_copy_(2, t, k)
+            vs.index_copy_(2, t, v)
             w = self.window[li]
             pb, sb = p_bias[:, None, None, :], s_bias
             if w:
@@ -498,7 +495,7 @@ class DecodeEngine:
                     win_bias[w] = (torch.where(far_p, NEG_INF, p_bias), torch.where(t - j >= w, NEG_INF, s_bias))
                 pb, sb = win_bias[w][0][:, None, None, :], win_bias[w][1]
             o = self.ops.attention(q.reshape(Qb, B, H, D), self.kp[li][:Qb], self.vp[li][:Qb], pb,
-                                   self.ks[li], self.vs[li], anc, sb, self.scaling[li], self.ops.compiled)
+                                   ks[:, :, :Sb], vs[:, :, :Sb], sb, self.scaling[li])
             h = self._block_tail(layer, h, o.reshape(R, 1, H * D))
         logits, lse = self.head_lse(self._final_norm(h[:, 0]))
         return logits, lse
@@ -519,7 +516,7 @@ class DecodeEngine:
         Sb = min(_round_up(t + 1, SUFFIX_BUCKET), self.S)
         reorder = parent is not None
         if not self.graphs_enabled:
-            return self._step_fn(Qb, Sb, reorder)
+            return self._step_body(Qb, Sb, reorder)
         key = (Qb, self.Lp, Sb, reorder)
         g = self._graphs.get(key)
         if g is not None:
@@ -529,13 +526,13 @@ class DecodeEngine:
         # step eagerly (this IS the step: its reorder and K/V writes are real), then capture it for
         # the next uses (capture records kernels, it does not run them).
         self._plan_linears(R)
-        out = self._step_fn(Qb, Sb, reorder)
+        out = self._step_body(Qb, Sb, reorder)
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         # every step graph shares the first one's memory pool (they replay one at a time)
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, lse = self._step_fn(Qb, Sb, reorder)
+            logits, lse = self._step_body(Qb, Sb, reorder)
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[key] = _Graph(graph, logits, lse)
@@ -591,14 +588,13 @@ class DecodeEngine:
         vis = torch.cat([p_vis, s_vis, tree_vis], -1)[:, None]                # [V, 1, F, Lp+t+F]
         key_pos = torch.cat([self.prompt_pos[q_of],
                              self.prompt_len[q_of][:, None] + torch.arange(t, device=self.device), pos], 1)
-        anc = self.ancestry.index_select(0, rows)[:, :t]                     # [V, t]
         h = self._embed(tokens)
         rope = self._rope_all(h, pos)
         for li, layer in enumerate(self.layers):
             x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)
-            kk = torch.cat([self.kp[li].index_select(0, q_of), _suffix_rows(self.ks[li], anc), k], 2)
-            vv = torch.cat([self.vp[li].index_select(0, q_of), _suffix_rows(self.vs[li], anc), v], 2)
+            kk = torch.cat([self.kp[li].index_select(0, q_of), self.ks[li].index_select(0, rows)[:, :, :t], k], 2)
+            vv = torch.cat([self.vp[li].index_select(0, q_of), self.vs[li].index_select(0, rows)[:, :, :t], v], 2)
             m = vis
             if self.window[li]:
                 m = vis & ((pos[:, None, :, None] - key_pos[:, None, None, :]) < self.window[li])
@@ -608,43 +604,26 @@ class DecodeEngine:
         return self.head_lse(self._final_norm(h).reshape(V * Fn, -1))
 
 
-def _suffix_rows(cache: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-    """Each row's suffix keys/values through the block table: ``cache [S, Rmax, kv, D]``, ``anc
-    Long[R, Sb]`` (row of position j's token) -> ``[R, kv, Sb, D]``."""
-    pos = torch.arange(anc.shape[1], device=anc.device)
-    return cache[pos[None, :], anc].permute(0, 2, 1, 3)
-
-
 def shared_prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
-                            ks_cache: torch.Tensor, vs_cache: torch.Tensor, anc: torch.Tensor,
-                            s_bias: torch.Tensor, scaling: float, suffix_by_reduce: bool = False) -> torch.Tensor:
+                            ks: torch.Tensor, vs: torch.Tensor, s_bias: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
     """One-token attention of ``B`` rows per query over the query's shared prompt and each row's own
     suffix, with one softmax over both.
 
     Args:
         q: ``[Qb, B, H, D]``; kp/vp: ``[Qb, kv, Lp, D]`` (read once per query: the beams act as extra
             query heads of one matmul); p_bias: additive, broadcastable to ``[Qb, kv, B*g, Lp]``.
-        ks_cache/vs_cache: the layer's suffix region ``[S, Rmax, kv, D]``; anc: ``Long[Qb*B, Sb]`` the
-            block table (row of each suffix position's token); s_bias: additive, broadcastable to
-            ``[Qb*B, kv, g, Sb]``.
-        suffix_by_reduce: the suffix part as multiply-and-sum instead of batched GEMMs. The same
-            math; compiled, it is one fused reduction reading each suffix key once, where cuBLAS
-            ran one tiny (g x Sb) GEMM per row and head (25 us a layer at 2,560 rows on the H200).
+        ks/vs: ``[Qb*B, kv, Sb, D]``; s_bias: additive, broadcastable to ``[Qb*B, kv, g, Sb]``.
     Returns:
         ``[Qb*B, H, D]`` in q's dtype (scores and softmax in float32).
     """
     Qb, B, H, D = q.shape
     kv = kp.shape[1]
     g = H // kv
-    Lp, Sb = kp.shape[2], anc.shape[1]
-    ks, vs = _suffix_rows(ks_cache, anc), _suffix_rows(vs_cache, anc)    # [Qb*B, kv, Sb, D]
+    Lp, Sb = kp.shape[2], ks.shape[2]
     qh = q.view(Qb, B, kv, g, D).permute(0, 2, 1, 3, 4).reshape(Qb, kv, B * g, D)
     sp = torch.matmul(qh, kp.transpose(-1, -2)).float() * scaling + p_bias    # [Qb, kv, B*g, Lp]
-    qs = q.reshape(Qb * B, kv, g, D)
-    if suffix_by_reduce:
-        ss = (qs[:, :, :, None, :].float() * ks[:, :, None, :, :].float()).sum(-1) * scaling + s_bias
-    else:
-        ss = torch.matmul(qs, ks.transpose(-1, -2)).float() * scaling + s_bias
+    ss = torch.matmul(q.reshape(Qb * B, kv, g, D), ks.transpose(-1, -2)).float() * scaling + s_bias
     sp = sp.view(Qb, kv, B, g, Lp).transpose(1, 2)                            # [Qb, B, kv, g, Lp]
     ss = ss.view(Qb, B, kv, g, Sb)
     m = torch.maximum(sp.amax(-1, keepdim=True), ss.amax(-1, keepdim=True))
@@ -652,11 +631,7 @@ def shared_prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
     denom = ep.sum(-1, keepdim=True) + es.sum(-1, keepdim=True)
     pp = (ep / denom).to(q.dtype).transpose(1, 2).reshape(Qb, kv, B * g, Lp)
     op = torch.matmul(pp, vp).view(Qb, kv, B, g, D).transpose(1, 2).reshape(Qb * B, kv, g, D)
-    if suffix_by_reduce:
-        ps = (es / denom).view(Qb * B, kv, g, Sb)
-        out = op + (ps[..., None] * vs[:, :, None, :, :].float()).sum(-2).to(q.dtype)
-    else:
-        out = op + torch.matmul((es / denom).to(q.dtype).view(Qb * B, kv, g, Sb), vs)
+    out = op + torch.matmul((es / denom).to(q.dtype).view(Qb * B, kv, g, Sb), vs)
     return out.reshape(Qb * B, H, D)
 
 
