@@ -1,39 +1,91 @@
-"""Benchmark: trie-constrained targeting search — HF constrained beam search vs ours (off / auto).
+"""Benchmark: trie-constrained targeting search — HF constrained beam search vs today's engine vs ours.
 
-Not a test. Two targets:
+Not a test. Methods (``--methods``): ``hf`` (HF generate with a trie ``prefix_allowed_tokens_fn``),
+``old`` (the decoding package frozen at commit 93c19ce, ``off`` mode; extracted by
+``scripts/make_baseline_engine.sh`` into ``.carry/baseline_decoding``, skipped with a warning when
+absent), ``off`` / ``auto`` (the current ``adbatch.decoding``). All get the same trie. HF ends a
+hypothesis at EOS (text) or, through a StoppingCriteria, at a trie leaf (codes).
+
+Targets:
   --target cpu : the default model (SmolLM2-135M), a trie of Home Depot titles (text scheme:
-                 title tokens + EOS), real Home Depot queries, small sweep.
-  --target gpu : a Llama-3-8B-shaped random-init bf16 model built on the GPU, 100k-ad synthetic
-                 tries shaped like our index (codes: k=10 clusters per level, leaves <= 100, then
-                 EOS; text: Zipf-distributed 15-30 token titles + EOS).
-Both methods get the same trie. HF ends a hypothesis at EOS (text) or, through a
-StoppingCriteria, at a trie leaf (codes); its prefix_allowed_tokens_fn walks our trie's arrays.
-Writes a markdown table + JSON lines to --out.
+                 title tokens + EOS), real Home Depot queries, small sweep. Writes decode_cpu.*.
+  --target gpu : random-init bf16 LlamaForCausalLM models built on the GPU, synthetic tries shaped
+                 like our index (codes: k=10 clusters per level, leaves <= 100; text: Zipf 15-30
+                 token titles + EOS). One invocation, sections (each decode_gpu_<section>.md/.jsonl):
+    default     (a) SmolLM2-135M shape, 5k-ad tries, 10 beams / top 10, batches 64/256/1024
+    8b          (b) Llama-3-8B shape, 100k-ad tries, 8 beams, batches 1/16/64/256
+    creatives   (c) --creatives: greedy headlines/s, HF generate vs generate_creatives
+    compressed  (d) --compressed: off/auto on a 2:4 INT4 copy next to the dense model
+  --smoke runs every gpu section with tiny models on the CPU (checks the script, times nothing).
+
+Every point: one untimed warm-up batch per method at the point's shape (graph capture, kernel
+compiles, allocator), then ``--repeats`` timed passes, method order rotated per repeat; the median
+is reported. ``--budget-s`` stops starting new points and sections.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import gc
+import inspect
 import json
 import logging
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from adbatch.decoding import CostModel, TargetSearchConfig, VerifyMode, load_or_calibrate, search_targets  # noqa: E402
+import adbatch.decoding as ours  # noqa: E402
 from adbatch.trie import Trie  # noqa: E402
 
 log = logging.getLogger("bench.decode")
 
+BASELINE_DIR = ROOT / ".carry" / "baseline_decoding"
+SUM_STATS = ("steps", "beams_verified", "verify_passes", "decode_rows", "verify_tokens")
 
+
+def load_baseline() -> Any | None:
+    """The frozen engine package ``adbatch_baseline_decoding`` (method ``old``), or None."""
+    if not (BASELINE_DIR / "adbatch_baseline_decoding" / "__init__.py").is_file():
+        log.warning("%s missing (run scripts/make_baseline_engine.sh): method 'old' skipped", BASELINE_DIR)
+        return None
+    if str(BASELINE_DIR) not in sys.path:
+        sys.path.insert(0, str(BASELINE_DIR))
+    import adbatch_baseline_decoding as old
+
+    return old
+
+
+def baseline_commit() -> str | None:
+    f = BASELINE_DIR / "adbatch_baseline_decoding" / "COMMIT"
+    return f.read_text().strip() if f.is_file() else None
+
+
+class Budget:
+    """Wall-clock budget of the whole run: new points and sections start only while time is left."""
+
+    def __init__(self, seconds: float) -> None:
+        self.t0, self.seconds = time.perf_counter(), seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+
+# ---------------------------------------------------------------- HF reference
 class HFTrieAllowed:
     """``prefix_allowed_tokens_fn`` for HF generate over our trie's CSR arrays (numpy), memoized by
     prefix: the usual way to constrain HF beam search (Python per beam per step)."""
@@ -117,105 +169,218 @@ def rows_of(trie: Trie, seqs: torch.Tensor) -> list[list[int]]:
     return out.view(Q, k).tolist()
 
 
+# ---------------------------------------------------------------- runners and timing
 def sync(dev) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
 
 
-def timed(fn, dev):
-    sync(dev)
-    t0 = time.perf_counter()
-    out = fn()
-    sync(dev)
-    return out, time.perf_counter() - t0
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
 
 
-def run_method(model, trie: Trie, qs: list[list[int]], method: str, beams: int, k: int, qbatch: int,
-               eos: int, pad: int, cost: CostModel, profile: bool) -> dict:
+Runner = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]], dict]]
+
+
+def engine_runner(mod, model, trie: Trie, beams: int, k: int, verify: str, qbatch: int, cost, profile: bool
+                  ) -> Runner:
+    """One query batch through ``mod.search_targets`` (``mod``: adbatch.decoding or the baseline)."""
+    # verify as a string: ConfigBase coerces it to the module's own VerifyMode
+    cfg = mod.TargetSearchConfig(num_beams=beams, top_k=k, verify=verify, batch_size=qbatch, profile=profile)
+
+    def run(batch):
+        r = mod.search_targets(model, batch, trie, cfg, cost)
+        return r.rows.tolist(), r.scores.tolist(), r.stats
+    return run
+
+
+def hf_runner(model, trie: Trie, beams: int, k: int, eos: int, pad: int) -> Runner:
+    def run(batch):
+        seqs, sc = hf_search(model, batch, trie, beams, k, eos, pad)
+        return rows_of(trie, seqs), sc.float().cpu().tolist(), {}
+    return run
+
+
+def runner_for(name: str, ctx: dict, beams: int, k: int, qbatch: int) -> Runner | None:
+    """``name``: hf | old | off | auto | always, optionally ``@variant`` (a model in ctx['variants']).
+    None when the method does not run at this point (HF above its batch cap, no baseline)."""
+    base, _, variant = name.partition("@")
+    model, cost = ctx["variants"][variant] if variant else (ctx["model"], ctx["cost"])
+    if base == "hf":
+        if qbatch > ctx["hf_max_batch"]:
+            return None
+        return hf_runner(model, ctx["trie"], beams, k, ctx["eos"], ctx["pad"])
+    if base == "old":
+        if ctx["old"] is None or qbatch > ctx.get("old_max_batch", qbatch):
+            return None
+        return engine_runner(ctx["old"], model, ctx["trie"], beams, k, "off", qbatch, None, ctx["profile"])
+    return engine_runner(ours, model, ctx["trie"], beams, k, base, qbatch, cost, ctx["profile"])
+
+
+def time_pass(run: Runner, qs: list[list[int]], qbatch: int, dev) -> dict:
     """One timed pass over ``qs`` in batches of ``qbatch``: rows, scores, seconds, summed stats."""
-    dev = next(model.parameters()).device
     total = 0.0
     rows: list[list[int]] = []
     scores: list[list[float]] = []
     stats: dict = {}
     for s in range(0, len(qs), qbatch):
-        batch = qs[s:s + qbatch]
-        if method == "hf":
-            (seqs, sc), dt = timed(lambda: hf_search(model, batch, trie, beams, k, eos, pad), dev)
-            rows += rows_of(trie, seqs)
-            scores += sc.float().cpu().tolist()
-        else:
-            cfg = TargetSearchConfig(num_beams=beams, top_k=k, verify=VerifyMode(method),
-                                     batch_size=qbatch, profile=profile)
-            r, dt = timed(lambda: search_targets(model, batch, trie, cfg, cost), dev)
-            rows += r.rows.tolist()
-            scores += r.scores.tolist()
-            for key, val in r.stats.items():
-                if key in ("steps", "beams_verified", "verify_passes", "decode_rows",
-                           "verify_tokens") or key.startswith("ms_"):
-                    stats[key] = round(stats.get(key, 0) + val, 2)
-            stats["tree_tokens_max"] = max(stats.get("tree_tokens_max", 0), r.stats["tree_tokens_max"])
-        total += dt
+        sync(dev)
+        t0 = time.perf_counter()
+        r, sc, st = run(qs[s:s + qbatch])
+        sync(dev)
+        total += time.perf_counter() - t0
+        rows += r
+        scores += sc
+        for key, val in st.items():
+            if key in SUM_STATS or key.startswith("ms_"):
+                stats[key] = round(stats.get(key, 0) + val, 2)
+        if "tree_tokens_max" in st:
+            stats["tree_tokens_max"] = max(stats.get("tree_tokens_max", 0), st["tree_tokens_max"])
     return {"rows": rows, "scores": scores, "time": total, "stats": stats}
 
 
-def sweep(model, trie: Trie, queries: list[list[int]], points: list[tuple[int, int]], eos: int, pad: int,
-          cost: CostModel, scheme: str, out_rows: list[dict], budget_s: float, t_start: float,
-          methods: tuple[str, ...] = ("hf", "off", "auto"), repeats: int = 1,
-          profile: bool = False, q1_queries: int = 4) -> None:
+def same_sets(a: list[list[int]], b: list[list[int]]) -> float:
+    return float(np.mean([set(x) == set(y) for x, y in zip(a, b)]))
+
+
+def bench_point(section: str, scheme: str, names: list[str], ctx: dict, beams: int, qbatch: int,
+                queries: list[list[int]], repeats: int, q1_queries: int) -> list[dict]:
+    """All methods at one (beams, query batch): warm-up, ``repeats`` rotated timed passes, medians."""
+    k = min(beams, 10)
+    n_q = max(qbatch, q1_queries) if qbatch == 1 else qbatch
+    qs = queries[:n_q]
+    dev = device_of(ctx["model"])
+    runners = {n: r for n in names if (r := runner_for(n, ctx, beams, k, qbatch)) is not None}
+    for run in runners.values():  # untimed: graph capture, kernel compiles, allocator growth
+        gc.collect()
+        run(qs[:qbatch])
+        sync(dev)
+    res: dict[str, dict] = {}
+    times: dict[str, list[float]] = {n: [] for n in runners}
+    order0 = list(runners)
+    # Method order rotated each repeat: on the H200 the method run right after HF generate
+    # measured up to 1.8x slower on identical work (allocator/clock effects).
+    for rep in range(repeats):
+        order = order0[rep % len(order0):] + order0[: rep % len(order0)]
+        for name in order:
+            gc.collect()
+            r = time_pass(runners[name], qs, qbatch, dev)
+            res.setdefault(name, r)  # searches are deterministic: the first pass's answers stand
+            times[name].append(r["time"])
+    med = {n: float(np.median(t)) for n, t in times.items()}
+    qps = {n: n_q / med[n] for n in runners}
+    out = []
+    for name, r in res.items():
+        base, _, variant = name.partition("@")
+        suffix = "@" + variant if variant else ""
+        t = times[name]
+        row = {"section": section, "scheme": scheme, "method": name, "beams": beams, "top_k": k,
+               "query_batch": qbatch, "queries": n_q, "qps": qps[name],
+               "latency_ms": 1e3 * med[name] / -(-n_q // qbatch), "times_s": [round(x, 4) for x in t],
+               "spread": (max(t) - min(t)) / med[name]}
+        for ref in ("hf", "old", "off"):
+            if ref in res and ref != name:
+                row[f"x_{ref}"] = qps[name] / qps[ref]
+                row[f"same_topk_vs_{ref}"] = same_sets(r["rows"], res[ref]["rows"])
+        if variant and base in res:  # compressed next to the same method on the dense model
+            row["x_dense"] = qps[name] / qps[base]
+            row["same_topk_vs_dense"] = same_sets(r["rows"], res[base]["rows"])
+        off = res.get("off" + suffix)
+        if base not in ("off", "hf", "old") and off is not None:
+            row["best_ge_off"] = float(np.mean([a[0] >= b[0] - 1e-3 for a, b in zip(r["scores"], off["scores"])]))
+            # same ad scored by both: how far apart (numerics of tree pass vs steps, bf16)
+            diffs = [abs(sa - dict(zip(rb, sb))[ra]) for ra_, sa_, rb, sb in
+                     zip(r["rows"], r["scores"], off["rows"], off["scores"])
+                     for ra, sa in zip(ra_, sa_) if ra >= 0 and ra in rb]
+            row["max_score_diff_vs_off"] = float(max(diffs)) if diffs else None
+        row.update(r["stats"])
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def search_section(report: "Report", section: str, tries: dict[str, Trie], points: list[tuple[int, int]],
+                   names: list[str], ctx: dict, queries: list[list[int]], args, budget: Budget,
+                   scheme_prefix: str = "") -> None:
+    """Points outer, schemes inner: a budget cut drops the largest points of both schemes."""
     for beams, qbatch in points:
-        if time.perf_counter() - t_start > budget_s:
-            log.warning("time budget reached; skipping remaining points")
-            return
-        k = min(beams, 10)
-        n_q = max(qbatch, q1_queries) if qbatch == 1 else qbatch
-        qs = queries[:n_q]
-        res: dict[str, dict] = {}
-        # Best of `repeats`, the method order rotated each repeat: on the H200 the method run right
-        # after HF generate measured up to 1.8x slower on identical work (allocator/clock effects).
-        for rep in range(repeats):
-            order = methods[rep % len(methods):] + methods[: rep % len(methods)]
-            for method in order:
-                gc.collect()
-                run = run_method(model, trie, qs, method, beams, k, qbatch, eos, pad, cost, profile)
-                if method not in res or run["time"] < res[method]["time"]:
-                    res[method] = run
-        res = {m: res[m] for m in methods}
-        for method, r in res.items():
-            same = None
-            if method != "hf" and "hf" in res:
-                same = float(np.mean([set(a) == set(b) for a, b in zip(r["rows"], res["hf"]["rows"])]))
-            best_gain = max_diff = None
-            if method != "off" and "off" in res:
-                best_gain = float(np.mean([a[0] >= b[0] - 1e-3 for a, b in zip(r["scores"], res["off"]["scores"])]))
-                # same ad scored by both: how far apart (numerics of tree pass vs steps, bf16)
-                diffs = [abs(sa - dict(zip(rb, sb))[ra]) for ra_, sa_, rb, sb in
-                         zip(r["rows"], r["scores"], res["off"]["rows"], res["off"]["scores"])
-                         for ra, sa in zip(ra_, sa_) if ra >= 0 and ra in rb]
-                max_diff = float(max(diffs)) if diffs else None
-            row = {"scheme": scheme, "method": method, "beams": beams, "query_batch": qbatch,
-                   "queries": n_q, "qps": n_q / r["time"], "latency_ms": 1e3 * r["time"] / (n_q / qbatch),
-                   "same_topk_as_hf": same, "best_ge_off": best_gain, "max_score_diff_vs_off": max_diff, **r["stats"]}
-            out_rows.append(row)
-            log.info("%s", json.dumps(row))
-            print(json.dumps(row), flush=True)
+        for scheme, trie in tries.items():
+            if budget.left() <= 0:
+                report.note(section, f"budget reached: skipped {scheme_prefix}{scheme} {beams}x{qbatch} "
+                                     "and later points")
+                return
+            t0 = time.perf_counter()
+            rows = bench_point(section, scheme_prefix + scheme, names, dict(ctx, trie=trie), beams, qbatch,
+                               queries, args.repeats, args.q1_queries)
+            log.info("%s %s%s %dx%d: %.1fs (elapsed %.0fs)", section, scheme_prefix, scheme, beams, qbatch,
+                     time.perf_counter() - t0, budget.elapsed())
+            report.add(section, rows)
 
 
-def table(rows: list[dict]) -> str:
-    head = ("| scheme | method | beams | query batch | queries/s | latency ms/batch | x HF | x off | "
-            "same top-k as HF | best >= off | steps | beams verified | max tree |")
-    lines = [head, "|" + "---|" * 13]
-    base = {(r["scheme"], r["beams"], r["query_batch"], r["method"]): r["qps"] for r in rows}
+# ---------------------------------------------------------------- report
+def fmt(x, nd: int = 2) -> str:
+    return "" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+SEARCH_COLS = [  # (header, key, digits); optional columns show only when some row has the key
+    ("scheme", "scheme", 0), ("method", "method", 0), ("beams", "beams", 0), ("query batch", "query_batch", 0),
+    ("queries", "queries", 0), ("queries/s", "qps", 2), ("ms/batch", "latency_ms", 1), ("spread", "spread", 2),
+    ("x HF", "x_hf", 2), ("x old", "x_old", 2), ("x off", "x_off", 2), ("x dense", "x_dense", 2),
+    ("top-k = HF", "same_topk_vs_hf", 2), ("top-k = old", "same_topk_vs_old", 2),
+    ("top-k = dense", "same_topk_vs_dense", 2), ("best >= off", "best_ge_off", 2), ("steps", "steps", 0),
+    ("beams verified", "beams_verified", 0), ("max tree", "tree_tokens_max", 0),
+]
+CREATIVE_COLS = [
+    ("method", "method", 0), ("prompts", "prompts", 0), ("new tokens", "new_tokens", 0),
+    ("headlines/s", "headlines_per_s", 1), ("ms/batch", "latency_ms", 1), ("spread", "spread", 2),
+    ("x HF", "x_hf", 2), ("identical to HF", "identical_to_hf", 3), ("tokens = HF", "token_agreement_hf", 3),
+]
+
+
+def table(rows: list[dict], cols) -> str:
+    cols = [c for c in cols if any(r.get(c[1]) is not None for r in rows)]
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        key = (r["scheme"], r["beams"], r["query_batch"])
-        hf, off = base.get(key + ("hf",)), base.get(key + ("off",))
-        f = lambda x: "" if x is None else f"{x:.2f}"
-        lines.append(
-            f"| {r['scheme']} | {r['method']} | {r['beams']} | {r['query_batch']} | {r['qps']:.2f} | "
-            f"{r['latency_ms']:.1f} | {f(r['qps'] / hf if hf else None)} | {f(r['qps'] / off if off else None)} | "
-            f"{f(r['same_topk_as_hf'])} | {f(r['best_ge_off'])} | {r.get('steps', '')} | "
-            f"{r.get('beams_verified', '')} | {r.get('tree_tokens_max', '')} |")
+        lines.append("| " + " | ".join(fmt(r.get(key), nd) for _, key, nd in cols) + " |")
     return "\n".join(lines)
+
+
+class Report:
+    """Per section: rows and notes, rewritten to <out>/<stem>.md/.jsonl after every point, so a run
+    cut short (time limit) still leaves what it measured."""
+
+    def __init__(self, out: Path, target: str, meta: dict) -> None:
+        self.out, self.target, self.meta = out, target, meta
+        self.rows: dict[str, list[dict]] = {}
+        self.notes: dict[str, list[str]] = {}
+
+    def stem(self, section: str) -> str:
+        return "decode_cpu" if self.target == "cpu" else f"decode_gpu_{section}"
+
+    def add(self, section: str, rows: list[dict]) -> None:
+        self.rows.setdefault(section, []).extend(rows)
+        self.write(section)
+
+    def note(self, section: str, text: str) -> None:
+        log.info("[%s] %s", section, text)
+        self.notes.setdefault(section, []).append(text)
+        self.write(section)
+
+    def markdown(self, section: str) -> str:
+        rows = self.rows.get(section, [])
+        cols = CREATIVE_COLS if section == "creatives" else SEARCH_COLS
+        body = table(rows, cols) if rows else "(no points measured)"
+        notes = "\n".join(f"- {n}" for n in self.notes.get(section, []))
+        return f"## decode {self.target} / {section}\n\n{json.dumps(self.meta)}\n\n{notes}\n\n{body}\n"
+
+    def write(self, section: str) -> None:
+        stem = self.stem(section)
+        (self.out / f"{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.rows.get(section, [])))
+        (self.out / f"{stem}.md").write_text(self.markdown(section))
+
+    def print_all(self) -> None:
+        for section in dict.fromkeys([*self.notes, *self.rows]):
+            print("\n" + self.markdown(section))
 
 
 # ---------------------------------------------------------------- synthetic tries (GPU bench)
@@ -238,9 +403,10 @@ def codes_sequences(n_ads: int, base: int, rng: np.random.Generator) -> list[lis
     return out
 
 
-def text_sequences(n_ads: int, vocab: int, eos: int, rng: np.random.Generator) -> list[list[int]]:
+def text_sequences(n_ads: int, vocab: int, eos: int, rng: np.random.Generator,
+                   lengths: tuple[int, int] = (15, 30)) -> list[list[int]]:
     """Title-like token sequences: Zipf per position (shared prefixes, then diverging), 15-30 + EOS."""
-    lens = rng.integers(15, 31, size=n_ads)
+    lens = rng.integers(lengths[0], lengths[1] + 1, size=n_ads)
     out = []
     for i in range(n_ads):
         z = rng.zipf(1.3, size=lens[i]) % (vocab - 1000)
@@ -249,9 +415,217 @@ def text_sequences(n_ads: int, vocab: int, eos: int, rng: np.random.Generator) -
     return [list(s) for s in sorted(uniq)]
 
 
-def exactness_check(dev: torch.device, tries: dict[str, Trie], eos: int, pad: int) -> list[dict]:
+# ---------------------------------------------------------------- GPU sections
+# (a) SmolLM2-135M and (b) Llama-3-8B shapes; the per-shape settings of the synthetic workload
+SHAPES = {
+    "default": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0,
+                    max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
+               max_position_embeddings=8192, bos_token_id=128000, eos_token_id=128001, pad_token_id=128002),
+}
+# smoke: small vocab too (the full-vocabulary head dominates a tiny model on a 2-core CPU)
+SMOKE_SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+WORKLOAD = {  # prompt tokens drawn from [lo, hi); calibration rows = beams x the points' query batches
+    "default": dict(prompt_len=40, lo=1000, hi=48000, codes_base=48000, beams=10,
+                    calib_rows=(10, 40, 160, 640, 2560, 10240)),
+    "8b": dict(prompt_len=32, lo=1000, hi=120000, codes_base=128100, beams=8,
+               calib_rows=(8, 32, 128, 512, 2048)),
+}
+
+
+def workload(shape: str, smoke: bool) -> dict:
+    """WORKLOAD[shape], in smoke mode fitted to the small vocabulary, with short text titles."""
+    w = dict(WORKLOAD[shape], text_lengths=(15, 30))
+    if smoke:
+        v = SMOKE_SHAPE["vocab_size"]
+        w.update(lo=100, hi=v - 300, codes_base=v - 200, text_lengths=(3, 6))
+    return w
+
+
+def build_model(shape: str, dev: torch.device, smoke: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**SHAPES[shape], **(SMOKE_SHAPE if smoke else {})})
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model.eval()
+
+
+def calibrate_cost(model, cache_dir: Path, smoke: bool, **kw):
+    """``ours.load_or_calibrate`` with the kwargs its ``calibrate`` takes (the engine under rewrite
+    may rename or drop some; dropped ones are logged)."""
+    if smoke:
+        kw.update(rows=tuple(kw.get("rows", (8,)))[:1], tokens=(16, 64), context_len=16, repeats=1)
+    fn = getattr(ours, "calibrate", None)
+    if fn is not None:
+        params = inspect.signature(fn).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            dropped = sorted(set(kw) - set(params))
+            if dropped:
+                log.warning("calibrate() takes no %s; not passed", dropped)
+            kw = {k: v for k, v in kw.items() if k in params}
+    t0 = time.perf_counter()
+    cost = ours.load_or_calibrate(model, cache_dir=cache_dir, **kw)
+    log.info("calibration %.1fs: %s", time.perf_counter() - t0, cost.to_dict() if hasattr(cost, "to_dict") else cost)
+    return cost
+
+
+def build_tries(schemes: list[str], n_ads: int, vocab: int, eos: int, w: dict, dev) -> dict[str, Trie]:
+    rng = np.random.default_rng(0)
+    tries = {}
+    for scheme in schemes:
+        seqs = (codes_sequences(n_ads, w["codes_base"], rng) if scheme == "codes"
+                else text_sequences(n_ads, vocab, eos, rng, w["text_lengths"]))
+        tries[scheme] = Trie.from_sequences(seqs).to(dev)
+        log.info("%s trie: %s", scheme, tries[scheme])
+    return tries
+
+
+def random_prompts(n: int, length: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(lo, hi, size=length))) for _ in range(n)]
+
+
+class IdTokenizer:
+    """Stand-in tokenizer for ``generate_creatives`` on a random model: text = space-joined ids,
+    so texts map back to token ids exactly."""
+
+    def __init__(self, eos_token_id: int, pad_token_id: int = 0) -> None:
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+
+    def batch_decode(self, seqs, skip_special_tokens: bool = False, **kw) -> list[str]:
+        skip = {self.eos_token_id, self.pad_token_id} if skip_special_tokens else set()
+        return [" ".join(str(int(t)) for t in s if int(t) not in skip) for s in seqs]
+
+    def decode(self, ids, skip_special_tokens: bool = False, **kw) -> str:
+        return self.batch_decode([ids], skip_special_tokens)[0]
+
+
+@contextlib.contextmanager
+def no_eos(model):
+    """The model's own EOS off (config and generation config): neither side may stop early, so both
+    generate exactly the requested tokens and their outputs compare position by position."""
+    saved = [(o, o.eos_token_id) for o in (model.config, getattr(model, "generation_config", None)) if o is not None]
+    for o, _ in saved:
+        o.eos_token_id = None
+    try:
+        yield
+    finally:
+        for o, e in saved:
+            o.eos_token_id = e
+
+
+def creatives_section(report: Report, model, args, budget: Budget) -> None:
+    """(c) greedy headlines/s: HF generate vs ours, same prompts, exactly ``T`` new tokens each."""
+    section, dev = "creatives", device_of(model)
+    if budget.left() <= 0:
+        report.note(section, "budget reached: skipped")
+        return
+    n, T = (8, 8) if args.smoke else (args.creative_prompts, args.creative_tokens)
+    w = workload("default", args.smoke)
+    prompts = random_prompts(n, w["prompt_len"], w["lo"], w["hi"], seed=2)
+    # an id argmax can never return: generate_creatives never sees its EOS (with the model's EOS off)
+    never = model.config.vocab_size
+    tok = IdTokenizer(never, pad_token_id=model.config.pad_token_id)
+    cfg = ours.CreativeConfig(max_new_tokens=T, stop_strings=[], batch_size=n)
+    ids = torch.tensor(prompts, device=dev)
+    mask = torch.ones_like(ids)
+
+    def hf():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=T, min_new_tokens=T,
+                             pad_token_id=model.config.pad_token_id)
+        return out[:, ids.shape[1]:].tolist()
+
+    def mine():
+        return [list(map(int, c[0][0].split())) for c in ours.generate_creatives(model, tok, prompts, cfg)]
+
+    runs = {"hf": hf, "ours": mine}
+    outs: dict[str, list] = {}
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    with no_eos(model), torch.no_grad():
+        for fn in runs.values():  # untimed warm-up (graph capture, allocator)
+            fn()
+            sync(dev)
+        for rep in range(args.repeats):
+            for name in (list(runs) if rep % 2 == 0 else list(runs)[::-1]):
+                gc.collect()
+                sync(dev)
+                t0 = time.perf_counter()
+                o = runs[name]()
+                sync(dev)
+                times[name].append(time.perf_counter() - t0)
+                outs.setdefault(name, o)
+    med = {m: float(np.median(t)) for m, t in times.items()}
+    a, b = outs["ours"], outs["hf"]
+    lens_ok = all(len(x) == T for x in a + b)
+    agree = [np.mean([i == j for i, j in zip(x, y)] + [False] * abs(len(x) - len(y))) for x, y in zip(a, b)]
+    rows = []
+    for m in runs:
+        row = {"section": section, "method": m, "prompts": n, "new_tokens": T, "headlines_per_s": n / med[m],
+               "latency_ms": 1e3 * med[m], "times_s": [round(x, 4) for x in times[m]],
+               "spread": (max(times[m]) - min(times[m])) / med[m]}
+        if m == "ours":
+            row.update(x_hf=med["hf"] / med[m], identical_to_hf=float(np.mean([x == y for x, y in zip(a, b)])),
+                       token_agreement_hf=float(np.mean(agree)), all_lengths_equal_T=lens_ok)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report.note(section, f"{n} prompts of {w['prompt_len']} random tokens, greedy, {T} new tokens, no stop strings, "
+                         f"model EOS off (ours sees eos id {never}, outside the vocabulary); HF: generate("
+                         f"do_sample=False, max_new_tokens={T}, min_new_tokens={T}), one batch of {n}; ours: "
+                         f"generate_creatives(batch_size={n}) with a space-joined-ids stand-in tokenizer. "
+                         "'identical to HF' = share of prompts whose token sequences match exactly "
+                         "(bf16: different kernels may flip near-tied argmaxes)")
+    report.add(section, rows)
+
+
+def compress_copy(model, dev: torch.device):
+    """A 2:4 INT4 copy of ``model`` via adbatch's own compress_: magnitude scores (no calibration
+    data), uniform 2:4 on every linear but lm_head, uniform group size 128. The per-layer math runs
+    on the model's GPU (SequentialExecutor(device)): the CPU path is far slower on 8B."""
+    from adbatch.compress import CompressConfig, compress_
+    from adbatch.compress.linear import SequentialExecutor
+
+    cfg = CompressConfig(score="magnitude", pattern_policy="uniform", uniform_pattern="2:4",
+                         group_policy="uniform", follow_training_qat=False)
+    mc = copy.deepcopy(model)
+    recipe = compress_(mc, cfg, stats=None, executor=SequentialExecutor(dev if dev.type == "cuda" else None))
+    return mc.eval(), recipe.summary()
+
+
+def compressed_section(report: Report, shape: str, model, tries: dict[str, Trie], points, ctx: dict,
+                       queries, args, budget: Budget, need_s: float) -> None:
+    """(d) off / auto on a 2:4 INT4 copy next to the dense model, same points, in one rotation."""
+    section = "compressed"
+    if budget.left() < need_s:
+        report.note(section, f"{shape}: skipped, {budget.left():.0f}s of budget left < {need_s:.0f}s needed")
+        return
+    t0 = time.perf_counter()
+    mc, summary = compress_copy(model, device_of(model))
+    report.note(section, f"{shape}: 2:4 INT4 copy (magnitude score, uniform 2:4, group 128, lm_head dense) "
+                         f"built in {time.perf_counter() - t0:.1f}s: {json.dumps(summary)}")
+    w = workload(shape, args.smoke)
+    cost_c = calibrate_cost(mc, args.out / "calibration", args.smoke, rows=w["calib_rows"],
+                            tokens=(32, 256, 1024, 4096), repeats=2, beams=w["beams"])
+    names = ["off", "auto", "off@2:4", "auto@2:4"]
+    search_section(report, section, tries, points, names, dict(ctx, variants={"2:4": (mc, cost_c)}), queries,
+                   args, budget, scheme_prefix=f"{shape}:")
+    del mc, cost_c
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def exactness_check(report: Report, dev: torch.device, tries: dict[str, Trie], eos: int, pad: int) -> None:
     """fp32 (no bf16 rounding noise) sanity on the same tries: a 4-layer model of the 8B width.
-    Ours off vs HF: same top-k and scores; auto/always vs off: scores elementwise >= (tolerance)."""
+    Ours off vs HF: same top-k and scores; always vs off: scores elementwise >= (tolerance)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=128256, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
@@ -260,72 +634,81 @@ def exactness_check(dev: torch.device, tries: dict[str, Trie], eos: int, pad: in
     torch.manual_seed(0)
     with torch.device(dev):
         model = LlamaForCausalLM(cfg).eval()
-    rng = np.random.default_rng(1)
-    qs = [list(map(int, rng.integers(1000, 120000, size=24))) for _ in range(16)]
-    out = []
+    qs = random_prompts(16, 24, 1000, 120000, seed=1)
     for scheme, trie in tries.items():
-        hf = run_method(model, trie, qs, "hf", 8, 8, 16, eos, pad, None, False)
-        off = run_method(model, trie, qs, "off", 8, 8, 16, eos, pad, None, False)
-        row = {"scheme": scheme, "same_topk_off_vs_hf": float(np.mean(
-            [a == b for a, b in zip(off["rows"], hf["rows"])])),
-            "max_abs_score_diff_off_vs_hf": float(np.max(np.abs(np.array(off["scores"]) - np.array(hf["scores"]))))}
-        for mode in ("always",):
-            r = run_method(model, trie, qs, mode, 8, 8, 16, eos, pad, None, False)
-            row[f"{mode}_ge_off_elementwise"] = bool((np.array(r["scores"]) >= np.array(off["scores"]) - 1e-3).all())
-            row[f"{mode}_beams_verified"] = r["stats"]["beams_verified"]
-        out.append(row)
-        print(json.dumps(row), flush=True)
+        hf = time_pass(hf_runner(model, trie, 8, 8, eos, pad), qs, 16, dev)
+        off = time_pass(engine_runner(ours, model, trie, 8, 8, "off", 16, None, False), qs, 16, dev)
+        alw = time_pass(engine_runner(ours, model, trie, 8, 8, "always", 16, None, False), qs, 16, dev)
+        row = {"scheme": scheme,
+               "same_topk_off_vs_hf": float(np.mean([a == b for a, b in zip(off["rows"], hf["rows"])])),
+               "max_abs_score_diff_off_vs_hf": float(np.max(np.abs(np.array(off["scores"]) - np.array(hf["scores"])))),
+               "always_ge_off_elementwise": bool((np.array(alw["scores"]) >= np.array(off["scores"]) - 1e-3).all()),
+               "always_beams_verified": alw["stats"].get("beams_verified")}
+        report.note("8b", "fp32 exactness check (4-layer, 8B width): " + json.dumps(row))
     del model
-    return out
 
 
-def run_gpu(args) -> list[dict]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    t_start = time.perf_counter()
+def run_gpu(args, report: Report, budget: Budget) -> None:
     dev = torch.device("cpu" if args.smoke else "cuda")
-    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-             if args.smoke else dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                     num_attention_heads=32))
-    n_ads = 3000 if args.smoke else 100_000
-    cfg = LlamaConfig(vocab_size=128256, **shape, num_key_value_heads=2 if args.smoke else 8,
-                      max_position_embeddings=8192,
-                      rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
-                      eos_token_id=128001, pad_token_id=128002)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(dev):
-        model = LlamaForCausalLM(cfg)
-    torch.set_default_dtype(torch.float32)
-    model.eval()
-    log.info("8B-shaped model built in %.1fs", time.perf_counter() - t_start)
-    eos, pad = 128001, 128002
-    rng = np.random.default_rng(0)
-    queries = [list(map(int, rng.integers(1000, 120000, size=32))) for _ in range(64)]
-    tc = time.perf_counter()
-    cost = load_or_calibrate(model, cache_dir=None if args.smoke else args.out, rows=(1, 16, 64, 256, 1024),
-                             tokens=(32, 256, 1024, 4096), repeats=2)
-    log.info("calibration %.1fs: %s", time.perf_counter() - tc, cost.to_dict())
-    rows: list[dict] = []
-    tries = {}
-    for scheme in args.schemes:
-        seqs = (codes_sequences(n_ads, 128100, rng) if scheme == "codes"
-                else text_sequences(n_ads, 128000, eos, rng))
-        tries[scheme] = Trie.from_sequences(seqs).to(dev)
-        log.info("%s trie: %s", scheme, tries[scheme])
-    if args.check:
-        args.check_rows = exactness_check(dev, tries, eos, pad)
-    points = [(8, 16), (8, 1), (8, 64), (4, 16), (16, 16)]
-    for i, scheme in enumerate(args.schemes):
-        share = t_start + (args.budget_s - (time.perf_counter() - t_start)) / (len(args.schemes) - i)
-        trie = tries[scheme]
-        # warm-up (kernels, allocator) outside the timings
-        for m in ("hf", "off", "auto"):
-            sweep(model, trie, queries, [(4, 2)], eos, pad, cost, scheme, [], 1e9, time.perf_counter(), (m,))
-        sweep(model, trie, queries, points, eos, pad, cost, scheme, rows, share - t_start, t_start,
-              repeats=args.repeats, profile=args.profile)
-    return rows
+    if args.compressed and not args.tune_kernels:
+        # the packed kernels' tuner times up to 32 configs per (shape, batch bucket) on a fresh
+        # machine: minutes; the heuristic config keeps the run inside its budget
+        os.environ.setdefault("ADBATCH_NM_INT4_AUTOTUNE", "0")
+    old = load_baseline()
+    names = [m for m in args.methods if m != "old" or old is not None]
+    shapes = list(dict.fromkeys(args.model_shape + (["default"] if args.creatives else [])))
+    for shape in shapes:
+        w, cfg = workload(shape, args.smoke), {**SHAPES[shape], **(SMOKE_SHAPE if args.smoke else {})}
+        searched = shape in args.model_shape
+        if budget.left() < (60 if shape == "8b" and not args.smoke else 0):
+            report.note("8b" if shape == "8b" else "default", f"budget reached: {shape} model not built")
+            continue
+        t0 = time.perf_counter()
+        model = build_model(shape, dev, args.smoke)
+        log.info("%s-shaped model built in %.1fs", shape, time.perf_counter() - t0)
+        eos, pad = cfg["eos_token_id"], cfg["pad_token_id"]
+        if searched:
+            points = args.points if shape == "default" else args.points_8b
+            n_ads = args.n_ads if shape == "default" else args.n_ads_8b
+            if args.smoke:  # one point each: batch > 1 (default) and the one-at-a-time batch-1 path (8b)
+                points = [(10, 4)] if shape == "default" else [(8, 1)]
+                n_ads = 300
+            hf_max = args.hf_max_batch if shape == "default" else args.hf_max_batch_8b
+            cost = calibrate_cost(model, args.out / "calibration", args.smoke, rows=w["calib_rows"],
+                                  tokens=(32, 256, 1024, 4096), repeats=2, beams=w["beams"])
+            tries = build_tries(args.schemes, n_ads, cfg["vocab_size"], eos, w, dev)
+            n_q = max(max(b, args.q1_queries) for _, b in points)
+            comp_points = args.points_compressed if shape == "default" else args.points_compressed_8b
+            if args.smoke:
+                comp_points = points[:1]
+            n_q = max(n_q, *(max(b, args.q1_queries) for _, b in comp_points))
+            queries = random_prompts(n_q, w["prompt_len"], w["lo"], w["hi"], seed=0)
+            ctx = {"model": model, "cost": cost, "eos": eos, "pad": pad, "old": old, "profile": args.profile,
+                   "hf_max_batch": hf_max, "old_max_batch": args.old_max_batch, "variants": {}}
+            report.note(shape, f"random-init LlamaForCausalLM {json.dumps(cfg)}"
+                               f", bf16 on {dev}; {n_ads} synthetic ads; queries: {w['prompt_len']} random tokens; "
+                               f"top_k = min(beams, 10); hf only at query batch <= {hf_max}; "
+                               f"old = {baseline_commit() or 'absent'} (off mode); repeats {args.repeats} (median)")
+            for scheme, trie in tries.items():
+                report.note(shape, f"{scheme} trie: {trie}")
+            if shape == "8b" and args.check:
+                exactness_check(report, dev, tries, eos, pad)
+            search_section(report, shape, tries, points, names, ctx, queries, args, budget)
+        if shape == "default" and args.creatives:
+            creatives_section(report, model, args, budget)
+        # smoke: the two tiny models differ only in workload, so the compressed path runs once
+        if searched and args.compressed and not (args.smoke and shape == "8b"):
+            # 8B: deep copy (16 GB) + per-layer quantize on the GPU + the copy's calibration
+            compressed_section(report, shape, model, tries, comp_points, ctx, queries, args, budget,
+                               need_s=0 if args.smoke else (90 if shape == "8b" else 30))
+        del model
+        ctx = tries = cost = None
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------- CPU target
 def load_home_depot(path: Path, n_titles: int, n_queries: int, seed: int = 0):
     import csv
 
@@ -343,58 +726,99 @@ def load_home_depot(path: Path, n_titles: int, n_queries: int, seed: int = 0):
     return [tl[i] for i in sorted(pick)], [qs[i] for i in qpick]
 
 
-def run_cpu_bench(args) -> list[dict]:
+def run_cpu_bench(args, report: Report, budget: Budget) -> None:
     from adbatch.models import load_causal_lm
     from adbatch.prompts import encode_targeting_prompt
 
-    t_start = time.perf_counter()
     model, tok = load_causal_lm()
     titles, qtexts = load_home_depot(Path(args.home_depot), args.titles, 16)
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     seqs = [tok(t, add_special_tokens=False)["input_ids"][:40] + [eos] for t in titles]
     trie = Trie.from_sequences(seqs)
-    log.info("HD trie: %s", trie)
+    report.note("cpu", f"SmolLM2-135M fp32, Home Depot trie: {trie}; repeats {args.repeats} (median)")
     queries = [encode_targeting_prompt(tok, q) for q in qtexts]
     # small calibration: the shared 2-core CPU is slow (context 32, up to 32 rows / 512 tokens)
-    cost = load_or_calibrate(model, rows=(1, 8, 32), tokens=(16, 128, 512), context_len=32, repeats=1)
-    log.info("calibration: %s", cost.to_dict())
-    rows: list[dict] = []
-    sweep(model, trie, queries, [(4, 1)], eos, pad, cost, "text-hd", [], 1e9, time.perf_counter(),
-          q1_queries=1)  # warm-up
-    sweep(model, trie, queries, args.points, eos, pad, cost, "text-hd", rows, args.budget_s, t_start,
-          repeats=args.repeats, profile=args.profile, q1_queries=args.q1_queries)
-    return rows
+    cost = calibrate_cost(model, args.out / "calibration", False, rows=(1, 8, 32), tokens=(16, 128, 512),
+                          context_len=32, repeats=1)
+    old = load_baseline()
+    names = [m for m in args.methods if m != "old" or old is not None]
+    ctx = {"model": model, "cost": cost, "eos": eos, "pad": pad, "old": old, "profile": args.profile,
+           "hf_max_batch": args.hf_max_batch, "variants": {}}
+    search_section(report, "cpu", {"text-hd": trie}, args.points, names, ctx, queries, args, budget)
+
+
+def points_arg(s: str) -> list[tuple[int, int]]:
+    return [tuple(map(int, p.split("x"))) for p in s.split(",")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=["cpu", "gpu"], required=True)
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results; smoke: a temp folder")
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=["hf", "old", "off", "auto"],
+                    help="search methods, comma-separated: hf, old, off, auto, always")
     ap.add_argument("--schemes", nargs="+", default=["codes", "text"])
-    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new points after this")
-    ap.add_argument("--home-depot", default=str(Path(__file__).resolve().parents[2] / "shared/data/home_depot_relevance/train.csv"))
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per point (best kept)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="stop starting new points/sections after this (default gpu 420, cpu 400)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed runs per point, median reported (default 3, smoke 1)")
     ap.add_argument("--profile", action="store_true", help="phase timings of ours (syncs per phase)")
-    ap.add_argument("--check", action="store_true", help="gpu: fp32 exactness check first")
-    ap.add_argument("--q1-queries", type=int, default=4, help="queries timed one at a time at batch 1")
-    ap.add_argument("--smoke", action="store_true", help="gpu path with a tiny model on the CPU")
-    ap.add_argument("--titles", type=int, default=5000)
-    ap.add_argument("--points", type=lambda s: [tuple(map(int, p.split("x"))) for p in s.split(",")],
-                    default=[(4, 1), (8, 1), (4, 16), (8, 16)], help="beamsxbatch,...")
+    ap.add_argument("--smoke", action="store_true", help="gpu sections with tiny models on the CPU")
+    ap.add_argument("--q1-queries", type=int, default=None,
+                    help="queries timed one at a time at batch 1 (default 4, smoke 2)")
+    ap.add_argument("--points", type=points_arg, default=None,
+                    help="beamsxbatch,... (gpu default shape: 10x64,10x256,10x1024; cpu: 4x1,8x1,4x16,8x16)")
+    ap.add_argument("--old-max-batch", type=int, default=256,
+                    help="today's (old) engine only at query batches <= this (it is slow; budget)")
+    ap.add_argument("--hf-max-batch", type=int, default=64,
+                    help="hf only at query batches <= this (default shape, cpu)")
+    ap.add_argument("--home-depot", default=str(ROOT.parent / "shared/data/home_depot_relevance/train.csv"))
+    ap.add_argument("--titles", type=int, default=5000, help="cpu: Home Depot titles in the trie")
+    g = ap.add_argument_group("gpu")
+    g.add_argument("--model-shape", nargs="+", choices=["default", "8b"], default=["default", "8b"],
+                   help="search sections: (a) default = SmolLM2-135M shape, (b) 8b = Llama-3-8B shape")
+    g.add_argument("--n-ads", type=int, default=5000, help="ads per synthetic trie, default shape")
+    g.add_argument("--points-8b", type=points_arg, default=points_arg("8x1,8x16,8x64,8x256"))
+    g.add_argument("--n-ads-8b", type=int, default=100_000)
+    g.add_argument("--hf-max-batch-8b", type=int, default=16)
+    g.add_argument("--check", action="store_true", help="8b: fp32 exactness check first")
+    g.add_argument("--creatives", action="store_true", help="(c) greedy creatives, HF generate vs ours")
+    g.add_argument("--creative-prompts", type=int, default=256)
+    g.add_argument("--creative-tokens", type=int, default=16)
+    g.add_argument("--compressed", action="store_true", help="(d) off/auto on a 2:4 INT4 copy vs dense")
+    g.add_argument("--points-compressed", type=points_arg, default=points_arg("10x64,10x256"))
+    g.add_argument("--points-compressed-8b", type=points_arg, default=points_arg("8x1,8x64"))
+    g.add_argument("--tune-kernels", action="store_true",
+                   help="compressed: let the packed kernels autotune (minutes on a fresh machine)")
     args = ap.parse_args()
+    if args.points is None:
+        args.points = points_arg("10x64,10x256,10x1024" if args.target == "gpu" else "4x1,8x1,4x16,8x16")
+    if args.out is None:  # smoke output is no result: keep it out of the repo
+        args.out = Path(tempfile.gettempdir()) / "adbatch_decode_smoke" if args.smoke else Path("bench/results")
+    args.repeats = args.repeats or (1 if args.smoke else 3)
+    args.q1_queries = args.q1_queries or (2 if args.smoke else 4)
+    if args.budget_s is None:
+        args.budget_s = 420.0 if args.target == "gpu" else 400.0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.repeats < 3 and not args.smoke:
+        log.warning("--repeats %d: medians of fewer than 3 runs", args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = run_gpu(args) if args.target == "gpu" else run_cpu_bench(args)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "target": args.target,
-            "machine": (torch.cuda.get_device_name() if args.target == "gpu" and not args.smoke else platform.processor() or platform.machine()),
-            "load": os.getloadavg(), "torch": torch.__version__, "command": " ".join(sys.argv)}
-    (args.out / f"decode_{args.target}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    checks = getattr(args, "check_rows", [])
-    (args.out / f"decode_{args.target}.md").write_text(
-        json.dumps(meta) + "\n\n" + table(rows) + "\n\n" + "\n".join(json.dumps(c) for c in checks) + "\n")
-    print(table(rows))
+    import transformers
+
+    gpu = args.target == "gpu" and not args.smoke
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "target": args.target, "smoke": args.smoke,
+            "machine": torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
+            "load": os.getloadavg(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "baseline": baseline_commit(), "command": " ".join(sys.argv)}
+    budget = Budget(args.budget_s)
+    report = Report(args.out, args.target, meta)
+    try:
+        run_gpu(args, report, budget) if args.target == "gpu" else run_cpu_bench(args, report, budget)
+    finally:
+        report.print_all()
+        log.info("total %.0fs; results in %s", budget.elapsed(), args.out)
 
 
 if __name__ == "__main__":
