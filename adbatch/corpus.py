@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import glob as globlib
 import logging
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -34,22 +35,23 @@ import pyarrow.parquet as pq
 from adbatch.artifacts import sha256_paths
 from adbatch.config import ConfigBase, ConfigError
 
-# Format characters that render as nothing (zero-width space / non-joiner / joiner, word joiner, BOM).
-# Neither Python's str.strip nor Arrow's utf8_trim_whitespace treats them as whitespace, so a title of
-# only these would pass a plain "blank?" test and reach training / prompts as an invisible ad.
-INVISIBLE_CHARS = "\u200b\u200c\u200d\u2060\ufeff"
-_INVISIBLE = str.maketrans("", "", INVISIBLE_CHARS)
+# Characters that render as nothing: control characters (Unicode Cc, e.g. NUL) and format characters
+# (Cf: zero-width space / non-joiner / joiner, word joiner, BOM, ...). Neither Python's str.strip nor
+# Arrow's utf8_trim_whitespace removes them, so a title of only these would pass a plain "blank?" test
+# and reach training / prompts as an invisible ad.
+INVISIBLE_CHARS = "\u200b\u200c\u200d\u2060\ufeff"  # the common Cf ones (documentation, tests)
+_INVISIBLE_RE = r"[\p{Cc}\p{Cf}]"
 
 
 def is_blank(text: str) -> bool:
-    """True when ``text`` has no visible character (whitespace and :data:`INVISIBLE_CHARS` only)."""
-    return not text.translate(_INVISIBLE).strip()
+    """True when ``text`` has no visible character (whitespace, control and format characters only)."""
+    return all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf") for ch in text)
 
 
 def visible_lengths(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Per row, the length of a string column without :data:`INVISIBLE_CHARS` and outer whitespace
-    (0 where null): the vectorized :func:`is_blank`."""
-    cleaned = pc.utf8_trim_whitespace(pc.replace_substring_regex(col, f"[{INVISIBLE_CHARS}]", ""))
+    """Per row, the length of a string column without control / format characters and outer
+    whitespace (0 where null): the vectorized :func:`is_blank`."""
+    cleaned = pc.utf8_trim_whitespace(pc.replace_substring_regex(col, _INVISIBLE_RE, ""))
     return np.nan_to_num(pc.utf8_length(cleaned).to_numpy(zero_copy_only=False)).astype(np.int64)
 
 log = logging.getLogger(__name__)

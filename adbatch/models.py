@@ -115,6 +115,23 @@ def resolve_model(model: str | Path | None = None) -> Path:
     return Path(model)  # type: ignore[arg-type]
 
 
+class UnsafeCheckpointError(ValueError):
+    """A model folder whose weights are only in pickle files (``*.bin``, ``*.pt``, ``*.pth``)."""
+
+
+def _require_safetensors(path: Path) -> None:
+    """Weights load without pickle (DESIGN.md: checkpoints are safetensors / JSON only): a folder
+    with no ``*.safetensors`` is refused before transformers looks at it, naming what it holds."""
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(pattern))
+    what = f"only pickle weight files ({', '.join(pickles)})" if pickles else "no *.safetensors weights"
+    raise UnsafeCheckpointError(
+        f"{path}: holds {what}; adbatch loads weights from safetensors only (pickle can run code "
+        "when loaded). Convert it once where you trust it: "
+        "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
+
+
 def load_causal_lm(
     model: str | Path | None = None,
     *,
@@ -130,13 +147,15 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(model)
+    _require_safetensors(path)
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     lm = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+        use_safetensors=True,
     )
     lm.to(device)
     lm.eval()

@@ -182,3 +182,13 @@ def test_invisible_only_text_and_ids_are_blank(tmp_path):
     c = read_corpus(p)
     assert c.table.column("ad_id").to_pylist() == ["a", "d"]
     assert sorted(c.rejected.column("reason").to_pylist()) == ["empty_text", "null_ad_id"]
+
+
+def test_control_only_text_and_ids_are_blank(tmp_path):
+    """NUL and other control characters render as nothing: a title or id of only these (with or without
+    whitespace) is rejected like a blank one; visible text around a control character stays."""
+    p = _write(tmp_path / "c.parquet", ad_id=["a", "b", "\x00", "d", "e"],
+               title=["x y", "\x00\x00", "q r", "s\x07t", " \x1f\u00ad "])
+    c = read_corpus(p)
+    assert c.table.column("ad_id").to_pylist() == ["a", "d"]
+    assert sorted(c.rejected.column("reason").to_pylist()) == ["empty_text", "empty_text", "null_ad_id"]

@@ -76,3 +76,18 @@ def creative_requests(path: Path, n: int = 6) -> Path:
         "description": [f"We sell the best {WORDS[i]} and {WORDS[i + 1]} in town." for i in range(n)],
     }), path)
     return path
+
+
+def test_pickle_only_model_folder_is_refused(tmp_path):
+    """A --model folder holding only pytorch_model.bin (pickle) is refused before anything loads it."""
+    import pytest
+    import torch
+
+    from adbatch.models import UnsafeCheckpointError, load_causal_lm
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama(vocab_size=32)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(UnsafeCheckpointError, match="pytorch_model.bin.*safetensors only"):
+        load_causal_lm(tmp_path)

@@ -188,3 +188,10 @@ def test_invisible_only_query_and_ad_text_are_empty(tmp_path):
     assert v.accepted.num_rows == 0
     reasons = v.rejected.column("reason").to_pylist()
     assert reasons[0].startswith("no ad text") and reasons[1].startswith("ad_id is null, empty")
+
+
+def test_control_only_query_is_empty(tmp_path):
+    path = _write(tmp_path / "r.parquet", request_id=["a", "b"], query=["\x00\x00", "lamp\x00"])
+    v = validate_requests(path, GenerateTask.TARGETS)
+    assert v.accepted.column("request_id").to_pylist() == ["b"]
+    assert v.rejected.column("reason").to_pylist() == ["query is empty"]

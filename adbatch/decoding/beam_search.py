@@ -33,7 +33,7 @@ import torch
 
 from adbatch.decoding.config import TargetSearchConfig, VerifyMode
 from adbatch.decoding.cost_model import CostModel, load_or_calibrate
-from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, engine_for, exact_logprobs_of,
+from adbatch.decoding.engine import (DecodeEngine, check_supported, engine_for, exact_logprobs_of,
                                      model_device)
 from adbatch.decoding.tree_verify import TrieAux, final_scores, verify_trees
 
@@ -276,7 +276,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
         # Query rows with no real beam left are final (virtual beams' terminals are all in the
         # pool): once they are half the bucket or more, continue on a smaller one.
         live_q = np.flatnonzero(cont.reshape(Qb, B).any(1))
-        if bucket_queries(live_q.size) < Qb:
+        if engine.bucket(live_q.size) < Qb:
             flush()
             keep = torch.from_numpy(live_q).to(dev)
             new_qb = engine.compact(keep)

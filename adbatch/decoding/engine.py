@@ -296,6 +296,11 @@ class DecodeEngine:
         self.in_t = torch.zeros(1, dtype=torch.long, device=dev)
         self.Qmax, self.Lp, self.S, self.B = Q, Lp, S, beams
 
+    def bucket(self, queries: int) -> int:
+        """Query rows a step runs at: a power of two where steps are graph-captured (few shapes),
+        the exact count in eager mode (CPU), where padding rows would only cost compute."""
+        return bucket_queries(queries) if self.graphs_enabled else max(queries, 1)
+
     def memory_bytes(self) -> int:
         n = sum(t.numel() * t.element_size() for t in self.kp + self.vp)
         if self.ks is not None:
@@ -413,7 +418,7 @@ class DecodeEngine:
         Q = len(prompts)
         width = max(len(p) for p in prompts)
         self.reserve(Q, beams, width, suffix)
-        Qb, Lp, dev = bucket_queries(Q), self.Lp, self.device
+        Qb, Lp, dev = self.bucket(Q), self.Lp, self.device
         ids = torch.full((Qb, Lp), pad_id, dtype=torch.long)
         valid = torch.zeros(Qb, Lp, dtype=torch.bool)
         for i, p in enumerate(prompts):  # once per prompt at prefill, not per step
@@ -451,7 +456,7 @@ class DecodeEngine:
         The suffix region follows at the next :meth:`step` through its parent rows. Returns the new
         query bucket (rows past ``Qn`` are padding)."""
         Qn = int(keep.numel())
-        Qb = bucket_queries(Qn)
+        Qb = self.bucket(Qn)
         src = torch.cat([keep, keep[-1:].expand(Qb - Qn)]) if Qb > Qn else keep
         for li in range(len(self.layers)):
             self.kp[li][:Qb] = self.kp[li][src]

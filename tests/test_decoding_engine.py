@@ -1,0 +1,99 @@
+"""The decode engine's own forward over its static cache == HF's plain forward, per decoder family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adbatch.decoding.engine import DecodeEngine, check_supported, engine_for
+from conftest import make_tiny_llama
+
+
+def _tiny(family: str):
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if family == "llama":
+        return make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()  # q/k/v biases
+    if family == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)).eval()  # q/k norms
+    # Gemma 3: sandwich norms, q/k norms, scaled embeddings; a 4-token window on the first layer so
+    # the prompts below reach past it
+    cfg = Gemma3TextConfig(**common, head_dim=16, sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def _ref_logprobs(model, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_prefill_steps_and_reorder_match_hf(family):
+    model = _tiny(family)
+    engine = DecodeEngine(model)
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    B = 2
+    with torch.no_grad():
+        logits, lse, Qb = engine.prefill(prompts, B, 8)
+        for q, p in enumerate(prompts):
+            got = logits[q].float() - lse[q]
+            assert torch.allclose(got, _ref_logprobs(model, p), atol=2e-5)
+        first = [20, 21]
+        tokens = torch.tensor(first * Qb)
+        engine.step(tokens, 0, Qb, torch.arange(Qb * B) // B * B)
+        # second step: the two beams of each query swap their prefixes (reorder by parent rows)
+        parent = torch.tensor([q * B + (1 - b) for q in range(Qb) for b in range(B)])
+        logits, lse = engine.step(torch.tensor([30, 31] * Qb), 1, Qb, parent)
+    for q, p in enumerate(prompts):
+        for b in range(B):
+            row = q * B + b
+            got = logits[row].float() - lse[row]
+            want = _ref_logprobs(model, p + [first[1 - b], 30 + b])
+            assert torch.allclose(got, want, atol=2e-5), (family, q, b)
+
+
+def test_tree_forward_sees_prompt_suffix_and_ancestors_only():
+    model = _tiny("gemma3")  # sliding window applies inside the tree pass too
+    engine = DecodeEngine(model)
+    prompt = [3, 4, 5, 6, 7]
+    with torch.no_grad():
+        engine.prefill([prompt], 1, 8)
+        engine.step(torch.tensor([20]), 0, 1, torch.tensor([0]))
+        # tree below the beam: tokens 30 -> {31, 32} fed as [30, 31, 32] (31 and 32 siblings)
+        tokens = torch.tensor([[30, 31, 32]])
+        pos = torch.tensor([[6, 7, 7]])
+        vis = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool)
+        logits, lse = engine.tree_forward(torch.tensor([0]), 1, tokens, pos, vis)
+    lp = logits.float() - lse[:, None]
+    assert torch.allclose(lp[0], _ref_logprobs(model, prompt + [20, 30]), atol=2e-5)
+    assert torch.allclose(lp[1], _ref_logprobs(model, prompt + [20, 30, 31]), atol=2e-5)
+    assert torch.allclose(lp[2], _ref_logprobs(model, prompt + [20, 30, 32]), atol=2e-5)
+
+
+def test_engine_is_rebuilt_when_weights_change():
+    model = make_tiny_llama(vocab_size=64)
+    first = engine_for(model)
+    assert engine_for(model) is first          # kept across calls: buffers, graphs, fused weights
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(0.5)   # an in-place update (training)
+    second = engine_for(model)
+    assert second is not first
+    prompt = [3, 4, 5]
+    with torch.no_grad():
+        logits, lse, _ = second.prefill([prompt], 1, 4)
+    assert torch.allclose(logits[0].float() - lse[0], _ref_logprobs(model, prompt), atol=2e-5)
+
+
+def test_unsupported_family_is_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(ValueError, match="gpt2.*not supported"):
+        check_supported(model)
