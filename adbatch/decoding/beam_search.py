@@ -272,7 +272,8 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
         width = max(int(host[5][h_alive].max()), 1)
         if not cont.any() or t + 1 >= max_steps:
             break
-        tokens = torch.where(torch.from_numpy(cont).to(dev), run_t, 0)
+        cont_t = torch.from_numpy(cont).to(dev)
+        tokens = torch.where(cont_t, run_t, 0)
         # Query rows with no real beam left are final (virtual beams' terminals are all in the
         # pool): once they are half the bucket or more, continue on a smaller one.
         live_q = np.flatnonzero(cont.reshape(Qb, B).any(1))
@@ -290,14 +291,21 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
             s_score = torch.where(pad_slot, NEG_INF, s_score[src])
             s_virtual, s_vbase = s_virtual[src] & ~pad_slot, s_vbase[src]
             tokens, parent_slot = tokens[src], parent_slot[src]  # parents: rows of the old layout
+            cont_t = cont_t[src] & ~pad_slot
             Qb = new_qb
             stats["compactions"] += 1
-        logits, lse = engine.step(tokens, t, Qb, parent_slot)
-        logit_row = torch.arange(Qb * B, device=dev)
+        if engine.graphs_enabled:  # every slot row, one captured shape per bucket
+            logits, lse = engine.step(tokens, t, Qb, parent_slot)
+            logit_row = torch.arange(Qb * B, device=dev)
+        else:  # eager: only the rows decoded on (dead, verified and finished slots cost nothing)
+            live = cont_t.nonzero()[:, 0]
+            logits, lse = engine.step_rows(tokens[live], t, live, parent_slot[live])
+            logit_row = torch.zeros(Qb * B, dtype=torch.long, device=dev)
+            logit_row[live] = torch.arange(live.numel(), device=dev)
         clock.mark("decode")
         stats["steps"] += 1
         stats["decode_rows"] += int(cont.sum())
-        stats["rows_computed"] += Qb * B
+        stats["rows_computed"] += Qb * B if engine.graphs_enabled else int(cont.sum())
     flush()
     out = _rows_from_pool(out_s, out_n, aux, cfg.top_k)
     clock.mark("finish")

@@ -506,6 +506,22 @@ class DecodeEngine:
         return logits, lse
 
     @torch.no_grad()
+    def step_rows(self, tokens: torch.Tensor, t: int, rows: torch.Tensor, parent: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager step over a subset of slot rows (CPU, where padding rows cost compute and there are
+        no graphs to keep shapes fixed for): row ``rows[i]`` takes the suffix of row ``parent[i]``
+        and is fed ``tokens[i]`` at position ``t``. Returns ``(logits [n, V], lse [n])`` in
+        ``rows`` order."""
+        if t >= self.S:
+            raise ValueError(f"suffix position {t} beyond the reserved {self.S}")
+        if t:
+            self.ks[:, rows, :, :t] = self.ks[:, parent, :, :t]
+            self.vs[:, rows, :, :t] = self.vs[:, parent, :, :t]
+        pos = self.prompt_len[rows // self.B][:, None] + t
+        one = torch.ones(rows.shape[0], 1, 1, dtype=torch.bool, device=self.device)
+        return self.tree_forward(rows, t, tokens[:, None], pos, one, write=True)
+
+    @torch.no_grad()
     def step(self, tokens: torch.Tensor, t: int, Qb: int, parent: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``tokens: Long[Qb * B]`` at suffix position ``t`` (slot rows take the suffix of
@@ -574,8 +590,10 @@ class DecodeEngine:
     # -------------------------------------------------------------- tree pass
     @torch.no_grad()
     def tree_forward(self, rows: torch.Tensor, t: int, tokens: torch.Tensor, pos: torch.Tensor,
-                     tree_vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score token trees hanging below slot rows, without touching the cache.
+                     tree_vis: torch.Tensor, write: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score token trees hanging below slot rows, without touching the cache (``write``: trees of
+        one token, whose K/V are stored at suffix position ``t`` of their row: an eager decode step
+        over just those rows).
 
         Args:
             rows: ``Long[V]`` slot row whose suffix ``[0, t)`` is each tree's prefix (the row's
@@ -598,6 +616,9 @@ class DecodeEngine:
         for li, layer in enumerate(self.layers):
             x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)
+            if write:
+                self.ks[li, rows, :, t] = k[:, :, 0]
+                self.vs[li, rows, :, t] = v[:, :, 0]
             kk = torch.cat([self.kp[li].index_select(0, q_of), self.ks[li].index_select(0, rows)[:, :, :t], k], 2)
             vv = torch.cat([self.vp[li].index_select(0, q_of), self.vs[li].index_select(0, rows)[:, :, :t], v], 2)
             m = vis
