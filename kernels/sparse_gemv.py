@@ -33,7 +33,7 @@ Grid: ``(cdiv(N, BLOCK_N), n_split, cdiv(B, BLOCK_B))``.
 bias) binds a launcher: it picks a :class:`KernelConfig` (timed once per shape and bucket, cached as
 JSON under ``$ADBATCH_CACHE/kernels/``; a heuristic under the interpreter or with
 ``ADBATCH_NM_INT4_AUTOTUNE=0``; timed in CUDA-graph replays, with a warm L2 unless
-``ADBATCH_NM_INT4_TUNE_L2=cold``, see :func:`_time_ms`), compiles, and keeps the compiled kernel and every argument that does
+``ADBATCH_NM_INT4_TUNE_L2=cold``, see :func:`time_graphed_ms`), compiles, and keeps the compiled kernel and every argument that does
 not change between calls (weight pointers as ints, grid, scratch). Later calls do one dict lookup, a
 few shape checks, ``torch.empty`` for the output and the raw launch (no Triton argument binding,
 specialization or pointer checks).
@@ -1295,7 +1295,7 @@ def tune_key(p: PackedNMInt4, batch: int, dtype: torch.dtype) -> str:
             f"|B{batch_bucket(batch)}|L2{tune_l2()}")
 
 
-def _time_ms(fn, l2: str) -> float:
+def time_graphed_ms(fn, l2: str) -> float:
     """Median ms of ``fn`` with the L2 in state ``l2``, both replayed from CUDA graphs so that no host
     launch cost is timed.
 
@@ -1363,11 +1363,11 @@ def autotune(x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tu
     best: tuple[float, KernelConfig] | None = None
     for cfg in candidate_configs(p, x2.shape[0], num_sms):
         try:
-            ms = _time_ms(lambda: launch(x2, p, bias, cfg), l2)
+            ms = time_graphed_ms(lambda: launch(x2, p, bias, cfg), l2)
             if TUNE_LOG is not None:
                 other = "cold" if l2 == "warm" else "warm"
                 TUNE_LOG.append(dict(key=tune_key(p, x2.shape[0], x2.dtype), config=dataclasses.asdict(cfg),
-                                     **{f"{l2}_us": ms * 1e3, f"{other}_us": _time_ms(lambda: launch(x2, p, bias, cfg), other) * 1e3}))
+                                     **{f"{l2}_us": ms * 1e3, f"{other}_us": time_graphed_ms(lambda: launch(x2, p, bias, cfg), other) * 1e3}))
         except (triton.runtime.errors.OutOfResources, triton.CompilationError) as e:  # type: ignore[attr-defined]
             log.debug("config %s rejected: %s", cfg, e)
             continue

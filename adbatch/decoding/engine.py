@@ -34,7 +34,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -164,7 +164,7 @@ class LinearPlan:
     """Per compressed layer shape and row bucket: packed kernel or its dense copy, by measurement.
 
     ``choice[(N, K, pattern, rows)]`` is ``"packed"`` or ``"dense"``; ``timings`` keeps the measured
-    microseconds (graph-replayed, median of 5) behind each choice, for the log and the cost model.
+    microseconds (graph-replayed medians, the kernel tuner's own timer) behind each choice.
     """
 
     choice: dict[tuple, str] = field(default_factory=dict)
@@ -177,26 +177,6 @@ def _is_packed(mod: Any) -> bool:
 
 def _shape_key(mod: Any) -> tuple:
     return (int(mod.out_features), int(mod.in_features), str(getattr(mod.pattern, "value", mod.pattern)))
-
-
-def _time_graphed_us(fn: Callable[[], Any], reps: int = 20) -> float:
-    """Median per-call microseconds of ``fn`` replayed ``reps`` times inside one CUDA graph."""
-    fn()  # warm-up: Triton autotune, cuBLAS handles
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    del g
-    return sorted(times)[len(times) // 2]
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -251,6 +231,7 @@ class DecodeEngine:
         self.act = act if act in ("silu", "gelu_pytorch_tanh") else None  # None: the module's own act_fn
         self._fused: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
         self._fuse_dense_projections()
+        self._packed_modules = [m for m in model.modules() if _is_packed(m)]
         self.capture_seconds = 0.0
         self.signature: tuple = ()
         # buffers (allocated by reserve)
@@ -351,11 +332,11 @@ class DecodeEngine:
         return list(F.linear(x, w, b).split(sizes, dim=-1))
 
     def _norm(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
-        eps = getattr(mod, "variance_epsilon", None)
-        if eps is not None and type(mod).__name__ != "Gemma3RMSNorm":
-            return self.ops.rms_norm(x, mod.weight, float(eps), False)
+        """HF's RMSNorm through :func:`rms_norm` (fused when compiled); other norms as they are."""
         if type(mod).__name__ == "Gemma3RMSNorm":
             return self.ops.rms_norm(x, mod.weight, float(mod.eps), True)
+        if hasattr(mod, "variance_epsilon"):  # Llama / Mistral / Qwen2 / Qwen3 RMSNorm
+            return self.ops.rms_norm(x, mod.weight, float(mod.variance_epsilon), False)
         return mod(x)
 
     def _qkv(self, layer: Any, x: torch.Tensor, rope: dict[str, tuple], li: int
@@ -564,10 +545,11 @@ class DecodeEngine:
     def _plan_linears(self, rows: int) -> None:
         """For every compressed layer shape, time packed vs dense at ``rows`` rows (graph-replayed)
         and route the layer's calls accordingly while this bucket is captured."""
-        mods = [m for m in self.model.modules() if _is_packed(m)]
+        mods = self._packed_modules
         if not mods or self.device.type != "cuda":
             return
         from kernels.nm_int4 import dequantize_nm_int4
+        from kernels.sparse_gemv import time_graphed_ms
 
         self._use_dense = set()
         for m in mods:
@@ -575,8 +557,8 @@ class DecodeEngine:
             if key not in self.plan.choice:
                 x = torch.randn(rows, m.in_features, device=self.device, dtype=self.dtype)
                 w = dequantize_nm_int4(m.packed, self.dtype)
-                packed_us = _time_graphed_us(lambda: m(x))
-                dense_us = _time_graphed_us(lambda: F.linear(x, w))
+                packed_us = 1e3 * time_graphed_ms(lambda: m(x), "warm")
+                dense_us = 1e3 * time_graphed_ms(lambda: F.linear(x, w), "warm")
                 self.plan.timings[key] = (packed_us, dense_us)
                 self.plan.choice[key] = "packed" if packed_us <= dense_us else "dense"
                 log.info("linear %s at %d rows: packed %.1f us, dense %.1f us -> %s", key[:3], rows,
