@@ -5,19 +5,21 @@ Layout (one engine per model, buffers grown on demand and reused across batches)
 - **Prompt region**, per layer ``Kp, Vp: [Qmax, kv_heads, Lp, head_dim]``: one row per *query*,
   computed once by :meth:`DecodeEngine.prefill` (prompts left-padded to ``Lp``). Every beam (or
   sample) of a query reads its query's row: the prompt's KV is never duplicated per beam.
-- **Suffix region**, ``Ks, Vs: [layers, Qmax * B, kv_heads, S, head_dim]``: one row per beam slot
-  ``q * B + b``; step ``t`` writes its token's K/V at index ``t`` (all live rows of a batch are at the
-  same depth, so ``t`` is one scalar). Beam reordering gathers only the suffix region, only its first
-  ``Sb`` (a bucket >= t) positions: at most a few dozen tokens per row, never the prompt. (Measured
-  on the H200 against two alternatives, a whole-row ``index_select`` + copy and a block table read
-  through a fused gather in the attention: this was the fastest at 640-10,240 rows.)
+- **Suffix region**, ``Ks, Vs: [layers, S, Qmax * B, kv_heads, head_dim]``: step ``t`` writes the
+  K/V of slot ``q * B + b``'s token at ``[t, slot]`` (all live rows of a batch are at the same depth,
+  so ``t`` is one scalar) and nothing is ever moved. An *ancestry table* ``anc Int32[Qmax * B, S]``
+  names, per row and position, the slot holding its path's K/V there: beam reordering is
+  ``anc = anc[parent]`` on this small integer table, not a copy of the cache. (Measured on the H200:
+  gathering the suffix rows themselves each step cost ~5 of 13 ms at 2,560 rows.)
 
-The decode step (:meth:`DecodeEngine.step`) feeds one token per slot row: optional suffix reorder
-by parent row, embeddings, per layer norm -> q/k/v -> rotary -> write K/V at ``t`` -> attention over
-(shared prompt row of the query) + (own suffix ``[0, t]``) -> o_proj -> MLP, then the final norm, the
-LM head and the full-vocabulary log-normalizer. On CUDA each step shape ``(queries bucket Qb, Lp,
-Sb)`` is captured once as a CUDA graph and replayed: a forward of the 30-layer default model is a few
-hundred small kernels, and eager launches cost more than the math at beam-search row counts.
+The decode step (:meth:`DecodeEngine.step`) feeds one token per slot row: the ancestry gather by
+parent row, embeddings, per layer norm -> q/k/v -> rotary -> write K/V at ``t`` -> attention over
+(shared prompt row of the query) + (own path ``[0, t]`` through ``anc``; on CUDA the Triton kernel
+:func:`kernels.decode_attention.decode_attention`) -> o_proj -> MLP, then the final norm, the LM head
+and the full-vocabulary log-normalizer. On CUDA each step shape ``(queries bucket Qb, Lp)`` is
+captured once as a CUDA graph and replayed for every ``t`` (``t`` is read on the device): a forward of
+the 30-layer default model is a few hundred small kernels, and eager launches cost more than the math
+at beam-search row counts.
 
 The forward reuses the HF modules' weights and submodules (norms, projections, MLP, rotary): dense
 ``nn.Linear`` or :class:`adbatch.compress.CompressedLinear` alike. Per row bucket the engine times the
@@ -39,12 +41,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_attention import decode_attention, decode_attention_reference, gather_suffix
+
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 PROMPT_BUCKET = 16     # prompt widths are rounded up to a multiple of this (graph keys)
-SUFFIX_BUCKET = 8      # suffix positions attended / reordered are rounded up to a multiple of this
+SUFFIX_BUCKET = 8      # suffix capacity is rounded up to a multiple of this
 LSE_CHUNK = 1024       # rows per float32 log-sum-exp chunk (bounds the [chunk, vocab] temporary)
 
 
@@ -154,7 +158,6 @@ class _Ops:
         self.rms_norm = wrap(rms_norm)
         self.rotary_qk = wrap(rotary_qk)
         self.gated_act = wrap(gated_act)
-        self.attention = wrap(shared_prefix_attention)
         self.rows_lse = wrap(rows_lse)
 
 
@@ -238,8 +241,9 @@ class DecodeEngine:
         self.Qmax = self.Lp = self.S = self.B = 0
         self.kp: list[torch.Tensor] = []
         self.vp: list[torch.Tensor] = []
-        self.ks: torch.Tensor | None = None  # [layers, Qmax * B, kv, S, D]
+        self.ks: torch.Tensor | None = None  # [layers, S, Qmax * B, kv, D]
         self.vs: torch.Tensor | None = None
+        self.anc: torch.Tensor | None = None  # Int32[Qmax * B, S]
         self.prompt_len = self.prompt_bias = self.prompt_pos = None
         self.in_tokens = self.in_parent = self.in_t = None
 
@@ -259,7 +263,7 @@ class DecodeEngine:
         self._graphs.clear()
         self._pool = None
         self.kp = self.vp = []
-        self.ks = self.vs = None
+        self.ks = self.vs = self.anc = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         L, kv, D, dev, dt = len(self.layers), self.n_kv, self.head_dim, self.device, self.dtype
@@ -267,8 +271,10 @@ class DecodeEngine:
         # finite so the rows stay finite (they are masked out of every result)
         self.kp = [torch.zeros(Q, kv, Lp, D, device=dev, dtype=dt) for _ in range(L)]
         self.vp = [torch.zeros(Q, kv, Lp, D, device=dev, dtype=dt) for _ in range(L)]
-        self.ks = torch.zeros(L, Q * beams, kv, S, D, device=dev, dtype=dt)
-        self.vs = torch.zeros(L, Q * beams, kv, S, D, device=dev, dtype=dt)
+        self.ks = torch.zeros(L, S, Q * beams, kv, D, device=dev, dtype=dt)
+        self.vs = torch.zeros(L, S, Q * beams, kv, D, device=dev, dtype=dt)
+        self.anc = torch.arange(Q * beams, dtype=torch.int32, device=dev)[:, None].repeat(1, S)
+        self.slot_ids = torch.arange(Q * beams, dtype=torch.int32, device=dev)
         self.prompt_len = torch.ones(Q, dtype=torch.long, device=dev)
         self.prompt_pos = torch.zeros(Q, Lp, dtype=torch.long, device=dev)
         self.prompt_bias = torch.zeros(Q, Lp, dtype=torch.float32, device=dev)
@@ -285,7 +291,7 @@ class DecodeEngine:
     def memory_bytes(self) -> int:
         n = sum(t.numel() * t.element_size() for t in self.kp + self.vp)
         if self.ks is not None:
-            n += 2 * self.ks.numel() * self.ks.element_size()
+            n += 2 * self.ks.numel() * self.ks.element_size() + self.anc.numel() * 4
         return n
 
     # -------------------------------------------------------------- building blocks
@@ -411,6 +417,7 @@ class DecodeEngine:
         self.prompt_len[:Qb] = valid.sum(1)
         self.prompt_pos[:Qb] = pos
         self.prompt_bias[:Qb] = torch.where(valid, 0.0, NEG_INF)
+        self.anc.copy_(self.slot_ids[:, None].expand_as(self.anc))  # every row its own path
         causal = torch.ones(Lp, Lp, dtype=torch.bool, device=dev).tril()
         vis = causal[None] & valid[:, None, :]
         vis |= torch.eye(Lp, dtype=torch.bool, device=dev)[None]  # padding queries see themselves
@@ -434,7 +441,7 @@ class DecodeEngine:
     @torch.no_grad()
     def compact(self, keep: torch.Tensor) -> int:
         """Keep query rows ``keep: Long[Qn]`` (in that order) of the prompt region, at the front.
-        The suffix region follows at the next :meth:`step` through its parent rows. Returns the new
+        The suffix region follows at the next :meth:`step` through its parent rows (ancestry). Returns the new
         query bucket (rows past ``Qn`` are padding)."""
         Qn = int(keep.numel())
         Qb = self.bucket(Qn)
@@ -448,40 +455,34 @@ class DecodeEngine:
         return Qb
 
     # -------------------------------------------------------------- decode step
-    def _step_body(self, Qb: int, Sb: int, reorder: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attend(self, li: int, q: torch.Tensor, Qb: int) -> torch.Tensor:
+        """Layer ``li``'s one-token attention of rows ``R = Qb * B``: ``q [R, H, D]`` -> ``[R, H, D]``
+        over the query's prompt row and the row's path ``[0, t]`` (K/V at ``t`` already written)."""
+        args = (q, self.kp[li][:Qb], self.vp[li][:Qb], self.prompt_bias[:Qb], self.prompt_pos[:Qb],
+                self.prompt_len[:Qb], self.ks[li], self.vs[li], self.anc)
+        if self.device.type == "cuda":
+            return decode_attention(*args, self.in_t, self.B, self.scaling[li], self.window[li])
+        return decode_attention_reference(*args, int(self.in_t), self.B, self.scaling[li], self.window[li])
+
+    def _step_body(self, Qb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per slot row ``R = Qb * B`` from the static inputs ``in_tokens / in_parent /
-        in_t``. Graph-safe: no host syncs, fixed shapes."""
-        B, R, H, D = self.B, Qb * self.B, self.n_heads, self.head_dim
-        kv, g = self.n_kv, self.n_heads // self.n_kv
+        in_t``. Graph-safe: no host syncs, fixed shapes, ``t`` read on the device."""
+        R, H, D = Qb * self.B, self.n_heads, self.head_dim
         t = self.in_t
-        if reorder:  # beams take their parent's suffix rows (only the first Sb positions exist yet)
-            par = self.in_parent[:R]
-            self.ks[:, :R, :, :Sb] = self.ks[:, par, :, :Sb]
-            self.vs[:, :R, :, :Sb] = self.vs[:, par, :, :Sb]
-        plen = self.prompt_len[:Qb].repeat_interleave(B)                     # [R]
+        # Row r continues the path of in_parent[r]: its ancestry is the parent's (an integer gather
+        # of [R, S]; the K/V stay where they were written), plus its own slot at t.
+        self.anc[:R] = self.anc[self.in_parent[:R]]
+        self.anc[:R].index_copy_(1, t, self.slot_ids[:R, None])
+        plen = self.prompt_len[:Qb].repeat_interleave(self.B)                # [R]
         pos = (plen + t)[:, None]                                             # [R, 1]
         h = self._embed(self.in_tokens[:R, None])                             # [R, 1, hidden]
         rope = self._rope_all(h, pos)
-        j = torch.arange(Sb, device=self.device)
-        s_bias = torch.where(j <= t, 0.0, NEG_INF)                            # [Sb]
-        p_bias = self.prompt_bias[:Qb]                                        # [Qb, Lp]
-        win_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for li, layer in enumerate(self.layers):
             x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)                           # [R, H, 1, D]
-            ks, vs = self.ks[li, :R], self.vs[li, :R]                         # [R, kv, S, D]
-            ks.index_copy_(2, t, k)
-            vs.index_copy_(2, t, v)
-            w = self.window[li]
-            pb, sb = p_bias[:, None, None, :], s_bias
-            if w:
-                if w not in win_bias:
-                    qpos = plen.view(Qb, B)[:, 0] + t                         # [Qb]
-                    far_p = (qpos[:, None] - self.prompt_pos[:Qb]) >= w       # [Qb, Lp]
-                    win_bias[w] = (torch.where(far_p, NEG_INF, p_bias), torch.where(t - j >= w, NEG_INF, s_bias))
-                pb, sb = win_bias[w][0][:, None, None, :], win_bias[w][1]
-            o = self.ops.attention(q.reshape(Qb, B, H, D), self.kp[li][:Qb], self.vp[li][:Qb], pb,
-                                   ks[:, :, :Sb], vs[:, :, :Sb], sb, self.scaling[li])
+            self.ks[li, :, :R].index_copy_(0, t, k.transpose(1, 2).reshape(1, R, self.n_kv, D))
+            self.vs[li, :, :R].index_copy_(0, t, v.transpose(1, 2).reshape(1, R, self.n_kv, D))
+            o = self._attend(li, q.reshape(R, H, D), Qb)
             h = self._block_tail(layer, h, o.reshape(R, 1, H * D))
         logits, lse = self.head_lse(self._final_norm(h[:, 0]))
         return logits, lse
@@ -490,14 +491,13 @@ class DecodeEngine:
     def step_rows(self, tokens: torch.Tensor, t: int, rows: torch.Tensor, parent: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager step over a subset of slot rows (CPU, where padding rows cost compute and there are
-        no graphs to keep shapes fixed for): row ``rows[i]`` takes the suffix of row ``parent[i]``
+        no graphs to keep shapes fixed for): row ``rows[i]`` continues the path of row ``parent[i]``
         and is fed ``tokens[i]`` at position ``t``. Returns ``(logits [n, V], lse [n])`` in
         ``rows`` order."""
         if t >= self.S:
             raise ValueError(f"suffix position {t} beyond the reserved {self.S}")
-        if t:
-            self.ks[:, rows, :, :t] = self.ks[:, parent, :, :t]
-            self.vs[:, rows, :, :t] = self.vs[:, parent, :, :t]
+        self.anc[rows] = self.anc[parent]
+        self.anc[rows, t] = rows.to(torch.int32)
         pos = self.prompt_len[rows // self.B][:, None] + t
         one = torch.ones(rows.shape[0], 1, 1, dtype=torch.bool, device=self.device)
         return self.tree_forward(rows, t, tokens[:, None], pos, one, write=True)
@@ -505,36 +505,36 @@ class DecodeEngine:
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, t: int, Qb: int, parent: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed ``tokens: Long[Qb * B]`` at suffix position ``t`` (slot rows take the suffix of
-        ``parent: Long[Qb * B]`` rows first, when given). Returns ``(logits [R, V], lse [R])``,
-        valid until the next call."""
+        """Feed ``tokens: Long[Qb * B]`` at suffix position ``t``; slot row ``r`` continues the path
+        of row ``parent[r]`` (default: its own). Returns ``(logits [R, V], lse [R])``, valid until
+        the next call."""
         R = Qb * self.B
         if t >= self.S:
             raise ValueError(f"suffix position {t} beyond the reserved {self.S}")
         self.in_tokens[:R].copy_(tokens)
-        if parent is not None:
+        if parent is None:
+            self.in_parent[:R].copy_(self.slot_ids[:R])
+        else:
             self.in_parent[:R].copy_(parent)
         self.in_t.fill_(t)
-        Sb = min(_round_up(t + 1, SUFFIX_BUCKET), self.S)
-        reorder = parent is not None
         if not self.graphs_enabled:
-            return self._step_body(Qb, Sb, reorder)
-        key = (Qb, self.Lp, Sb, reorder)
+            return self._step_body(Qb)
+        key = (Qb, self.Lp)
         g = self._graphs.get(key)
         if g is not None:
             g.graph.replay()
             return g.logits, g.lse
         # First use of this shape: choose each compressed layer's path at this row count, run the
-        # step eagerly (this IS the step: its reorder and K/V writes are real), then capture it for
-        # the next uses (capture records kernels, it does not run them).
+        # step eagerly (this IS the step: its ancestry update and K/V writes are real), then capture
+        # it for the next uses (capture records kernels, it does not run them).
         self._plan_linears(R)
-        out = self._step_body(Qb, Sb, reorder)
+        out = self._step_body(Qb)
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         # every step graph shares the first one's memory pool (they replay one at a time)
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, lse = self._step_body(Qb, Sb, reorder)
+            logits, lse = self._step_body(Qb)
         if self._pool is None:
             self._pool = graph.pool()
         self._graphs[key] = _Graph(graph, logits, lse)
@@ -578,7 +578,7 @@ class DecodeEngine:
         over just those rows).
 
         Args:
-            rows: ``Long[V]`` slot row whose suffix ``[0, t)`` is each tree's prefix (the row's
+            rows: ``Long[V]`` slot row whose path ``[0, t)`` is each tree's prefix (the row's
                 query prompt comes first).
             tokens: ``Long[V, F]`` tree tokens; ``pos: Long[V, F]`` their positions.
             tree_vis: ``Bool[V, F, F]`` which tree tokens each tree token sees (ancestor-or-self).
@@ -598,11 +598,11 @@ class DecodeEngine:
         for li, layer in enumerate(self.layers):
             x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)
-            if write:
-                self.ks[li, rows, :, t] = k[:, :, 0]
-                self.vs[li, rows, :, t] = v[:, :, 0]
-            kk = torch.cat([self.kp[li].index_select(0, q_of), self.ks[li].index_select(0, rows)[:, :, :t], k], 2)
-            vv = torch.cat([self.vp[li].index_select(0, q_of), self.vs[li].index_select(0, rows)[:, :, :t], v], 2)
+            if write:  # one-token trees: their K/V are the rows' tokens at t (ancestry set by caller)
+                self.ks[li, t, rows] = k[:, :, 0]
+                self.vs[li, t, rows] = v[:, :, 0]
+            kk = torch.cat([self.kp[li].index_select(0, q_of), gather_suffix(self.ks[li], self.anc, rows, t), k], 2)
+            vv = torch.cat([self.vp[li].index_select(0, q_of), gather_suffix(self.vs[li], self.anc, rows, t), v], 2)
             m = vis
             if self.window[li]:
                 m = vis & ((pos[:, None, :, None] - key_pos[:, None, None, :]) < self.window[li])
@@ -610,37 +610,6 @@ class DecodeEngine:
                                                enable_gqa=self.n_kv != self.n_heads)
             h = self._block_tail(layer, h, o.transpose(1, 2).reshape(V, Fn, -1))
         return self.head_lse(self._final_norm(h).reshape(V * Fn, -1))
-
-
-def shared_prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
-                            ks: torch.Tensor, vs: torch.Tensor, s_bias: torch.Tensor,
-                            scaling: float) -> torch.Tensor:
-    """One-token attention of ``B`` rows per query over the query's shared prompt and each row's own
-    suffix, with one softmax over both.
-
-    Args:
-        q: ``[Qb, B, H, D]``; kp/vp: ``[Qb, kv, Lp, D]`` (read once per query: the beams act as extra
-            query heads of one matmul); p_bias: additive, broadcastable to ``[Qb, kv, B*g, Lp]``.
-        ks/vs: ``[Qb*B, kv, Sb, D]``; s_bias: additive, broadcastable to ``[Qb*B, kv, g, Sb]``.
-    Returns:
-        ``[Qb*B, H, D]`` in q's dtype (scores and softmax in float32).
-    """
-    Qb, B, H, D = q.shape
-    kv = kp.shape[1]
-    g = H // kv
-    Lp, Sb = kp.shape[2], ks.shape[2]
-    qh = q.view(Qb, B, kv, g, D).permute(0, 2, 1, 3, 4).reshape(Qb, kv, B * g, D)
-    sp = torch.matmul(qh, kp.transpose(-1, -2)).float() * scaling + p_bias    # [Qb, kv, B*g, Lp]
-    ss = torch.matmul(q.reshape(Qb * B, kv, g, D), ks.transpose(-1, -2)).float() * scaling + s_bias
-    sp = sp.view(Qb, kv, B, g, Lp).transpose(1, 2)                            # [Qb, B, kv, g, Lp]
-    ss = ss.view(Qb, B, kv, g, Sb)
-    m = torch.maximum(sp.amax(-1, keepdim=True), ss.amax(-1, keepdim=True))
-    ep, es = (sp - m).exp(), (ss - m).exp()
-    denom = ep.sum(-1, keepdim=True) + es.sum(-1, keepdim=True)
-    pp = (ep / denom).to(q.dtype).transpose(1, 2).reshape(Qb, kv, B * g, Lp)
-    op = torch.matmul(pp, vp).view(Qb, kv, B, g, D).transpose(1, 2).reshape(Qb * B, kv, g, D)
-    out = op + torch.matmul((es / denom).to(q.dtype).view(Qb * B, kv, g, Sb), vs)
-    return out.reshape(Qb * B, H, D)
 
 
 _ENGINES: "weakref.WeakKeyDictionary[Any, DecodeEngine]" = weakref.WeakKeyDictionary()
@@ -678,6 +647,6 @@ def exact_logprobs_of(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
 
 
 __all__ = ["DecodeEngine", "LinearPlan", "engine_for", "exact_logprobs_of", "check_supported",
-           "shared_prefix_attention", "bucket_queries", "model_device", "model_dtype", "decoder_of",
+           "bucket_queries", "model_device", "model_dtype", "decoder_of",
            "SUPPORTED_MODEL_TYPES"]
 

@@ -1,0 +1,187 @@
+"""Triton decode attention over a shared prompt prefix and per-beam suffixes found by ancestry.
+
+One new token per *slot row* (a beam or sample) attends to (1) its query's prompt, stored once per
+query, and (2) the tokens generated on its own path so far, which live in the rows of the beams that
+generated them. Beam search never copies a cache row: step ``s`` writes its tokens' K/V into
+``ks[s, slot]`` and every row keeps an *ancestry table* ``anc[row, s]`` = the slot that holds the
+K/V of its path's token at position ``s``. Reordering beams is then a gather of this small integer
+table (``anc_new = anc[parent]``), not of the cache.
+
+Tensors (``R`` slot rows, ``B`` slots per query so row ``r`` belongs to query ``r // B``; ``kv``
+key/value heads, ``H = kv * g`` query heads, head size ``D``):
+
+- ``q``: ``[R, H, D]`` (fp16 / bf16; any strides with a unit last stride).
+- ``kp, vp``: ``[Qmax, kv, Lp, D]`` the prompt region; ``p_bias Float32[Qmax, Lp]`` additive (0 on
+  real prompt keys, -inf on left padding); ``p_pos Long[Qmax, Lp]`` the keys' positions and
+  ``p_len Long[Qmax]`` the prompt lengths (the new token sits at ``p_len + t``; used by sliding windows).
+- ``ks, vs``: ``[S, Rmax, kv, D]`` the suffix region of one layer; ``anc Int[Rmax, S]``;
+  ``t Long[1]`` (on the device, so one captured graph serves every step): positions ``0..t`` are
+  attended, ``t`` being the token written this step.
+
+Scores and the softmax are float32 (online softmax, one pass over prompt then suffix). Per program:
+one query and one kv head; its ``B * g`` (beam, head) pairs are the rows of one tile, so the prompt's
+keys are read once per query (a ``tl.dot`` tile, the beams acting as extra query heads) and each
+suffix position costs one gathered ``[rows, D]`` load.
+
+:func:`decode_attention_reference` is the pure-torch reference (CPU path and tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, kp_ptr, vp_ptr, pb_ptr, ppos_ptr, plen_ptr, ks_ptr, vs_ptr, anc_ptr, t_ptr, out_ptr,
+    s_qr, s_qh,                      # q strides (row, head); last stride 1
+    s_pq, s_ph, s_pl,                # kp / vp strides (query, head, position); last stride 1
+    s_bq,                            # p_bias / p_pos stride (query)
+    s_ss, s_sr, s_sh,                # ks / vs strides (position, row, head); last stride 1
+    s_ar,                            # anc stride (row)
+    s_or, s_oh,                      # out strides (row, head)
+    Lp, scale, window,
+    B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    qi = tl.program_id(0)
+    h = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)        # (beam, head-in-group) pairs of this tile
+    m_ok = offs_m < B * G
+    beam = offs_m // G
+    head = h * G + offs_m % G
+    row = qi * B + beam
+    offs_d = tl.arange(0, D)
+    t = tl.load(t_ptr)
+    plen = tl.load(plen_ptr + qi)
+    qpos = plen + t
+
+    q = tl.load(q_ptr + row[:, None] * s_qr + head[:, None] * s_qh + offs_d[None, :],
+                mask=m_ok[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+
+    # prompt: keys [Lp - plen, Lp) are real (left padding); start at the block holding the first
+    start = ((Lp - plen) // BLOCK_N) * BLOCK_N
+    kp_base = kp_ptr + qi * s_pq + h * s_ph
+    vp_base = vp_ptr + qi * s_pq + h * s_ph
+    for n0 in range(start, Lp, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Lp
+        k = tl.load(kp_base + offs_n[:, None] * s_pl + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        bias = tl.load(pb_ptr + qi * s_bq + offs_n, mask=n_ok, other=float("-inf"))
+        if window > 0:
+            kpos = tl.load(ppos_ptr + qi * s_bq + offs_n, mask=n_ok, other=0)
+            bias = tl.where(qpos - kpos >= window, float("-inf"), bias)
+        s = s + bias[None, :]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a tile whose keys are all masked so far keeps m = -inf: guard the exp against nan
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vp_base + offs_n[:, None] * s_pl + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # suffix: position s of this row's path lives in slot anc[row, s]
+    s_first = tl.where(window > 0, tl.maximum(t - window + 1, 0), 0)
+    qf = q.to(tl.float32)
+    for s_i in range(s_first, t + 1):
+        src = tl.load(anc_ptr + row * s_ar + s_i, mask=m_ok, other=0).to(tl.int64)
+        off = s_i * s_ss + src[:, None] * s_sr + h * s_sh + offs_d[None, :]
+        k = tl.load(ks_ptr + off, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        sc = tl.sum(qf * k, 1) * scale
+        m_new = tl.maximum(m_i, sc)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new)
+        l_i = l_i * alpha + p
+        v = tl.load(vs_ptr + off, mask=m_ok[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + p[:, None] * v
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + row[:, None] * s_or + head[:, None] * s_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+def _tile_rows(pairs: int) -> int:
+    """Rows of one tile: all (beam, head) pairs of a query up to 64, at least 16 (``tl.dot``)."""
+    return min(max(16, triton.next_power_of_2(pairs)), 64)
+
+
+def decode_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
+                     p_pos: torch.Tensor, p_len: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                     anc: torch.Tensor, t: torch.Tensor, beams: int, scaling: float, window: int = 0,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``R = Qb * beams`` one-token rows (see the module docstring for the tensors).
+
+    ``kp/vp/p_bias/p_pos/p_len`` are read for queries ``0..Qb-1``; ``ks/vs/anc`` for rows
+    ``0..R-1`` (and the slots their ancestry names). ``window > 0``: keys at distance ``>= window``
+    from the new token are masked (sliding-window layers). Returns ``out [R, H, D]`` in q's dtype.
+    Graph-safe: no host reads of device tensors.
+    """
+    R, H, D = q.shape
+    kv = kp.shape[1]
+    if R % beams or H % kv:
+        raise ValueError(f"rows {R} not a multiple of beams {beams}, or heads {H} of kv heads {kv}")
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head size {D} must be a power of two >= 16")
+    for name, x in (("q", q), ("kp", kp), ("vp", vp), ("ks", ks), ("vs", vs)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride")
+    if kp.stride() != vp.stride() or ks.stride() != vs.stride() or p_bias.stride() != p_pos.stride():
+        raise ValueError("kp/vp, ks/vs and p_bias/p_pos must share strides")
+    Qb, g = R // beams, H // kv
+    if out is None:
+        out = torch.empty(R, H, D, device=q.device, dtype=q.dtype)
+    block_m = _tile_rows(beams * g)
+    grid = (Qb, kv, triton.cdiv(beams * g, block_m))
+    _decode_attention_kernel[grid](
+        q, kp, vp, p_bias, p_pos, p_len, ks, vs, anc, t, out,
+        q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), p_bias.stride(0),
+        ks.stride(0), ks.stride(1), ks.stride(2), anc.stride(0), out.stride(0), out.stride(1),
+        kp.shape[2], float(scaling), int(window),
+        B=beams, G=g, D=D, BLOCK_M=block_m, BLOCK_N=min(64, max(16, triton.next_power_of_2(kp.shape[2]))),
+        num_warps=4,
+    )
+    return out
+
+
+def gather_suffix(ks: torch.Tensor, anc: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """The K (or V) of each row's path at positions ``0..length-1``: ``ks [S, Rmax, kv, D]``,
+    ``anc Int[Rmax, S]``, ``rows Long[N]`` -> ``[N, kv, length, D]``."""
+    pos = torch.arange(length, device=ks.device)
+    return ks[pos[None, :], anc[rows, :length].long()].transpose(1, 2)
+
+
+def decode_attention_reference(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
+                               p_pos: torch.Tensor, p_len: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                               anc: torch.Tensor, t: int, beams: int, scaling: float, window: int = 0
+                               ) -> torch.Tensor:
+    """Pure-torch :func:`decode_attention` (``t`` a Python int): one float32 softmax over the
+    query's prompt and the row's gathered path ``0..t``."""
+    R, H, D = q.shape
+    kv, Lp = kp.shape[1], kp.shape[2]
+    g, Qb = H // kv, R // beams
+    rows = torch.arange(R, device=q.device)
+    q_of = rows // beams
+    kk = torch.cat([kp[q_of], gather_suffix(ks, anc, rows, t + 1)], 2)        # [R, kv, Lp+t+1, D]
+    vv = torch.cat([vp[q_of], gather_suffix(vs, anc, rows, t + 1)], 2)
+    bias = torch.cat([p_bias[q_of], torch.zeros(R, t + 1, device=q.device)], 1)  # [R, Lp+t+1]
+    if window > 0:
+        qpos = p_len[q_of] + t
+        kpos = torch.cat([p_pos[q_of], torch.arange(t + 1, device=q.device).expand(R, t + 1) + p_len[q_of, None]], 1)
+        bias = torch.where(qpos[:, None] - kpos >= window, float("-inf"), bias)
+    qh = q.view(R, kv, g, D).float()
+    s = torch.matmul(qh, kk.float().transpose(-1, -2)) * scaling + bias[:, None, None, :]
+    o = torch.matmul(s.softmax(-1), vv.float())                              # [R, kv, g, D]
+    return o.reshape(R, H, D).to(q.dtype)
+
+
+__all__ = ["decode_attention", "decode_attention_reference", "gather_suffix"]
