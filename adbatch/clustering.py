@@ -11,7 +11,9 @@ never from execution order, and FAISS runs with a fixed thread count.
 
 Degenerate inputs: a cluster with fewer ads than ``branching`` is split into at most that many
 clusters; when k-means cannot split (identical embeddings, or one cluster takes every point) the
-rows are split deterministically into near-equal consecutive chunks in row order.
+rows are split deterministically into near-equal consecutive chunks in row order. Finite but huge
+(or tiny) embeddings are rescaled by a power of two before k-means (:func:`rescale_exactly`), so
+squared distances never overflow float32 and the labels are those of the unscaled vectors.
 """
 
 from __future__ import annotations
@@ -108,6 +110,36 @@ def _chunk_labels(n: int, k: int) -> np.ndarray:
     return (np.arange(n, dtype=np.int64) * k) // n
 
 
+#: largest |value| an embedding block keeps as is; outside [1/SAFE_MAGNITUDE, SAFE_MAGNITUDE] it is
+#: rescaled (see :func:`rescale_exactly`). Squared distances then stay below 4 * D * 2**48, far from
+#: float32's 3.4e38 for any embedding width, and far above its smallest normal value.
+SAFE_MAGNITUDE = 2.0**24
+
+
+def rescale_exactly(x: np.ndarray) -> np.ndarray:
+    """``x`` itself when its largest |value| is within ``[1/SAFE_MAGNITUDE, SAFE_MAGNITUDE]`` (or it is
+    all zero); else ``x`` times the power of two that brings that value into ``[0.5, 1)``.
+
+    k-means labels are invariant under a uniform scale, and a power-of-two scale changes no rounding
+    (up to components negligible beside the largest), so the labels are those of ``x``; but squared
+    norms and distances of huge finite vectors (e.g. 16 x 1e19: 1.6e39) no longer overflow float32
+    into inf / NaN (``Probabilities contain NaN`` in the seeding, an abort inside FAISS), and tiny
+    ones no longer underflow to 0.
+
+    Args:
+        x: ``float32 [n, D]``, finite.
+    Returns:
+        ``float32 [n, D]``.
+    """
+    top = float(np.abs(x).max(initial=0.0))
+    if top == 0.0 or 1.0 / SAFE_MAGNITUDE <= top <= SAFE_MAGNITUDE:
+        return x
+    if not np.isfinite(top):
+        raise ValueError("embeddings hold NaN or infinity (the corpus rejects such rows)")
+    _, exp = np.frexp(top)  # top = m * 2**exp with 0.5 <= m < 1
+    return np.ascontiguousarray(np.ldexp(x, -int(exp)), dtype=np.float32)
+
+
 def kmeanspp_init(x: np.ndarray, k: int, max_sample: int, seed: int) -> np.ndarray:
     """k-means++ seeding on a sample of at most ``max_sample`` rows.
 
@@ -127,6 +159,9 @@ def kmeanspp_init(x: np.ndarray, k: int, max_sample: int, seed: int) -> np.ndarr
     d2 = np.maximum(sq - 2 * sample @ sample[centers[0]] + sq[centers[0]], 0.0)
     for _ in range(1, k):  # k iterations, each vectorized over the sample
         total = float(d2.sum())
+        if not np.isfinite(total):
+            raise ValueError("kmeanspp_init: squared distances overflow float32; rescale the "
+                             "embeddings first (rescale_exactly)")
         nxt = int(rng.choice(sample.shape[0], p=d2 / total)) if total > 0 else \
             int(rng.integers(sample.shape[0]))
         centers.append(nxt)
@@ -172,6 +207,7 @@ def split_labels(emb: np.ndarray, config: ClusterConfig, path: tuple[int, ...]
     n = emb.shape[0]
     k = min(config.branching, n)
     fallback = False
+    emb = rescale_exactly(emb)
     # k-means cannot separate identical points; skip it rather than rely on FAISS's handling.
     if np.ptp(emb, axis=0).max(initial=0.0) == 0.0:
         labels, fallback = _chunk_labels(n, k), True
@@ -326,6 +362,7 @@ def update_hierarchy(emb: np.ndarray, previous: list[list[int] | None], config: 
     if emb.ndim != 2 or n == 0 or len(previous) != n:
         raise ValueError(f"embeddings must be [N>0, D] with one previous code (or None) per row, got "
                          f"{emb.shape} and {len(previous)} codes")
+    emb = rescale_exactly(emb)  # the descent's float32 distances below
     kept_rows = [i for i, c in enumerate(previous) if c]
     if not kept_rows:
         return build_hierarchy(emb, cfg), UpdateStats(0, n, 0, 0)

@@ -56,12 +56,38 @@ def visible_lengths(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 log = logging.getLogger(__name__)
 
+#: largest finite float32; an embedding whose squared norm exceeds it is rejected
+F32_MAX = float(np.finfo(np.float32).max)
+
 #: the normalized column names of :attr:`Corpus.table`
 OPTIONAL_TEXT_FIELDS = ("description", "keywords", "category")
 
 
 class CorpusSchemaError(ValueError):
     """The corpus files cannot be read with the configured column mapping."""
+
+
+# What pyarrow raises for a file that is not Parquet, is cut short or has corrupt pages (e.g.
+# "OSError: Corrupt snappy compressed data." -- which names no file).
+_PARQUET_READ_ERRORS = (OSError, pa.ArrowException)
+
+
+def read_parquet_schema(path: Path, error: type[Exception] = CorpusSchemaError) -> pa.Schema:
+    """The schema of one Parquet file (its footer); ``error`` naming the file when it has none."""
+    try:
+        return pq.read_schema(path)
+    except _PARQUET_READ_ERRORS as exc:
+        raise error(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def read_parquet_table(path: Path, columns: list[str] | None = None,
+                       error: type[Exception] = CorpusSchemaError) -> pa.Table:
+    """The rows of one Parquet file; ``error`` naming the file when its data pages cannot be read
+    (bytes corrupted inside the file while the footer, hence the schema, is intact)."""
+    try:
+        return pq.read_table(path, columns=columns)
+    except _PARQUET_READ_ERRORS as exc:
+        raise error(f"{path}: corrupt Parquet data ({exc})") from None
 
 
 class RejectReason(str, enum.Enum):
@@ -74,6 +100,8 @@ class RejectReason(str, enum.Enum):
     NULL_EMBEDDING = "null_embedding"
     BAD_EMBEDDING_LENGTH = "bad_embedding_length"
     NON_FINITE_EMBEDDING = "non_finite_embedding"
+    EMBEDDING_OUT_OF_RANGE = "embedding_out_of_range"
+    ZERO_EMBEDDING = "zero_embedding"
 
 
 REJECTED_SCHEMA = pa.schema([
@@ -189,10 +217,7 @@ def _check_schema(paths: list[Path], cfg: CorpusConfig) -> tuple[str, int | None
     id_kind: str | None = None
     fixed_dim: int | None = None
     for path in paths:
-        try:
-            schema = pq.read_schema(path)
-        except (OSError, pa.ArrowInvalid) as exc:
-            raise CorpusSchemaError(f"{path}: not a readable Parquet file ({exc})") from None
+        schema = read_parquet_schema(path)
         for ours, col in cfg.mapping().items():
             if col not in schema.names:
                 raise CorpusSchemaError(
@@ -237,7 +262,7 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
     mapping = cfg.mapping()
     parts = []
     for path_i in paths:
-        t = pq.read_table(path_i, columns=list(mapping.values()))
+        t = read_parquet_table(path_i, columns=list(mapping.values()))
         cols = {ours: t.column(col) for ours, col in mapping.items()}
         try:
             cols["ad_id"] = cols["ad_id"].cast(pa.string() if id_kind == "string" else pa.int64())
@@ -293,9 +318,23 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
         ok_shape = ~emb_null & ~bad_len
         flat = pc.list_flatten(emb_col.filter(pa.array(ok_shape))).to_numpy(zero_copy_only=False)
         mat = np.asarray(flat, dtype=np.float32).reshape(-1, dim)
+        shaped = np.flatnonzero(ok_shape)
         finite = np.ones(n, dtype=bool)
-        finite[np.flatnonzero(ok_shape)] = np.isfinite(mat).all(axis=1)
-        flag(~finite, RejectReason.NON_FINITE_EMBEDDING, "NaN or infinity in the vector")
+        finite[shaped] = np.isfinite(mat).all(axis=1)
+        flag(~finite, RejectReason.NON_FINITE_EMBEDDING,
+             "NaN or infinity in the vector (or a float64 value beyond float32's range)")
+        # squared norms in float64: a finite float32 vector can still have one that overflows float32
+        # (16 x 1e20 -> 1.6e41), and k-means distances then become inf / NaN
+        sq_norm = np.zeros(n, dtype=np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sq_norm[shaped] = np.einsum("ij,ij->i", mat, mat, dtype=np.float64)
+        too_big = finite & (sq_norm > F32_MAX)
+        flag(too_big, RejectReason.EMBEDDING_OUT_OF_RANGE,
+             np.array([f"squared norm {x:.3g} overflows float32 (max {F32_MAX:.3g})" for x in sq_norm], object)
+             if too_big.any() else "")
+        zero = ok_shape & finite & (sq_norm == 0.0)
+        flag(zero, RejectReason.ZERO_EMBEDDING, "all-zero vector: no direction to cluster by "
+                                                "(a placeholder for a missing embedding?)")
         embeddings = np.zeros((n, dim), dtype=np.float32)
         embeddings[ok_shape] = mat
 

@@ -119,9 +119,11 @@ class ModelSpec:
 def check_model_index(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
     """Refuse a model trained on another index; allow an untrained model only on a text index.
 
-    Reads only the index's manifest (``index_hash``, ``scheme``), so a driver can check before any
-    index or model is loaded. An untrained model over a ``codes`` index cannot emit the code tokens at
-    all, so it is refused with a message saying what to do.
+    Reads only the index's manifest (``index_hash``, ``scheme``, ``tokenizer_fingerprint``) and the
+    model's training record and tokenizer (no weights), so a driver can check before any index or
+    model is loaded. An untrained model over a ``codes`` index cannot emit the code tokens at all, so it
+    is refused with a message saying what to do; a model whose tokenizer is not the one the index's
+    token ids were built with is refused (:func:`check_model_tokenizer`).
     """
     from adbatch.training.checkpoint import IndexMismatchError, check_binding
 
@@ -133,11 +135,42 @@ def check_model_index(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[
                 f"model {spec.folder()} was never trained on an index, and index {index_dir} "
                 f"uses the 'codes' scheme (special tokens it cannot emit): train it first "
                 f"(adbatch train) or use a 'text' index")
+        check_model_tokenizer(spec, index_dir, manifest)
         log.warning("model %s is untrained (zero-shot) over text index %s; expect low recall",
                     spec.folder(), str(want)[:12])
         return None
     check_binding(record, want, f"model {spec.folder()} (decoding index {index_dir})")
+    check_model_tokenizer(spec, index_dir, manifest)
     return record
+
+
+def check_model_tokenizer(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[str, Any]) -> None:
+    """Refuse a model whose tokenizer is not the one the index's ``token_ids`` were built with: the
+    trie would constrain it to ids that mean other tokens to it (meaningless ads, no error).
+
+    Compares :func:`adbatch.index.tokenizer_fingerprint` of the model's tokenizer below the index's
+    ``base_vocab_size`` (code tokens a training run added above it do not count) with the manifest's
+    ``tokenizer_fingerprint``; an index without one is not checked.
+    """
+    from adbatch.index import load_tokenizer, tokenizer_fingerprint
+    from adbatch.training.checkpoint import IndexMismatchError
+
+    want = manifest.get("tokenizer_fingerprint")
+    if want is None:
+        return
+    folder = spec.folder()
+    try:
+        tokenizer, _ = load_tokenizer(str(folder))
+    except (OSError, ValueError) as exc:
+        raise IndexMismatchError(f"model {folder}: no readable tokenizer to check against index {index_dir} "
+                                 f"({exc})") from None
+    below = manifest.get("base_vocab_size")
+    if tokenizer_fingerprint(tokenizer, below=None if below is None else int(below)) != want:
+        raise IndexMismatchError(
+            f"model {folder} has another tokenizer than index {index_dir} was built with "
+            f"({manifest.get('tokenizer')}): the index's token ids would mean other tokens to this model. "
+            "Rebuild the index with this model's tokenizer (--index.tokenizer) or generate with the "
+            "model it was built for")
 
 
 def resolve_device(choice: DeviceChoice) -> str:

@@ -29,10 +29,9 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.corpus import is_blank
+from adbatch.corpus import is_blank, read_parquet_schema, read_parquet_table
 from adbatch.prompts import CREATIVE_FIELDS
 
 
@@ -166,10 +165,7 @@ def check_request_schema(path: str | Path, task: GenerateTask) -> list[Path]:
     files = list_request_files(path)
     required = TARGETS_IN_COLUMNS if task is GenerateTask.TARGETS else CREATIVES_IN_COLUMNS
     for f in files:
-        try:
-            schema = pq.read_schema(f)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise RequestSchemaError(f"{f}: not a readable Parquet file ({exc})") from None
+        schema = read_parquet_schema(f, RequestSchemaError)
         names = set(schema.names)
         missing = [c for c in required if c not in names]
         if missing:
@@ -203,7 +199,9 @@ def check_request_schema(path: str | Path, task: GenerateTask) -> list[Path]:
 
 
 def _id_to_str(value: Any) -> str | None:
-    """Normalize an id value to its string form; None when it cannot serve as an id."""
+    """An id value's string form, byte-exact (``' a7 '`` stays ``' a7 '``: downstream systems join on
+    the id as they wrote it); integers in decimal. None when it cannot serve as an id: null, not
+    UTF-8, a non-integral float, or blank (only whitespace / control / format characters)."""
     if value is None:
         return None
     if isinstance(value, bytes):
@@ -215,7 +213,7 @@ def _id_to_str(value: Any) -> str | None:
         if math.isnan(value) or math.isinf(value) or value != int(value):
             return None
         value = int(value)
-    text = str(value).strip()
+    text = str(value)
     return None if is_blank(text) else text
 
 
@@ -280,10 +278,7 @@ def validate_requests(
     kept: list[dict[str, Any]] = []  # normalized rows with their origin
     rows_in = 0
     for f in files:
-        try:
-            table = pq.read_table(f)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise RequestSchemaError(f"{f}: corrupt Parquet data ({exc})") from None
+        table = read_parquet_table(f, error=RequestSchemaError)
         rows_in += table.num_rows
         present = [c for c in text_cols if c in table.column_names]
         cols = ["request_id"] + (["ad_id"] if task is GenerateTask.CREATIVES else []) + present

@@ -192,3 +192,56 @@ def test_control_only_text_and_ids_are_blank(tmp_path):
     c = read_corpus(p)
     assert c.table.column("ad_id").to_pylist() == ["a", "d"]
     assert sorted(c.rejected.column("reason").to_pylist()) == ["empty_text", "empty_text", "null_ad_id"]
+
+
+def test_vectors_whose_squared_norm_overflows_float32_are_rejected(tmp_path):
+    """Issue 19 item 2: 16 x 1e20 is finite in float32 but its squared norm (1.6e41) is not; such a row
+    broke the whole build (NaN probabilities in k-means++, an abort in FAISS). It is rejected, named,
+    with a reason; a vector just inside the range and an all-zero one are told apart."""
+    ok = [0.5] * 16
+    rows = [ok, [1e20] * 16, [3e38] * 16, [4e18] * 16, [0.0] * 16, [-1e19] + [0.0] * 15, ok]
+    p = _write(tmp_path / "c.parquet", ad_id=[f"a{i}" for i in range(7)], title=[f"t {i}" for i in range(7)],
+               emb=_emb(rows))
+    c = read_corpus(p, CorpusConfig(embedding="emb"))
+    rej = {r["ad_id"]: (r["reason"], r["detail"]) for r in c.rejected.to_pylist()}
+    assert set(rej) == {"a1", "a2", "a4"}
+    assert rej["a1"][0] == rej["a2"][0] == RejectReason.EMBEDDING_OUT_OF_RANGE.value
+    assert "squared norm 1.6e+41 overflows float32" in rej["a1"][1]
+    assert rej["a4"][0] == RejectReason.ZERO_EMBEDDING.value
+    assert c.table.column("ad_id").to_pylist() == ["a0", "a3", "a5", "a6"]
+    assert np.isfinite(c.embeddings).all() and c.embeddings.shape == (4, 16)
+    assert c.num_ads + c.rejected.num_rows == c.num_input_rows == 7
+
+
+def test_float64_values_beyond_float32_are_rejected_not_cast_to_inf(tmp_path):
+    rows = pa.array([[1e300, 0.0], [0.25, 0.5]], pa.list_(pa.float64()))
+    p = _write(tmp_path / "c.parquet", ad_id=["big", "ok"], title=["x y", "z w"], emb=rows)
+    c = read_corpus(p, CorpusConfig(embedding="emb"))
+    assert c.rejected.to_pylist()[0]["ad_id"] == "big"
+    assert c.rejected.to_pylist()[0]["reason"] == RejectReason.NON_FINITE_EMBEDDING.value
+    assert c.embeddings.tolist() == [[0.25, 0.5]]
+
+
+def _corrupt_middle(path, span: int = 64) -> None:
+    """Flip bytes in the middle of a Parquet file (inside its data pages); the footer stays intact."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    for i in range(mid, mid + span):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("as_part", [False, True])
+def test_corrupt_data_pages_raise_naming_the_file(tmp_path, as_part):
+    """Issue 19 item 8: bytes corrupted mid-file gave a bare 'OSError: Corrupt snappy compressed data.'
+    naming no file; alone or as one part of a folder, the error names the file."""
+    n = 2000
+    d = tmp_path / "parts"
+    d.mkdir()
+    bad = _write(d / "p1.parquet", ad_id=[f"b{i}" for i in range(n)], title=[f"title {i} with words" for i in range(n)])
+    _corrupt_middle(bad)
+    pq.read_schema(bad)  # the footer is intact: only reading the rows finds it
+    if as_part:
+        _write(d / "p0.parquet", ad_id=["a"], title=["fine"])
+    with pytest.raises(CorpusSchemaError, match=r"p1\.parquet: corrupt Parquet data \(.*[Cc]orrupt"):
+        read_corpus(d if as_part else bad)

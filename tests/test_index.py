@@ -373,3 +373,96 @@ def test_index_write_interrupted_in_place_keeps_stable_ids_on_the_rerun(tmp_path
     assert rerun["index_hash"] == clean["index_hash"]
     assert not (tmp_path / "idx" / ix_mod.STAGING_DIR).exists()
     assert_index_contract(load_index(tmp_path / "idx"), 600)
+
+
+@pytest.mark.parametrize("bad", [1e20, 3e38])
+def test_one_huge_vector_is_rejected_not_fatal_to_the_build(tmp_path, bad):
+    """Issue 19 item 2: one row of [1e20] * 16 gave 'Probabilities contain NaN' in kmeanspp_init and
+    [3e38] * 16 aborted FAISS (the process died). The row is rejected naming its ad; the rest is indexed."""
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=300)
+    t = pq.read_table(ads)
+    vecs = t.column("vec").to_pylist()
+    vecs[11] = [bad] * 16
+    pq.write_table(t.set_column(2, "vec", pa.array(vecs, pa.list_(pa.float32()))), ads)
+    manifest = build_index(ads, tmp_path / "idx", cfg_for(), progress=False)
+    rej = pq.read_table(tmp_path / "idx" / "rejected.parquet").to_pylist()
+    assert [(r["ad_id"], r["reason"]) for r in rej] == [("ad-00011", "embedding_out_of_range")]
+    assert manifest["counts"]["ads_indexed"] == 299 and manifest["counts"]["rejected_embedding_out_of_range"] == 1
+    assert_index_contract(load_index(tmp_path / "idx"), 299)
+
+
+@pytest.mark.parametrize("scale, exact", [(2.0**-100, True), (2.0**62, True), (6e18, False)])
+def test_clustering_of_huge_or_tiny_finite_vectors_is_safe_and_scale_free(scale, exact):
+    """Vectors the corpus accepts (squared norm within float32) can still have squared *distances*
+    beyond it; k-means runs on a power-of-two rescaled copy: finite, and the same codes as at unit scale."""
+    from adbatch.clustering import rescale_exactly, update_hierarchy
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(90, 8)).astype(np.float32)
+    x /= np.abs(x).max()
+    cfg = ClusterConfig(branching=3, leaf_size=6)
+    ref = build_hierarchy(x, cfg)
+    big = (x * np.float32(scale)).astype(np.float32)
+    assert np.isfinite(big).all()
+    with np.errstate(all="raise"):
+        got = build_hierarchy(big, cfg)
+    if exact:  # a power of two: the very same codes
+        assert got.codes() == ref.codes()
+    assert got.num_ads == 90 and got.fallback_splits == ref.fallback_splits == 0
+    assert rescale_exactly(x) is x  # unit-scale data is left untouched
+    prev = ref.codes()[:60] + [None] * 30
+    h, stats = update_hierarchy(big, prev, cfg)
+    assert stats.new == 30 and h.num_ads == 90
+
+
+def _model_folder(path, tokenizer, record=None):
+    from conftest import make_tiny_llama
+
+    make_tiny_llama(vocab_size=len(tokenizer)).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    if record is not None:
+        (path / "adbatch_training.json").write_text(json.dumps(record))
+    return path
+
+
+def test_generate_refuses_an_index_built_with_another_tokenizer(tmp_path, default_tokenizer):
+    """Issue 19 "also seen": only training compared tokenizers; generate decoded an index built with
+    another model's tokenizer to the end and returned meaningless ads. check_model_index (the driver's
+    pre-check) refuses it; the index's own tokenizer passes, also with code tokens a training run added
+    above base_vocab_size."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from adbatch.artifacts import read_manifest
+    from adbatch.embeddings import default_embedding_model_dir
+    from adbatch.generation import ModelSpec, check_model_index
+    from adbatch.prompts import TARGETING_PROMPT_VERSION
+    from adbatch.training.checkpoint import IndexMismatchError
+
+    other = tmp_path / "other_tok"
+    AutoTokenizer.from_pretrained(str(default_embedding_model_dir()), eos_token="[SEP]").save_pretrained(other)
+    shutil.copy(default_embedding_model_dir() / "config.json", other / "config.json")
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=120)
+    build_index(ads, tmp_path / "foreign", IndexConfig(columns=CorpusConfig(embedding="vec"), tokenizer=str(other),
+                                                      cluster=ClusterConfig(leaf_size=50)), progress=False)
+    model = _model_folder(tmp_path / "model", default_tokenizer)
+    foreign = read_manifest(tmp_path / "foreign")
+    with pytest.raises(IndexMismatchError, match="another tokenizer than index .*foreign"):
+        check_model_index(ModelSpec(model=str(model)), tmp_path / "foreign", foreign)
+    # a model whose training record names the foreign index is still refused on its tokenizer
+    trained = _model_folder(tmp_path / "trained", default_tokenizer,
+                            {"trained_on_index": foreign["index_hash"], "targeting_prompt_version": TARGETING_PROMPT_VERSION})
+    with pytest.raises(IndexMismatchError, match="another tokenizer"):
+        check_model_index(ModelSpec(model=str(trained)), tmp_path / "foreign", foreign)
+    # the index's own tokenizer: text index (untrained model), codes index (vocab extended above the base)
+    build_index(ads, tmp_path / "own", cfg_for(), progress=False)
+    assert check_model_index(ModelSpec(model=str(model)), tmp_path / "own", read_manifest(tmp_path / "own")) is None
+    build_index(ads, tmp_path / "codes", cfg_for(IdScheme.CODES), progress=False)
+    codes = read_manifest(tmp_path / "codes")
+    extended = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    extended.add_tokens(codes["special_tokens"], special_tokens=True)
+    assert len(extended) > codes["base_vocab_size"]
+    ext = _model_folder(tmp_path / "extended", extended,
+                        {"trained_on_index": codes["index_hash"], "targeting_prompt_version": TARGETING_PROMPT_VERSION})
+    assert check_model_index(ModelSpec(model=str(ext)), tmp_path / "codes", codes)["trained_on_index"] == codes["index_hash"]

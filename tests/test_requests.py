@@ -195,3 +195,35 @@ def test_control_only_query_is_empty(tmp_path):
     v = validate_requests(path, GenerateTask.TARGETS)
     assert v.accepted.column("request_id").to_pylist() == ["b"]
     assert v.rejected.column("reason").to_pylist() == ["query is empty"]
+
+
+def test_ids_are_kept_byte_exact(tmp_path):
+    """Issue 19 item 9: ids were stripped (' padded ' came out as 'padded'), so 'd3', 'd3 ' and ' d3'
+    merged into one id and were all rejected as conflicting. They are three ids; blank ones are still
+    rejected with a reason."""
+    path = _write(tmp_path / "r.parquet", request_id=[" padded ", "d3", "d3 ", " d3", "\t", "x\x00"],
+                  query=["saw", "drill", "lamp", "glue", "rug", "tile"])
+    v = validate_requests(path, GenerateTask.TARGETS)
+    assert v.accepted.column("request_id").to_pylist() == sorted([" padded ", "d3", "d3 ", " d3", "x\x00"])
+    assert dict(zip(v.accepted.column("request_id").to_pylist(), v.accepted.column("query").to_pylist()))["d3 "] == "lamp"
+    assert v.rejected.column("row").to_pylist() == [4]
+    assert v.rejected.column("reason")[0].as_py().startswith("request_id is null, empty")
+    path = _write(tmp_path / "c.parquet", request_id=["r1", "r2", "r3"], ad_id=[" a7 ", "a7", " "],
+                  title=["Acme", "Acme", "Acme"])
+    v = validate_requests(path, GenerateTask.CREATIVES)
+    assert v.accepted.column("ad_id").to_pylist() == [" a7 ", "a7"]
+    assert v.rejected.column("reason").to_pylist() == ["ad_id is null, empty or not an integer/string"]
+
+
+def test_corrupt_data_pages_name_the_file(tmp_path):
+    """Bytes corrupted inside the data pages (footer intact) are caught when the rows are read, by the
+    same reader the corpus uses, naming the file."""
+    n = 2000
+    path = _write(tmp_path / "r.parquet", request_id=[f"r{i}" for i in range(n)],
+                  query=[f"query number {i} words" for i in range(n)])
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    with pytest.raises(RequestSchemaError, match=r"r\.parquet: corrupt Parquet data"):
+        validate_requests(path, GenerateTask.TARGETS)
