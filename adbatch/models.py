@@ -115,7 +115,12 @@ def resolve_model(model: str | Path | None = None) -> Path:
     return Path(model)  # type: ignore[arg-type]
 
 
-class UnsafeCheckpointError(ValueError):
+class ModelFolderError(ValueError):
+    """A model folder that cannot be loaded as it is: an unreadable or truncated weight file, a
+    tokenizer that does not load, weights that do not fit its config.json, non-finite weights."""
+
+
+class UnsafeCheckpointError(ModelFolderError):
     """A model folder whose weights are only in pickle files (``*.bin``, ``*.pt``, ``*.pth``)."""
 
 
@@ -132,6 +137,47 @@ def _require_safetensors(path: Path) -> None:
         "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
 
 
+def _check_files(path: Path) -> None:
+    """config.json must be JSON, and every ``*.safetensors`` header must open (no tensor is read): a
+    truncated, emptied or edited file raises :class:`ModelFolderError` naming it, instead of
+    safetensors' bare deserialization error."""
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelFolderError(f"{path / 'config.json'}: not a readable JSON file ({exc})") from None
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                fh.keys()
+        except Exception as exc:  # safetensors raises its own SafetensorError (not an OSError)
+            raise ModelFolderError(f"{f}: not a readable safetensors file ({exc}); truncated or damaged?") from None
+
+
+def _check_loaded(path: Path, lm: Any, info: dict[str, Any]) -> None:
+    """Refuse weights that do not fit config.json -- transformers would re-initialize the missing or
+    mismatched tensors at random (an edited ``num_hidden_layers`` loads with a random layer, logged as
+    a warning only) or drop unexpected ones -- and any NaN / infinity (a bit flip in an exponent)."""
+    import torch
+
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"tensors missing from the weights: {sorted(info['missing_keys'])[:5]}")
+    if info.get("unexpected_keys"):
+        problems.append(f"tensors config.json has no place for: {sorted(info['unexpected_keys'])[:5]}")
+    if info.get("mismatched_keys"):
+        problems.append("shapes differ from config.json: " + ", ".join(
+            f"{k} {list(a)} (config: {list(b)})" for k, a, b in sorted(info["mismatched_keys"])[:5]))
+    if problems:
+        raise ModelFolderError(f"{path}: weights do not match config.json: " + "; ".join(problems))
+    for name, t in lm.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ModelFolderError(f"{path}: tensor {name} holds NaN or infinity (a damaged weight file?)")
+
+
 def load_causal_lm(
     model: str | Path | None = None,
     *,
@@ -141,22 +187,29 @@ def load_causal_lm(
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` from a local source. No remote code, no hub access.
 
-    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
+    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA. A folder that cannot be loaded as it
+    is (pickle-only, a truncated or damaged weight file, no tokenizer, weights that do not fit its
+    config.json, NaN / infinity in a weight) raises :class:`ModelFolderError` naming the folder or file.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(model)
     _require_safetensors(path)
+    _check_files(path)
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelFolderError(f"{path}: no readable tokenizer ({exc})") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    lm = AutoModelForCausalLM.from_pretrained(
+    lm, info = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
-        use_safetensors=True,
+        use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True,
     )
+    _check_loaded(path, lm, info)
     lm.to(device)
     lm.eval()
     return lm, tok

@@ -12,7 +12,8 @@ Layout of ``DIR``::
                                       {key: [dtype, shape]}}
 
 Loading verifies every shard's size (truncation), sha256 (edits) and every tensor's dtype/shape
-against the manifest and the model built from config.json, and fails naming the file and tensor.
+against the manifest and the model built from config.json, and the sha256 of recipe.json, config.json,
+generation_config.json and the tokenizer files, and fails naming the file and tensor.
 No pickle anywhere: safetensors and JSON only.
 """
 
@@ -118,16 +119,21 @@ def save_compressed(model: nn.Module, tokenizer: Any, recipe: CompressionRecipe,
         for rec in recipe.layers:
             if f"{rec.name}.qweight" in tensors:
                 rec.shard = name
+    side_files = []  # what save_pretrained writes beside the shards: hashed like them
     if hasattr(model, "config"):
         model.config.save_pretrained(out)
+        side_files.append("config.json")
     if getattr(model, "generation_config", None) is not None:
         # extra EOS ids (e.g. Llama-3 / Qwen2.5 instruct <|eot_id|>), pad id, sampling defaults
         model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+        side_files.append("generation_config.json")
+    # the tokenizer decides what every token id means: an edited tokenizer.json must not load silently
+    side_files += [Path(f).name for f in tokenizer.save_pretrained(out) if Path(f).parent == out]
     write_json_atomic(out / RECIPE_NAME, recipe.to_dict())
     hashed = {RECIPE_NAME: sha256_file(out / RECIPE_NAME)}
-    if (out / "config.json").is_file():
-        hashed["config.json"] = sha256_file(out / "config.json")
+    for name in side_files:
+        if (out / name).is_file():
+            hashed[name] = sha256_file(out / name)
     manifest = build_manifest(
         stage="compress",
         config=recipe.config,
@@ -142,7 +148,8 @@ def save_compressed(model: nn.Module, tokenizer: Any, recipe: CompressionRecipe,
 
 
 def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
-    """Check every shard's presence, size and sha256 and recipe.json's hash; returns the manifest.
+    """Check every shard's presence, size and sha256 and the hashes of recipe.json, config.json and the
+    other listed side files (generation config, tokenizer); returns the manifest.
 
     Raises :class:`CheckpointError` naming the first bad file.
     """
@@ -151,8 +158,12 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
         manifest = read_manifest(d)
     except FileNotFoundError as exc:
         raise CheckpointError(str(exc)) from None
+    except ValueError as exc:  # json.JSONDecodeError: an edited or truncated manifest
+        raise CheckpointError(f"{d}/manifest.json: not valid JSON ({exc})") from None
     if manifest.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{d}/manifest.json: format {manifest.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+    if not isinstance(manifest.get("shards"), dict) or not isinstance(manifest.get("outputs"), dict):
+        raise CheckpointError(f"{d}/manifest.json: no 'shards' / 'outputs' tables: not a compressed checkpoint manifest")
     for name, info in manifest["shards"].items():
         path = d / name
         if not path.is_file():
@@ -164,12 +175,16 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
         if digest != info["sha256"]:
             raise CheckpointError(f"{path}: sha256 {digest[:16]}... != manifest {info['sha256'][:16]}... (file was modified)")
     for name in (RECIPE_NAME, "config.json"):
+        if name not in manifest["outputs"]:
+            raise CheckpointError(f"{d}/manifest.json has no sha256 for {name}")
+    # recipe, config, generation config, tokenizer files (those of checkpoints written before the
+    # tokenizer was hashed are not listed, so not checked)
+    for name, expect in manifest["outputs"].items():
+        if name in manifest["shards"]:
+            continue
         path = d / name
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing")
-        expect = manifest["outputs"].get(name)
-        if expect is None:
-            raise CheckpointError(f"{d}/manifest.json has no sha256 for {name}")
+            raise CheckpointError(f"{path} is missing (listed in manifest.json)")
         if sha256_file(path) != expect:
             raise CheckpointError(f"{path}: sha256 differs from manifest.json (file was modified)")
     return manifest
