@@ -48,6 +48,26 @@ def is_blank(text: str) -> bool:
     return all(ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf") for ch in text)
 
 
+def invalid_utf8_rows(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """``bool [len(col)]``: rows of a string column whose bytes are not valid UTF-8. Arrow's readers do
+    not check (its string kernels raise later, naming no row); one full validation first, so a valid
+    column costs no per-row work."""
+    try:
+        col.validate(full=True)
+        return np.zeros(len(col), dtype=bool)
+    except pa.ArrowInvalid:
+        pass
+    binary = pa.large_binary() if pa.types.is_large_string(col.type) else pa.binary()
+    out = np.zeros(len(col), dtype=bool)
+    for i, v in enumerate(col.cast(binary).to_pylist()):
+        if v is not None:
+            try:
+                v.decode("utf-8")
+            except UnicodeDecodeError:
+                out[i] = True
+    return out
+
+
 def visible_lengths(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """Per row, the length of a string column without control / format characters and outer
     whitespace (0 where null): the vectorized :func:`is_blank`."""
@@ -93,6 +113,7 @@ def read_parquet_table(path: Path, columns: list[str] | None = None,
 class RejectReason(str, enum.Enum):
     """Why a row was set aside (the ``reason`` column of ``rejected.parquet``)."""
 
+    INVALID_UTF8 = "invalid_utf8"
     NULL_AD_ID = "null_ad_id"
     EMPTY_TEXT = "empty_text"
     TEXT_TOO_LONG = "text_too_long"
@@ -264,6 +285,15 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
     for path_i in paths:
         t = read_parquet_table(path_i, columns=list(mapping.values()))
         cols = {ours: t.column(col) for ours, col in mapping.items()}
+        # string values whose bytes are not UTF-8 (writers that do not check produce them) would make
+        # every string kernel below raise for the whole corpus: such a row is nulled here and rejected
+        not_utf8 = np.full(t.num_rows, "", dtype=object)
+        for ours, col in cols.items():
+            if ours != "embedding" and _is_string(col.type):
+                bad = invalid_utf8_rows(col)
+                if bad.any():
+                    cols[ours] = pc.if_else(pa.array(bad), pa.scalar(None, col.type), col)
+                    not_utf8[bad & (not_utf8 == "")] = mapping[ours]
         try:
             cols["ad_id"] = cols["ad_id"].cast(pa.string() if id_kind == "string" else pa.int64())
         except pa.ArrowInvalid as exc:  # e.g. uint64 ids above 2**63 - 1
@@ -275,6 +305,7 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
             cols["embedding"] = cols["embedding"].cast(pa.list_(pa.float32()))
         cols["source_file"] = pa.array([str(path_i)] * t.num_rows, pa.string())
         cols["source_row"] = pa.array(np.arange(t.num_rows, dtype=np.int64))
+        cols["not_utf8"] = pa.array(not_utf8.tolist(), pa.string())
         parts.append(pa.table(cols))
     table = pa.concat_tables(parts).combine_chunks()
     n = table.num_rows
@@ -286,6 +317,10 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
         reason[new] = why.value
         detail[new] = what if isinstance(what, str) else what[new]
 
+    not_utf8 = np.asarray(table.column("not_utf8").to_pylist(), dtype=object)
+    table = table.drop_columns(["not_utf8"])
+    flag(not_utf8 != "", RejectReason.INVALID_UTF8,
+         np.array([f"column {c!r} holds bytes that are not UTF-8" for c in not_utf8], object))
     ad_null = table.column("ad_id").is_null().to_numpy(zero_copy_only=False)
     if id_kind == "string":  # a blank id joins to nothing downstream: as unusable as a null one
         ad_null = ad_null | (visible_lengths(table.column("ad_id")) == 0)

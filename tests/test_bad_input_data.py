@@ -148,6 +148,27 @@ def test_corpus_odd_ids_are_kept_byte_exact(tmp_path, case):
     _assert_rows_flow(c, len(ids))
 
 
+def _not_utf8(values: list[bytes | None]) -> pa.Array:
+    """A *string* column holding bytes that are not UTF-8 (some writers do not check)."""
+    raw = pa.array(values, pa.binary())
+    return pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+
+
+@pytest.mark.parametrize("column", ["ad_id", "title", "description"])
+def test_corpus_value_that_is_not_utf8_rejects_its_row(tmp_path, column):
+    """Such a value made every string kernel raise 'Invalid UTF8 sequence in input' for the whole corpus."""
+    cols = {"ad_id": [b"a", b"b", b"c"], "title": [b"drill", b"saw", b"lamp"], "description": [b"x", b"y", None]}
+    cols[column][1] = b"\xff\xfe" + cols[column][1]
+    p = _write(tmp_path / "ads.parquet", **{k: _not_utf8(v) for k, v in cols.items()})
+    c = read_corpus(p, CorpusConfig(description="description"))
+    rej = c.rejected.to_pylist()
+    assert [(r["source_row"], r["reason"]) for r in rej] == [(1, RejectReason.INVALID_UTF8.value)]
+    assert f"column {column!r}" in rej[0]["detail"]
+    assert rej[0]["ad_id"] == (None if column == "ad_id" else "b")
+    assert c.table.column("ad_id").to_pylist() == ["a", "c"]
+    _assert_rows_flow(c, 3)
+
+
 def test_corpus_with_every_bad_row_kind_builds_an_index_of_the_rest(tmp_path):
     """All row problems in one corpus through build_index: the good ads are indexed, every bad row is in
     rejected.parquet with its reason and counted in the manifest."""
