@@ -131,7 +131,7 @@ def rescale_exactly(x: np.ndarray) -> np.ndarray:
     Returns:
         ``float32 [n, D]``.
     """
-    top = float(np.abs(x).max(initial=0.0))
+    top = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0)))  # max |x| without an |x| copy
     if top == 0.0 or 1.0 / SAFE_MAGNITUDE <= top <= SAFE_MAGNITUDE:
         return x
     if not np.isfinite(top):

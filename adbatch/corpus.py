@@ -282,6 +282,7 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
     id_kind, fixed_dim = _check_schema(paths, cfg)
     mapping = cfg.mapping()
     parts = []
+    not_utf8_parts: list[np.ndarray] = []  # per part, per row: the column whose bytes are not UTF-8
     for path_i in paths:
         t = read_parquet_table(path_i, columns=list(mapping.values()))
         cols = {ours: t.column(col) for ours, col in mapping.items()}
@@ -305,7 +306,7 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
             cols["embedding"] = cols["embedding"].cast(pa.list_(pa.float32()))
         cols["source_file"] = pa.array([str(path_i)] * t.num_rows, pa.string())
         cols["source_row"] = pa.array(np.arange(t.num_rows, dtype=np.int64))
-        cols["not_utf8"] = pa.array(not_utf8.tolist(), pa.string())
+        not_utf8_parts.append(not_utf8)
         parts.append(pa.table(cols))
     table = pa.concat_tables(parts).combine_chunks()
     n = table.num_rows
@@ -317,8 +318,7 @@ def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
         reason[new] = why.value
         detail[new] = what if isinstance(what, str) else what[new]
 
-    not_utf8 = np.asarray(table.column("not_utf8").to_pylist(), dtype=object)
-    table = table.drop_columns(["not_utf8"])
+    not_utf8 = np.concatenate(not_utf8_parts)  # row order of the concatenated table
     flag(not_utf8 != "", RejectReason.INVALID_UTF8,
          np.array([f"column {c!r} holds bytes that are not UTF-8" for c in not_utf8], object))
     ad_null = table.column("ad_id").is_null().to_numpy(zero_copy_only=False)
