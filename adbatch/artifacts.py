@@ -1,13 +1,33 @@
-"""Artifact plumbing shared by every stage: atomic writes, content hashes, manifests.
+"""Artifact plumbing shared by every stage: atomic writes, content hashes, manifests, and who owns
+an output folder.
 
 Contract (DESIGN.md section 2): each stage writes its outputs atomically (temp file + rename in the
 same directory, so readers never see a half-written file) and a ``manifest.json`` recording the
 inputs' hashes, the config, the code version, counts and timings.
+
+Output folders (docs/INTERFACES.md, "Output folders"): a stage run holds its ``--out`` through
+:func:`claim_output`, which
+
+1. takes the folder's lock: ``fcntl.flock`` on ``.<name>.adbatch-lock`` beside the folder (beside,
+   not inside, because the train stage replaces its whole folder by a rename). A second run on the
+   same folder is refused at once with :class:`OutputLockedError` naming the holder's pid; the lock
+   is the kernel's, so it ends with its process -- a killed writer never blocks the next run;
+2. refuses a folder holding another stage's artifact, with or without ``--overwrite``
+   (:class:`OutputOwnershipError`; which stage wrote a folder: :func:`artifact_kind`), and a
+   non-empty folder no stage wrote;
+3. marks the folder as the stage's (:data:`STAGE_MARKER`) before anything else is written, so a run
+   killed half-way leaves a folder that is still recognisably its own.
+
+Within its own folder a stage decides what to keep (resume) and what ``--overwrite`` replaces; it
+never removes a file another stage wrote, because it never runs in another stage's folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -19,24 +39,107 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import adbatch
+from adbatch.config import ConfigError
 
 MANIFEST_NAME = "manifest.json"
+#: written first into every stage's output folder: ``{"stage": <ArtifactKind value>, ...}``
+STAGE_MARKER = ".adbatch-stage.json"
+LOCK_SUFFIX = ".adbatch-lock"
+#: a temp file of an unknown writer (one written before temp names carried the pid) counts as stale
+#: after this long
+STALE_TEMP_S = 3600.0
+
+
+class ArtifactKind(str, enum.Enum):
+    """The stage that wrote an output folder (the ``stage`` of its marker and of its manifest)."""
+
+    INDEX = "index"
+    TRAIN = "train"
+    COMPRESS = "compress"
+    GENERATE = "generate"
+    EVAL = "eval"
+    REFRESH = "refresh"
+
+
+#: folders written before stages marked them: a file only that stage writes names it
+_UNMARKED_SIGNS = (("adbatch_training.json", ArtifactKind.TRAIN), ("refresh_summary.json", ArtifactKind.REFRESH),
+                   ("_refresh", ArtifactKind.REFRESH), ("_progress/run.json", ArtifactKind.GENERATE),
+                   (".staging", ArtifactKind.INDEX))
+
+
+class OutputOwnershipError(ConfigError):
+    """``--out`` holds another stage's artifact (or files no stage wrote): the stage refuses to write there."""
+
+
+class OutputLockedError(ConfigError):
+    """Another run is writing the same ``--out`` folder."""
+
+
+def file_mode() -> int:
+    """The mode a plain ``open()`` gives a new file: ``0o666`` less this process's umask."""
+    try:
+        with open("/proc/self/status") as fh:
+            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux: read it the racy way
+        mask = os.umask(0o22)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(final: str | Path) -> list[Path]:
+    """Remove the temp files of earlier writes of ``final`` whose writer is gone: ``.<name>.<pid>.*.tmp``
+    of a process that no longer runs, and unattributed ``.<name>.*.tmp`` older than :data:`STALE_TEMP_S`.
+    Returns the removed paths."""
+    final = Path(final)
+    prefix = f".{final.name}."
+    removed = []
+    with os.scandir(final.parent) as entries:  # one pass of string tests: cheap beside the write itself
+        candidates = [Path(e.path) for e in entries if e.name.startswith(prefix) and e.name.endswith(".tmp")]
+    for p in candidates:
+        middle = p.name[len(prefix):-len(".tmp")]
+        head = middle.split(".", 1)[0]
+        try:
+            if head.isdigit() and "." in middle:
+                stale = int(head) != os.getpid() and not _pid_alive(int(head))
+            else:
+                stale = time.time() - p.stat().st_mtime > STALE_TEMP_S
+            if stale:
+                p.unlink()
+                removed.append(p)
+        except FileNotFoundError:
+            continue
+    return removed
 
 
 @contextlib.contextmanager
 def atomic_path(final: str | Path) -> Iterator[Path]:
     """Yield a temp path beside ``final``; on clean exit rename it over ``final`` (atomic on POSIX).
 
-    On an exception the temp file is removed and ``final`` is untouched.
+    On an exception the temp file is removed and ``final`` is untouched. The file gets the mode a
+    plain ``open()`` would give it (the umask applies; ``mkstemp`` alone would make it 0600), and a
+    successful write removes the temp files that killed earlier writes of ``final`` left behind
+    (the temp name carries the writer's pid: ``.<name>.<pid>.<random>.tmp``).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        os.chmod(tmp_path, file_mode())
         os.replace(tmp_path, final)
+        remove_stale_temps(final)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -153,3 +256,110 @@ def verify_outputs(directory: str | Path, manifest: dict[str, Any], names: Any =
             raise ValueError(f"{directory / name}: sha256 {got[:12]} does not match the manifest's "
                              f"{str(want)[:12]}; the artifact is damaged or mixed")
 
+
+
+# --- output folders: ownership, marker, one writer --------------------------------------------------
+def _read_json_or_none(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def artifact_kind(folder: str | Path) -> str | None:
+    """Which stage wrote ``folder``: its marker's ``stage``, else its manifest's, else a file only one
+    stage writes (folders from before the marker); None for a folder no stage wrote."""
+    folder = Path(folder)
+    for name in (STAGE_MARKER, MANIFEST_NAME):
+        data = _read_json_or_none(folder / name)
+        if isinstance(data, dict) and data.get("stage"):
+            return str(data["stage"])
+    for name, kind in _UNMARKED_SIGNS:
+        if (folder / name).exists():
+            return kind.value
+    return None
+
+
+def check_output_owner(out: str | Path, kind: ArtifactKind) -> None:
+    """Raise :class:`OutputOwnershipError` unless ``out`` is absent, empty, or ``kind``'s own folder."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputOwnershipError(f"{out} is a file, not a folder: `adbatch {kind.value}` writes a folder there; "
+                                   "choose another --out")
+    found = artifact_kind(out)
+    if found == kind.value:
+        return
+    if found is not None:
+        raise OutputOwnershipError(
+            f"{out} holds an adbatch {found} artifact: `adbatch {kind.value}` does not write into another "
+            f"stage's folder, with or without --overwrite (which replaces only {kind.value} outputs); "
+            "choose another --out")
+    entries = sorted(p.name for p in out.iterdir())
+    if entries:
+        raise OutputOwnershipError(
+            f"{out} is not empty and holds no adbatch artifact (found {entries[:5]}): `adbatch {kind.value}` "
+            "writes only into a new or empty folder or its own earlier output, with or without --overwrite; "
+            "choose another --out")
+
+
+def mark_output(out: str | Path, kind: ArtifactKind) -> None:
+    """Create ``out`` if needed and write its :data:`STAGE_MARKER` (kept when already ``kind``'s)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    marker = _read_json_or_none(out / STAGE_MARKER)
+    if isinstance(marker, dict) and marker.get("stage") == kind.value:
+        return
+    write_json_atomic(out / STAGE_MARKER, {"stage": kind.value, "adbatch_version": adbatch.__version__,
+                                           "created_unix": time.time()})
+
+
+def lock_path(out: str | Path) -> Path:
+    """The lock file of an output folder: ``.<name>.adbatch-lock`` beside it."""
+    out = Path(os.path.abspath(out))
+    return out.parent / f".{out.name}{LOCK_SUFFIX}"
+
+
+@contextlib.contextmanager
+def output_lock(out: str | Path, kind: ArtifactKind) -> Iterator[Path]:
+    """Hold ``out``'s lock for this run, or raise :class:`OutputLockedError` at once if another holds it.
+
+    ``flock`` on :func:`lock_path`: the kernel drops the lock when its holder exits, killed or not,
+    and it is held per open file, so two claims in one process exclude each other too. The file's
+    text names the holder (pid, stage, host, start) for the refusal message; it is never removed
+    (removing it could let two runs lock two different files)."""
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            holder = _read_json_or_none(path) or {}
+            who = (f"pid {holder.get('pid')} on {holder.get('host')}, adbatch {holder.get('stage')}, started "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(holder['started_unix']))}"
+                   if isinstance(holder.get("started_unix"), (int, float)) else "pid unknown")
+            raise OutputLockedError(f"{out} is being written by another adbatch run ({who}); wait for it to "
+                                    f"finish or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": platform.node(), "stage": kind.value,
+                                 "started_unix": time.time()}).encode())
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def claim_output(out: str | Path, kind: ArtifactKind, mark: bool = True) -> Iterator[Path]:
+    """Hold ``out`` for one run of stage ``kind``: its lock (:func:`output_lock`), the ownership check
+    (:func:`check_output_owner`) and, with ``mark``, its marker (:func:`mark_output`; a stage that
+    replaces its whole folder at the end marks it after that). Yields ``out`` as a Path."""
+    out = Path(out)
+    with output_lock(out, kind):
+        check_output_owner(out, kind)
+        if mark:
+            mark_output(out, kind)
+        yield out

@@ -7,7 +7,6 @@ plain run a local Ray starts in-process. ``main(argv)`` returns the run summary 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,5 +24,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    result = main()
-    print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    from jobs.config_cli import run_entrypoint
+
+    sys.exit(run_entrypoint(main, "batch_generate"))

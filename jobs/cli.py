@@ -12,7 +12,8 @@ import json
 import sys
 from typing import Any, Callable
 
-from jobs.config_cli import add_common_arguments, add_config_arguments, config_from_args, setup_logging
+from jobs.config_cli import (add_common_arguments, add_config_arguments, add_debug_argument, config_from_args,
+                             is_user_error, report_user_error, setup_logging)
 
 #: subcommand -> (module, config class, run function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -40,6 +41,7 @@ def _load(command: str) -> tuple[type, Callable[[Any], dict[str, Any]]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adbatch", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    add_debug_argument(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, _, _, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -54,12 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command: 0 with its summary as JSON on stdout; 2 with one line on stderr for a user
+    error (config, schema, integrity, ownership, a missing input; ``--debug`` re-raises it with its
+    traceback); any other failure propagates with its traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
-    cls, run = _load(args.command)
-    config = config_from_args(cls, args, section=args.command)
-    result = run(config)
+    try:
+        cls, run = _load(args.command)
+        config = config_from_args(cls, args, section=args.command)
+        result = run(config)
+    except Exception as exc:
+        if getattr(args, "debug", False) or not is_user_error(exc):
+            raise
+        return report_user_error(f"adbatch {args.command}", exc)
     print(json.dumps(result, indent=2, sort_keys=True, default=str))
     return 0
 

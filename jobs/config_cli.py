@@ -98,7 +98,7 @@ def config_from_args(
                 file_data = table
         data.update(file_data)
     for key, value in vars(args).items():
-        if key in ("config", "command", "log_level") or value is _MISSING:
+        if key in ("config", "command", "log_level", "debug") or value is _MISSING:
             continue
         _set_nested(data, key, value)
     return cls.from_dict(data)
@@ -108,9 +108,74 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and ``--log-level``, shared by every entrypoint."""
+    """``--config FILE``, ``--log-level`` and ``--debug``, shared by every entrypoint."""
     parser.add_argument("--config", metavar="FILE", help="YAML or TOML config; CLI flags override it")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    add_debug_argument(parser)
+
+
+def add_debug_argument(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a sub-command's parser must not reset a --debug given before the sub-command
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on a user error, print the traceback too (default: one line, exit status 2)")
+
+
+#: exit status of a user error (config, schema, integrity, ownership, a missing input), as argparse's
+EXIT_USER_ERROR = 2
+#: the exception types that mean "the input or the config is wrong", by module: a type counts only once
+#: its module is loaded (an exception of it can only exist then), so nothing heavy is imported for this
+USER_ERROR_TYPES = (
+    ("adbatch.config", "ConfigError"),  # OutputOwnershipError, OutputLockedError derive from it
+    ("adbatch.corpus", "CorpusSchemaError"),
+    ("adbatch.requests", "RequestSchemaError"),
+    ("adbatch.trie", "TrieFormatError"),
+    ("adbatch.models", "UnsafeCheckpointError"),
+    ("adbatch.compress.checkpoint", "CheckpointError"),
+    ("adbatch.training.checkpoint", "IndexMismatchError"),
+)
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` reports a mistake in the user's input (shown as one line), not a failure of ours."""
+    import sys
+
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return True
+    for module, name in USER_ERROR_TYPES:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(exc, cls):
+            return True
+    return False
+
+
+def report_user_error(prog: str, exc: BaseException) -> int:
+    """Print ``exc`` as one line on stderr (``<prog>: error: ...``); returns :data:`EXIT_USER_ERROR`."""
+    import sys
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"{prog}: error: {text} (--debug shows the traceback)", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def run_entrypoint(main: Any, prog: str, argv: list[str] | None = None,
+                   show: Any = None) -> int:
+    """Run a script's ``main(argv) -> summary``: print the summary (``show``, default JSON) and return 0,
+    or, on a user error without ``--debug``, one line on stderr and :data:`EXIT_USER_ERROR`."""
+    import json
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    front = argparse.ArgumentParser(add_help=False)
+    add_debug_argument(front)
+    debug = getattr(front.parse_known_args(argv)[0], "debug", False)
+    try:
+        result = main(argv)
+    except Exception as exc:
+        if debug or not is_user_error(exc):
+            raise
+        return report_user_error(prog, exc)
+    (show or (lambda r: print(json.dumps(r, indent=2, sort_keys=True, default=str))))(result)
+    return 0
 
 
 def setup_logging(level: str) -> None:

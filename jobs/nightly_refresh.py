@@ -26,7 +26,8 @@ from typing import Any, Callable
 if __package__ in (None, ""):  # run as a script (``python jobs/nightly_refresh.py`` / ray job submit)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adbatch.artifacts import sha256_file, sha256_json, sha256_paths, verify_outputs, write_json_atomic
+from adbatch.artifacts import (ArtifactKind, claim_output, sha256_file, sha256_json, sha256_paths, verify_outputs,
+                               write_json_atomic)
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.compress import CalibrationConfig, CompressConfig
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
@@ -303,12 +304,10 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
     from pipelines.ray_runtime import init_ray
 
     t_start = time.perf_counter()
-    runner = _Runner(config)
-    work = runner.work
-    work.mkdir(parents=True, exist_ok=True)
-    init_ray(config.num_cpus)
-
-    # fail on unusable request files before any stage spends time
+    # fail on unusable inputs before Ray starts and before any stage spends time
+    ads = _abs(config.index.ads)
+    if not ads.exists():
+        raise FileNotFoundError(f"RefreshConfig.index.ads: {config.index.ads} not found")
     gen = config.generate
     req_files = {}
     for task, path in ((GenerateTask.TARGETS, gen.targets_requests), (GenerateTask.CREATIVES, gen.creatives_requests)):
@@ -316,6 +315,17 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
             from adbatch.requests import check_request_schema
 
             req_files[task] = check_request_schema(_abs(path), task)
+    # the work folder is the refresh's; each stage claims its own sub-folder in turn
+    with claim_output(config.work, ArtifactKind.REFRESH):
+        init_ray(config.num_cpus)
+        return _refresh_into(config, req_files, t_start)
+
+
+def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path]], t_start: float) -> dict[str, Any]:
+    """The part of :func:`run_refresh` that runs the stages: under the work folder's claim."""
+    runner = _Runner(config)
+    work = runner.work
+    gen = config.generate
 
     # --- index
     from pipelines.index import IndexJobConfig, run_index
@@ -444,8 +454,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return run_refresh(parse_job_config(RefreshConfig, argv, "refresh", __doc__.splitlines()[0]))
 
 
-if __name__ == "__main__":
-    result = main()
+def _show(result: dict[str, Any]) -> None:
     print(json.dumps(result, indent=2, sort_keys=True, default=str))
     print(f"\noutputs: {json.dumps(result['outputs'])}\nreport: {result['report']}\n"
           f"summary: {Path(result['work']) / 'refresh_summary.json'}")
+
+
+if __name__ == "__main__":
+    from jobs.config_cli import run_entrypoint
+
+    sys.exit(run_entrypoint(main, "nightly_refresh", show=_show))

@@ -88,16 +88,9 @@ class RayLayerExecutor:
 
 def run_compress(config: CompressJobConfig) -> dict[str, Any]:
     """Load, calibrate, compress (Ray), evaluate, save; returns a summary dict (printed by the CLI)."""
-    import torch
-
-    from adbatch.artifacts import StageTimer, sha256_file
-    from adbatch.compress.calibration import (
-        EXAMPLE_CORPUS, calibrate, example_corpus_split, load_calibration_texts, token_blocks,
-    )
-    from adbatch.compress.checkpoint import save_compressed
-    from adbatch.compress.linear import SequentialExecutor, compress_, densify_
-    from adbatch.compress.report import EvalSets, evaluate, plot_layers, run_ablations, size_report, write_report
-    from adbatch.models import load_causal_lm, resolve_model
+    from adbatch.artifacts import ArtifactKind, StageTimer, claim_output
+    from adbatch.compress.calibration import load_calibration_texts
+    from adbatch.models import classify_model_arg
 
     timer = StageTimer()
     t_start = time.perf_counter()
@@ -105,6 +98,27 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
     calib_cfg = config.calibration
     if config.calib is not None:
         calib_cfg = calib_cfg.replace(path=config.calib)
+    # inputs checked before Ray starts and before the folder is claimed: the model argument names a
+    # model, the calibration file reads
+    classify_model_arg(config.model)
+    with timer.phase("calibrate"):
+        texts = load_calibration_texts(calib_cfg)
+    with claim_output(out, ArtifactKind.COMPRESS):
+        return _compress_into(config, out, calib_cfg, texts, timer, t_start)
+
+
+def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationConfig, texts: list[str],
+                   timer: Any, t_start: float) -> dict[str, Any]:
+    """The part of :func:`run_compress` that starts Ray and writes: under the folder's claim."""
+    import torch
+
+    from adbatch.artifacts import sha256_file
+    from adbatch.compress.calibration import EXAMPLE_CORPUS, calibrate, example_corpus_split, token_blocks
+    from adbatch.compress.checkpoint import save_compressed
+    from adbatch.compress.linear import SequentialExecutor, compress_, densify_
+    from adbatch.compress.report import EvalSets, evaluate, plot_layers, run_ablations, size_report, write_report
+    from adbatch.models import load_causal_lm, resolve_model
+
     if config.use_ray:
         from pipelines.ray_runtime import init_ray
 
@@ -126,7 +140,6 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
     if qat_note:
         log.info("%s", qat_note)
     with timer.phase("calibrate"):
-        texts = load_calibration_texts(calib_cfg)
         stats = calibrate(model, token_blocks(tok, texts, calib_cfg.seq_len), calib_cfg, config.compress.skip_modules)
     # held-out ads come from the other end of the same seeded permutation: disjoint from calibration
     _, held = example_corpus_split(calib_cfg.num_texts, config.eval_texts, calib_cfg.seed)

@@ -23,8 +23,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from adbatch.artifacts import (StageTimer, build_manifest, code_version, sha256_file, write_json_atomic,
-                               write_parquet_atomic)
+from adbatch.artifacts import (ArtifactKind, StageTimer, build_manifest, claim_output, code_version, sha256_file,
+                               write_json_atomic, write_parquet_atomic)
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.datasets import HomeDepotConfig, QuerySplit
 from adbatch.decoding import CreativeConfig, TargetSearchConfig, VerifyMode
@@ -242,10 +242,15 @@ def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path
 
 def run_eval(config: EvalJobConfig) -> dict[str, Any]:
     """Evaluate and write ``out/report.md``, PNGs, ``results.json`` and ``manifest.json``."""
+    out = Path(config.out)
+    with claim_output(out, ArtifactKind.EVAL):
+        return _eval_into(config, out)
+
+
+def _eval_into(config: EvalJobConfig, out: Path) -> dict[str, Any]:
+    """The part of :func:`run_eval` that writes: under the folder's claim."""
     from adbatch.report import write_report
 
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
     timer = StageTimer()
     results: dict[str, Any] = {"meta": {"created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                         "machine": f"{platform.node()} ({platform.machine()}, "

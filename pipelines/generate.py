@@ -8,7 +8,7 @@
 2. Partition deterministically: the accepted rows sorted by ``request_id``, cut into fixed-size
    chunks of ``partition_size``; chunk ``i`` is ``_work/requests/part-i.parquet``. The same input
    and config always give the same partitions, which is what makes resuming exact.
-3. ``ray.data.read_parquet(<pending chunks>)`` -> ``map_batches(GeneratorActor, compute=actor pool
+3. ``ray.data.from_arrow(<pending chunks>)`` -> ``map_batches(GeneratorActor, compute=actor pool
    of concurrency, num_gpus=1 when the cluster has GPUs else CPU actors)``; the actor wraps
    :class:`adbatch.generation.TargetGenerator` / :class:`CreativeGenerator` (loaded once).
    Actors restart and their tasks retry when a worker dies (``max_restarts`` /
@@ -38,8 +38,9 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from adbatch.artifacts import (MANIFEST_NAME, StageTimer, build_manifest, sha256_file, sha256_json,
-                               sha256_paths, write_json_atomic, write_parquet_atomic)
+from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_manifest, claim_output,
+                               sha256_file, sha256_json, sha256_paths, write_json_atomic,
+                               write_parquet_atomic)
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
 from adbatch.generation import (CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
@@ -228,28 +229,11 @@ def partition_done(layout: Layout, i: int) -> dict[str, Any] | None:
     return rec
 
 
-def _foreign_entries(out: Path) -> list[str]:
-    """Entries of ``out`` that a generate run does not write (another stage's manifest counts)."""
-    if not out.is_dir():
-        return []
-    own = {WORK_DIR, PROGRESS_DIR, MANIFEST_NAME, REJECTED_FILE} | {t.value for t in GenerateTask}
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in own)
-    manifest = _read_json(out / MANIFEST_NAME)
-    if manifest is not None and manifest.get("stage") != "generate":
-        foreign.insert(0, f"{MANIFEST_NAME} of stage {manifest.get('stage')!r}")
-    return foreign
-
-
 def _prepare_out(config: GenerateJobConfig, run_identity: dict[str, Any], layout: Layout) -> None:
-    """Claim ``out`` for this run, or resume it when it holds this same run."""
+    """Start this run in ``out`` (a generate folder, claimed by :func:`adbatch.artifacts.claim_output`),
+    or resume it when the folder holds this same run; ``--overwrite`` replaces another generate run."""
     run_file = layout.progress_dir / RUN_RECORD
     existing = _read_json(run_file)
-    if existing is None and not config.overwrite:
-        foreign = _foreign_entries(layout.out)
-        if foreign:
-            raise ConfigError(
-                f"{config.out} is not empty and holds no generate run (found {foreign[:5]}); use a "
-                f"new --out or --overwrite true to replace its generate outputs")
     if existing is not None and existing.get("run_key") != run_identity["run_key"]:
         if not config.overwrite:
             diff = sorted(k for k in run_identity if existing.get(k) != run_identity[k])
@@ -361,16 +345,17 @@ def _iter_local(config: GenerateJobConfig, layout: Layout, pending: list[int]) -
 
 
 def _actor_resources(config: GenerateJobConfig) -> tuple[dict[str, Any], int]:
-    """(map_batches resource arguments, torch threads per actor) for this cluster."""
+    """(map_batches resource arguments, torch threads per actor) for this cluster.
+
+    The actors are the plan's only tasks (the requests enter as in-memory blocks, see
+    :func:`_iter_ray`), so on CPU they share every CPU of the cluster, one CPU included."""
     import ray
 
     res = ray.cluster_resources()
     gpus, cpus = float(res.get("GPU", 0)), float(res.get("CPU", 1))
     if gpus >= 1:
         return {"num_gpus": 1, "num_cpus": 1}, max(1, int(cpus // max(gpus, 1)))
-    # Ray Data's file listing task needs one whole CPU; actors that took every CPU would starve
-    # it and the pipeline would never start, so the actors share what is left.
-    per_actor = max(0.05, (cpus - 1.0) / config.concurrency) if cpus > 1 else 0.5 / config.concurrency
+    per_actor = max(0.05, cpus / config.concurrency)
     return {"num_cpus": round(per_actor, 3)}, max(1, int(cpus // config.concurrency))
 
 
@@ -389,11 +374,11 @@ def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> 
         runtime_env = {"env_vars": {FAULT_KILL_ENV: os.environ[FAULT_KILL_ENV]}}
     log.info("generate on Ray: %d actor(s), %s each, %d torch thread(s)", config.concurrency,
              resources, threads)
-    ds = ray.data.read_parquet([str(layout.work_file(i)) for i in pending], num_cpus=0.1)
-    # The reader may merge the small partition files into one block, and one block is one actor
-    # task whose answers only arrive when it ends. About one block per partition lets partitions
-    # commit (and survive a driver crash) as they finish. The split only moves request rows.
-    ds = ds.repartition(len(pending), shuffle=False)
+    # The request chunks are small and already validated by this driver: they enter the plan as one
+    # in-memory block per partition (ray.data.from_arrow), so partitions commit (and survive a driver
+    # crash) as they finish. read_parquet would add a file-listing task and read tasks that each need
+    # a whole CPU: on a one-CPU cluster they wait forever behind the actors.
+    ds = ray.data.from_arrow([pq.read_table(layout.work_file(i)) for i in pending])
     ds = ds.map_batches(
         GeneratorActor,
         fn_constructor_args=(config.task.value, dataclasses.asdict(config.spec),
@@ -451,6 +436,15 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
         "validation": config.validation.to_dict(),
     }
     identity["run_key"] = sha256_json(identity)
+    # one writer per folder, and never another stage's folder (docs/INTERFACES.md, "Output folders")
+    with claim_output(layout.out, ArtifactKind.GENERATE):
+        return _generate_into(config, layout, validated, identity, model_id, index_hash, timer, t_start)
+
+
+def _generate_into(config: GenerateJobConfig, layout: Layout, validated: Any, identity: dict[str, Any],
+                   model_id: dict[str, Any], index_hash: str | None, timer: StageTimer,
+                   t_start: float) -> dict[str, Any]:
+    """The part of :func:`run_generate` that writes: under the folder's claim."""
     _prepare_out(config, identity, layout)
     counts_per_part = _write_work_partitions(validated.accepted, layout, config.partition_size)
     expected = dict(enumerate(counts_per_part))

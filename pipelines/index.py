@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from adbatch.artifacts import StageTimer
+from adbatch.artifacts import ArtifactKind, StageTimer, claim_output
 from adbatch.clustering import Child, ClusterConfig, Hierarchy, HierarchyBuilder, split_node
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.corpus import read_corpus
+from adbatch.corpus import CorpusSchemaError, read_corpus
 from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
 from adbatch.index import IndexConfig, cluster_stable, stable_start, write_index
 from pipelines.ray_runtime import init_ray
@@ -151,32 +151,36 @@ def embed_on_ray(texts: list[str], config: EmbeddingConfig, num_actors: int,
 
 
 def run_index(config: IndexJobConfig) -> dict[str, Any]:
-    """Build the index of ``config.ads`` into ``config.out`` on Ray; return a summary."""
+    """Build the index of ``config.ads`` into ``config.out`` on Ray; return a summary.
+
+    The corpus is read and checked (and the output folder claimed) before Ray starts, so a bad
+    corpus or a misused ``--out`` fails in a second, not after Ray's start-up."""
     import ray
 
     cfg = config.index
-    init_ray(config.num_cpus)
-    num_workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
     timer = StageTimer()
     with timer.phase("read"):
         corpus = read_corpus(config.ads, cfg.columns)
     if corpus.num_ads == 0:
-        raise ValueError(f"{config.ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
-                         f"{corpus.rejected_counts()})")
-    start = stable_start(config.previous, corpus, cfg) if config.previous else None
-    with timer.phase("embed"):
-        if corpus.embeddings is not None:
-            emb = corpus.embeddings
-        else:
-            emb = embed_on_ray(corpus.embedding_inputs(), cfg.embedding, num_workers,
-                               progress=config.progress)
-    extra: dict[str, Any] = {"runner": "ray", "ray_cpus": num_workers}
-    with timer.phase("cluster"):
-        if start is not None:  # placing new ads under kept clusters is cheap: the driver does it
-            hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
-        else:
-            hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
-    manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra, stable=start)
+        raise CorpusSchemaError(f"{config.ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
+                                f"{corpus.rejected_counts()})")
+    with claim_output(config.out, ArtifactKind.INDEX):
+        start = stable_start(config.previous, corpus, cfg) if config.previous else None
+        init_ray(config.num_cpus)
+        num_workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        with timer.phase("embed"):
+            if corpus.embeddings is not None:
+                emb = corpus.embeddings
+            else:
+                emb = embed_on_ray(corpus.embedding_inputs(), cfg.embedding, num_workers,
+                                   progress=config.progress)
+        extra: dict[str, Any] = {"runner": "ray", "ray_cpus": num_workers}
+        with timer.phase("cluster"):
+            if start is not None:  # placing new ads under kept clusters is cheap: the driver does it
+                hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
+            else:
+                hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
+        manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra, stable=start)
     return {
         "out": str(config.out),
         "index_hash": manifest["index_hash"],

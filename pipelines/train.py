@@ -146,19 +146,40 @@ def _worker(job_dict: dict[str, Any]) -> None:
 
 def run_train(config: TrainJobConfig) -> dict[str, Any]:
     """Train ``config.index`` into a model with Ray Train; returns rank 0's summary + the folder."""
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from adbatch.artifacts import ArtifactKind, artifact_kind, claim_output
 
-    from pipelines.ray_runtime import init_ray
-
+    # inputs checked before Ray starts
     if not Path(config.index).is_dir():
         raise FileNotFoundError(f"index folder not found: {config.index}")
+    if artifact_kind(config.index) != ArtifactKind.INDEX.value:
+        raise ConfigError(f"TrainJobConfig.index: {config.index} is not an index folder (adbatch index writes one)")
+    for name in ("ads", "queries", "valid_queries"):
+        path = getattr(config, name)
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"TrainJobConfig.{name}: {path} not found")
     if config.queries is not None and config.valid_queries is not None:
         shared = ({str(q) for q, _ in read_labelled_queries(config.queries)}
                   & set(read_validation_qrels(config.valid_queries)))
         if shared:  # model selection on queries the model trained on measures memory, not retrieval
             raise ValueError(f"{len(shared)} validation queries are also training queries (e.g. "
                              f"{sorted(shared)[0]!r}): split the labelled queries by query string")
+    # the model folder is replaced by a rename at the end (adbatch.training.checkpoint.save_trained), so
+    # it is marked as the train stage's after that, not before
+    with claim_output(config.out, ArtifactKind.TRAIN, mark=False):
+        from adbatch.training.checkpoint import recover_interrupted_save
+
+        recover_interrupted_save(config.out)  # an earlier save cut short between its renames
+        return _train_into(config)
+
+
+def _train_into(config: TrainJobConfig) -> dict[str, Any]:
+    """The part of :func:`run_train` that starts Ray and writes: under the folder's claim."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from adbatch.artifacts import ArtifactKind, mark_output
+    from pipelines.ray_runtime import init_ray
+
     t0 = time.perf_counter()
     init_ray(num_cpus=config.num_cpus)
     # Ray Train workers do not run in the driver's working directory: every local path is made
@@ -192,6 +213,7 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
     record = read_training_record(job.out)
     if record is None:
         raise RuntimeError(f"training finished but {job.out} has no training record")
+    mark_output(job.out, ArtifactKind.TRAIN)
     out = {f"train_{k}": v for k, v in record["train"].items() if v is not None}
     out.update({"scheme": record["scheme"], "index_hash": record["trained_on_index"],
                 "examples_indexing": record["data"].get("indexing", 0),

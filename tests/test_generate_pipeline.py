@@ -222,7 +222,7 @@ def test_out_holding_another_artifact_is_refused(assets, tmp_path):
     out = tmp_path / "index_copy"  # e.g. --out given the index folder by mistake
     shutil.copytree(assets["index"], out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(pg.ConfigError, match="holds no generate run"):
+    with pytest.raises(pg.ConfigError, match="holds an adbatch index artifact"):
         pg.run_generate(_cfg(assets, req, out))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing replaced
     # an existing empty folder is claimed as before

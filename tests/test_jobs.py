@@ -202,6 +202,7 @@ def test_train_job_passes_absolute_paths_to_the_workers(tmp_path, monkeypatch):
     from pipelines.train import TrainJobConfig, run_train
 
     (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "manifest.json").write_text('{"stage": "index"}')  # what run_train checks first
     (tmp_path / "base").mkdir()
     seen = {}
 

@@ -42,6 +42,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from adbatch.compress.recipe import CalibrationConfig, CalibrationMode
+from adbatch.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +154,13 @@ def load_calibration_texts(config: CalibrationConfig) -> list[str]:
             texts = [f"{a or ''}. {b or ''}" for a, b in zip(table.column("title").to_pylist(),
                                                             table.column("description").to_pylist())]
         else:
-            raise ValueError(f"{path}: needs a 'text' column or 'title'+'description'; has {sorted(cols)}")
+            raise ConfigError(f"{path}: needs a 'text' column or 'title'+'description'; has {sorted(cols)}")
     elif path.suffix.lower() in (".txt", ".md"):
         texts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     else:
-        raise ValueError(f"CalibrationConfig.path: {path} must be .txt/.md or .parquet")
+        raise ConfigError(f"CalibrationConfig.path: {path} must be .txt/.md or .parquet")
     if not texts:
-        raise ValueError(f"CalibrationConfig.path: {path} holds no texts")
+        raise ConfigError(f"CalibrationConfig.path: {path} holds no texts")
     if len(texts) < config.num_texts:
         log.warning("calibration: %s holds %d texts, fewer than num_texts = %d: using them all",
                     path, len(texts), config.num_texts)

@@ -1,0 +1,677 @@
+"""Bad-input runs (issue 19, part A): kill -9 and re-run of a stage, one stage's --out pointed at
+another stage's artifact, two writers on one folder, config mistakes through the CLI, inputs checked
+before Ray starts, a one-CPU Ray, and no network attempt beyond loopback.
+
+Shared per module: one guarded local Ray of ONE CPU started by our own ``init_ray`` (every Ray process
+imports ``tests/netguard/sitecustomize.py``, which refuses and records any connect beyond loopback;
+the last test reads the record), one tiny model / corpus / index, and one real artifact of every stage.
+Subprocesses only where the process boundary is the point (kill -9, a second writer, the exit status);
+those that need Ray join the module's cluster (``RAY_ADDRESS``) instead of starting one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from adbatch.artifacts import (ArtifactKind, OutputLockedError, OutputOwnershipError, artifact_kind, lock_path,
+                               mark_output)
+from test_generate_support import target_requests, tiny_corpus, tiny_model_dir
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+NETGUARD = TESTS / "netguard"
+SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off"}
+INDEX_CFG = {"columns": {"embedding": "vec"}, "cluster": {"branching": 4, "leaf_size": 8}}
+KINDS = [k.value for k in ArtifactKind]
+SUBPROCESS_TIMEOUT = 120
+
+
+# --- shared fixtures --------------------------------------------------------------------------------
+def _load_netguard():
+    spec = importlib.util.spec_from_file_location("adbatch_test_netguard", NETGUARD / "sitecustomize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def netlog(tmp_path_factory):
+    """The guard's record file; the guard is installed here and in every process started from here on."""
+    log = tmp_path_factory.mktemp("netguard") / "attempts.jsonl"
+    guard = _load_netguard()
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", guard.LOG_ENV)}
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(NETGUARD)] + ([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else []))
+    os.environ[guard.LOG_ENV] = str(log)
+    guard.install(str(log))
+    yield log
+    guard.uninstall()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray1(netlog):
+    """A local Ray of one CPU, started by the stages' own ``init_ray``."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    from pipelines.ray_runtime import init_ray
+
+    init_ray(num_cpus=1)
+    assert ray.cluster_resources()["CPU"] == 1.0
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_runs_assets")
+    from adbatch.index import IndexConfig, build_index
+
+    corpus = tiny_corpus(root / "ads.parquet", n=40)
+    index = root / "index"
+    build_index(corpus, index, IndexConfig.from_dict(INDEX_CFG), progress=False)
+    requests = root / "requests.parquet"
+    ids = [f"q{i:02d}" for i in range(10)] + ["blank", None]
+    queries = [f"drill saw {i}" for i in range(10)] + ["   ", "lost id"]
+    pq.write_table(pa.table({"request_id": ids, "query": queries}), requests)
+    return {"root": root, "model": tiny_model_dir(root), "corpus": corpus, "index": index, "requests": requests}
+
+
+def _index_job(a, out, **kw):
+    from pipelines.index import IndexJobConfig
+
+    return IndexJobConfig.from_dict({"ads": str(a["corpus"]), "out": str(out), "index": INDEX_CFG,
+                                     "progress": False, **kw})
+
+
+def _compress_job(a, out):
+    from adbatch.compress import CalibrationConfig
+    from pipelines.compress import CompressJobConfig
+
+    return CompressJobConfig(model=str(a["model"]), out=out, use_ray=False, eval_texts=2, eval_seq_len=16,
+                             calibration=CalibrationConfig(num_texts=4, seq_len=16, batch_size=4))
+
+
+def _generate_job(a, out, overwrite=False, executor="local", requests=None, **kw):
+    from pipelines.generate import GenerateJobConfig
+
+    base = dict(task="targets", requests=requests or a["requests"], index=a["index"], model=str(a["model"]),
+                out=out, executor=executor, batch_size=4, partition_size=4, targets=SEARCH, device="cpu",
+                progress=False, overwrite=overwrite)
+    base.update(kw)
+    return GenerateJobConfig(**base)
+
+
+def _eval_job(out):
+    from pipelines.evaluate import EvalJobConfig
+
+    return EvalJobConfig.from_dict({"out": str(out), "targeting": {"enabled": False},
+                                    "creatives": {"enabled": False}})
+
+
+def _refresh_job(a, work):
+    from jobs.nightly_refresh import RefreshConfig
+
+    return RefreshConfig.from_dict({
+        "work": str(work), "model": str(a["model"]), "num_cpus": 1,
+        "index": {"ads": str(a["corpus"]), "config": INDEX_CFG, "stable_ids": False},
+        "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
+        "generate": {"targets_requests": None, "creatives_requests": None}})
+
+
+def run_stage(kind: str, a, out, overwrite=False):
+    """Run stage ``kind`` with valid inputs into ``out``."""
+    if kind == "index":
+        from pipelines.index import run_index
+
+        return run_index(_index_job(a, out))
+    if kind == "train":
+        from pipelines.train import TrainJobConfig, run_train
+
+        return run_train(TrainJobConfig(index=a["index"], out=out, num_cpus=1))
+    if kind == "compress":
+        from pipelines.compress import run_compress
+
+        return run_compress(_compress_job(a, out))
+    if kind == "generate":
+        from pipelines.generate import run_generate
+
+        return run_generate(_generate_job(a, out, overwrite=overwrite))
+    if kind == "eval":
+        from pipelines.evaluate import run_eval
+
+        return run_eval(_eval_job(out))
+    from jobs.nightly_refresh import run_refresh
+
+    return run_refresh(_refresh_job(a, out))
+
+
+@pytest.fixture(scope="module")
+def artifacts(assets, ray1, tmp_path_factory):
+    """One real output folder of every stage (train: the training checkpoint writer + the stage's marker,
+    as run_train leaves it; training itself is another module's subject)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from adbatch.index import load_index
+    from adbatch.training.checkpoint import save_trained
+
+    root = tmp_path_factory.mktemp("artifacts")
+    out = {kind: root / kind for kind in KINDS}
+    for kind in ("index", "compress", "generate", "eval", "refresh"):
+        run_stage(kind, assets, out[kind])
+    model = AutoModelForCausalLM.from_pretrained(assets["model"])
+    tok = AutoTokenizer.from_pretrained(assets["model"])
+    save_trained(model, tok, out["train"], {"trained_on_index": load_index(assets["index"]).index_hash})
+    mark_output(out["train"], ArtifactKind.TRAIN)
+    for kind, folder in out.items():
+        assert artifact_kind(folder) == kind, folder
+    return out
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fail the test if a stage starts (or joins) Ray."""
+    import pipelines.index
+    import pipelines.ray_runtime
+
+    def started(*a, **k):
+        pytest.fail("Ray started before the inputs and the --out folder were checked")
+
+    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", started)
+    monkeypatch.setattr(pipelines.index, "init_ray", started)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _env(**extra) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+KILL_ON_REPLACE = '''
+import os, signal, sys
+_real_replace = os.replace
+def _replace(src, dst, *a, **k):
+    if _kill_here(str(src), str(dst)):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _real_replace(src, dst, *a, **k)
+os.replace = _replace
+'''
+
+
+def _run_killed(script: str, **env) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter that SIGKILLs itself where ``_kill_here`` says; it must die so."""
+    proc = subprocess.run([sys.executable, "-c", KILL_ON_REPLACE + script], env=_env(**env), capture_output=True,
+                          text=True, timeout=SUBPROCESS_TIMEOUT, cwd=REPO)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
+    return proc
+
+
+def _rows_check(res: dict, out: Path, task: str = "targets") -> pa.Table:
+    """rows in = answered + rejected, answered ids appear once each with top_k ranks, nothing else."""
+    c = res["counts"]
+    assert c["rows_in"] == c["answered"] + c["rejected"]
+    table = pq.read_table(out / task)
+    keys = list(zip(table.column("request_id").to_pylist(), table.column("rank").to_pylist()))
+    assert len(keys) == len(set(keys)) == c["answered"] * SEARCH["top_k"]
+    assert pq.read_table(out / "rejected.parquet").num_rows == c["rejected"]
+    return table
+
+
+# --- kill -9 and re-run -----------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_generate_killed_between_part_and_record_reruns_exactly(assets, tmp_path):
+    """Killed after partition 1's answers are written but before its completion record: the re-run
+    keeps partition 0, redoes 1 and 2, and answers every accepted request exactly once."""
+    from pipelines.generate import run_generate
+
+    out = tmp_path / "gen"
+    cfg = _generate_job(assets, out)
+    _run_killed(f'''
+def _kill_here(src, dst):
+    return dst.endswith("_progress/part-00001.json")
+from pipelines.generate import GenerateJobConfig, run_generate
+run_generate(GenerateJobConfig.from_json({cfg.to_json()!r}))
+''')
+    assert (out / "targets" / "part-00001.parquet").is_file() and not (out / "_progress" / "part-00001.json").exists()
+    res = run_generate(cfg)
+    assert res["counts"]["partitions_skipped"] == 1 and res["counts"]["partitions_run"] == 2
+    assert res["counts"] == {**res["counts"], "rows_in": 12, "answered": 10, "rejected": 2}
+    table = _rows_check(res, out)
+    clean = run_generate(_generate_job(assets, tmp_path / "clean"))
+    order = [("request_id", "ascending"), ("rank", "ascending")]
+    ref = pq.read_table(tmp_path / "clean" / "targets").sort_by(order)
+    assert table.sort_by(order).column("ad_id").to_pylist() == ref.column("ad_id").to_pylist()
+    assert clean["counts"]["answered"] == 10
+
+
+@pytest.mark.timeout(300)
+def test_index_killed_while_moving_files_in_reruns_to_a_whole_index(assets, ray1, tmp_path):
+    """An index rebuilt over an earlier one, killed after the first file left the staging folder
+    (the folder then holds new and old files): the re-run leaves one whole, verified index."""
+    from adbatch.index import load_index
+    from pipelines.index import run_index
+
+    out = tmp_path / "index"
+    run_index(_index_job(assets, out))
+    bigger = tiny_corpus(tmp_path / "ads60.parquet", n=60, seed=1)
+    cfg = _index_job(assets, out, ads=str(bigger))
+    _run_killed(f'''
+def _kill_here(src, dst):
+    return "/.staging/" in src and os.path.dirname(dst) == {str(out)!r}
+from pipelines.index import IndexJobConfig, run_index
+run_index(IndexJobConfig.from_json({cfg.to_json()!r}))
+''', RAY_ADDRESS=ray1.get_runtime_context().gcs_address)
+    assert (out / ".staging").is_dir()
+    res = run_index(cfg)
+    index = load_index(out)  # verifies every file against the manifest
+    c = res["counts"]
+    assert c["input_rows"] == 60 == c["ads_indexed"] + c["rejected"]
+    ids = [str(x) for x in index.ad_ids]
+    assert len(ids) == len(set(ids)) == c["ads_indexed"]
+    assert not (out / ".staging").exists()
+
+
+@pytest.mark.timeout(300)
+def test_compress_killed_mid_save_reruns_and_leaves_no_temp_file(assets, tmp_path):
+    """Killed with a shard written to its temp file but not renamed: the re-run writes a checkpoint that
+    loads, and the killed save's temp file is gone."""
+    from adbatch.compress.checkpoint import load_compressed
+    from pipelines.compress import run_compress
+
+    out = tmp_path / "compressed"
+    cfg = _compress_job(assets, out)
+    _run_killed(f'''
+def _kill_here(src, dst):
+    return dst.endswith(".safetensors") and os.path.basename(src).endswith(".tmp")
+from pipelines.compress import CompressJobConfig, run_compress
+run_compress(CompressJobConfig.from_json({cfg.to_json()!r}))
+''')
+    stale = list(out.glob(".*.tmp"))
+    assert stale, "the kill left no temp file: the test killed nothing mid-write"
+    run_compress(cfg)
+    assert not list(out.glob(".*.tmp")), list(out.glob(".*.tmp"))
+    load_compressed(out)  # checks every shard against the manifest
+
+
+# --- one stage's --out on another stage's artifact --------------------------------------------------
+MISUSE = [(stage, foreign, False) for stage in KINDS for foreign in KINDS if foreign != stage]
+MISUSE += [("generate", foreign, True) for foreign in KINDS if foreign != "generate"]
+
+
+@pytest.mark.parametrize("stage,foreign,overwrite", MISUSE,
+                         ids=[f"{s}-into-{f}{'-overwrite' if o else ''}" for s, f, o in MISUSE])
+def test_stage_refuses_another_stages_folder(assets, artifacts, stage, foreign, overwrite, no_ray):
+    """Refused before anything is written (or Ray starts), with or without --overwrite; the other
+    stage's folder is byte-for-byte unchanged."""
+    folder = artifacts[foreign]
+    before = snapshot(folder)
+    with pytest.raises(OutputOwnershipError, match=f"holds an adbatch {foreign} artifact.*with or without --overwrite"):
+        run_stage(stage, assets, folder, overwrite=overwrite)
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("stage", KINDS)
+def test_stage_refuses_a_folder_of_user_files(assets, stage, tmp_path, no_ray):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("not an adbatch file")
+    with pytest.raises(OutputOwnershipError, match=r"holds no adbatch artifact \(found \['notes.txt'\]\)"):
+        run_stage(stage, assets, folder, overwrite=True)
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
+def test_cli_index_into_a_compressed_checkpoint_exits_2_and_keeps_it(assets, artifacts, capsys):
+    """Issue 19 item 3: `index --out <checkpoint>` replaced the checkpoint's manifest.json."""
+    from adbatch.compress.checkpoint import load_compressed
+    from jobs.cli import main
+
+    before = snapshot(artifacts["compress"])
+    argv = ["index", "--ads", str(assets["corpus"]), "--out", str(artifacts["compress"]),
+            "--index.columns.embedding", "vec"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("adbatch index: error: ") and "compress artifact" in err[0]
+    assert snapshot(artifacts["compress"]) == before
+    load_compressed(artifacts["compress"])
+
+
+def test_cli_generate_overwrite_into_an_index_exits_2_and_keeps_it(assets, artifacts, capsys):
+    """Issue 19 item 4: `generate --out <index> --overwrite true` deleted the index's manifest.json."""
+    from adbatch.index import load_index
+    from jobs.cli import main
+
+    before = snapshot(artifacts["index"])
+    argv = ["generate", "--requests", str(assets["requests"]), "--index", str(assets["index"]),
+            "--model", str(assets["model"]), "--out", str(artifacts["index"]), "--overwrite", "true",
+            "--executor", "local", "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds an adbatch index artifact" in err[0]
+    assert snapshot(artifacts["index"]) == before
+    load_index(artifacts["index"])
+
+
+def test_generate_overwrite_replaces_only_its_own_outputs(assets, artifacts, tmp_path):
+    """In its own folder --overwrite replaces the earlier generate run, and only what generate wrote."""
+    import shutil
+
+    from pipelines.generate import run_generate
+
+    out = tmp_path / "gen"
+    shutil.copytree(artifacts["generate"], out)
+    other = target_requests(tmp_path / "other.parquet", n=5)
+    with pytest.raises(Exception, match="holds another generate run"):
+        run_generate(_generate_job(assets, out, requests=other))
+    res = run_generate(_generate_job(assets, out, overwrite=True, requests=other))
+    table = _rows_check(res, out)
+    assert sorted(set(table.column("request_id").to_pylist())) == [f"q{i:04d}" for i in range(5)]
+    assert artifact_kind(out) == "generate"
+
+
+# --- two writers on one folder ----------------------------------------------------------------------
+HOLDER = '''
+import sys, time
+from pathlib import Path
+from contextlib import ExitStack
+from adbatch.artifacts import ArtifactKind, output_lock
+with ExitStack() as stack:
+    for arg in sys.argv[1:]:
+        kind, folder = arg.split("=", 1)
+        stack.enter_context(output_lock(Path(folder), ArtifactKind(kind)))
+    print("held", flush=True)
+    time.sleep(120)
+'''
+
+
+@pytest.fixture
+def lock_holder(artifacts):
+    """Another process holding the lock of every stage's folder, killed -9 at the end."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER] + [f"{k}={p}" for k, p in artifacts.items()],
+                            env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_writer_is_refused_naming_the_holder(kind, assets, artifacts, lock_holder, no_ray):
+    """Every stage refuses a folder another process writes, naming that process; nothing is touched."""
+    before = snapshot(artifacts[kind])
+    with pytest.raises(OutputLockedError, match=f"being written by another adbatch run \\(pid {lock_holder.pid} "
+                                               f"on .*, adbatch {kind}"):
+        run_stage(kind, assets, artifacts[kind], overwrite=True)
+    assert snapshot(artifacts[kind]) == before
+
+
+def test_a_killed_writers_lock_does_not_block_the_next_run(assets, artifacts, lock_holder):
+    """Once the holder is killed -9 its lock is gone with it: the next run proceeds at once."""
+    lock_holder.send_signal(signal.SIGKILL)
+    lock_holder.wait(timeout=30)
+    res = run_stage("generate", assets, artifacts["generate"])
+    assert res["counts"]["partitions_skipped"] == res["counts"]["partitions"]  # the same run: resumed, intact
+
+
+SLOW_GENERATE = '''
+import time
+from pathlib import Path
+import pipelines.generate as pg
+_real = pg._commit_partition
+def _slow(layout, task, i, answers):
+    rec = _real(layout, task, i, answers)
+    while True:  # the first partition is committed; hold the folder until killed
+        time.sleep(0.2)
+pg._commit_partition = _slow
+pg.run_generate(pg.GenerateJobConfig.from_json(CFG))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_overwrite_refused_and_the_crashed_writer_leaves_no_stale_rows(assets, tmp_path):
+    """Issue 19 item 5: a second run with --overwrite while the first writes. It is refused (naming the
+    first run's pid); after the first is killed -9 it runs, and the folder holds exactly its rows."""
+    from pipelines.generate import run_generate
+
+    out = tmp_path / "gen"
+    first = _generate_job(assets, out, requests=target_requests(tmp_path / "r12.parquet", n=12))
+    second = _generate_job(assets, out, overwrite=True, requests=target_requests(tmp_path / "r8.parquet", n=8, start=100))
+    proc = subprocess.Popen([sys.executable, "-c", f"CFG = {first.to_json()!r}\n" + SLOW_GENERATE], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+        while not (out / "_progress" / "part-00000.json").is_file():
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the first writer never committed a partition"
+            time.sleep(0.2)
+        with pytest.raises(OutputLockedError, match=f"pid {proc.pid} .*adbatch generate"):
+            run_generate(second)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    res = run_generate(second)
+    table = _rows_check(res, out)
+    ids = sorted(set(table.column("request_id").to_pylist()))
+    assert ids == [f"q{i:04d}" for i in range(100, 108)]
+    assert res["counts"]["rows_in"] == 8 and res["counts"]["answered"] == 8
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["answered"] == 8 and len(manifest["outputs"]) == 3  # 2 parts + rejected
+
+
+# --- config mistakes, through the CLI ---------------------------------------------------------------
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+CLI_MISTAKES = {
+    "unknown-key-in-file": (lambda a, t: ["generate", "--config", _write(t, "c.toml", "[generate]\nbogus = 1\n")],
+                            "unknown field(s) ['bogus']"),
+    "wrong-type-in-file": (lambda a, t: ["generate", "--config", _write(t, "c.toml", '[generate]\nbatch_size = "many"\n'),
+                                         "--requests", str(a["requests"]), "--out", str(t / "o"), "--index", str(a["index"])],
+                           "GenerateJobConfig.batch_size: expected int, got 'many'"),
+    "bad-value-flag": (lambda a, t: ["index", "--ads", str(a["corpus"]), "--out", str(t / "o"), "--num-cpus", "0"],
+                       "IndexJobConfig.num_cpus: must be >= 1"),
+    "bad-nested-value": (lambda a, t: ["generate", "--requests", str(a["requests"]), "--out", str(t / "o"),
+                                       "--index", str(a["index"]), "--partition-size", "0"],
+                         "GenerateJobConfig.partition_size must be >= 1"),
+    "missing-required": (lambda a, t: ["index", "--out", str(t / "o")], "IndexJobConfig.ads: required"),
+    "config-file-missing": (lambda a, t: ["index", "--config", str(t / "nope.toml")], "config file not found"),
+    "config-file-suffix": (lambda a, t: ["index", "--config", _write(t, "c.json", "{}")], "must end in .toml, .yaml or .yml"),
+    "yaml-not-a-mapping": (lambda a, t: ["index", "--config", _write(t, "c.yaml", "- a\n- b\n")], "top level must be a mapping"),
+    "targets-without-index": (lambda a, t: ["generate", "--requests", str(a["requests"]), "--out", str(t / "o")],
+                              "GenerateJobConfig.index: required for task targets"),
+    "model-and-compressed": (lambda a, t: ["generate", "--requests", str(a["requests"]), "--out", str(t / "o"),
+                                           "--index", str(a["index"]), "--model", "m", "--compressed", "c"],
+                             "give --model or --compressed, not both"),
+    "requests-missing": (lambda a, t: ["generate", "--requests", str(t / "none.parquet"), "--out", str(t / "o"),
+                                       "--index", str(a["index"])], "requests not found"),
+    "requests-wrong-schema": (lambda a, t: ["generate", "--requests", str(a["corpus"]), "--out", str(t / "o"),
+                                            "--index", str(a["index"]), "--model", str(a["model"]), "--executor", "local"],
+                              "request"),
+    "index-not-an-index": (lambda a, t: ["generate", "--requests", str(a["requests"]), "--out", str(t / "o"),
+                                         "--index", str(a["root"]), "--model", str(a["model"]), "--executor", "local"],
+                           "not a finished adbatch artifact"),
+    "corpus-missing": (lambda a, t: ["index", "--ads", str(t / "none.parquet"), "--out", str(t / "o")],
+                       "no such file, folder, or glob match"),
+    "calib-missing": (lambda a, t: ["compress", "--model", str(a["model"]), "--calib", str(t / "none.txt"),
+                                    "--out", str(t / "o"), "--use-ray", "false"], "CalibrationConfig.path"),
+    "calib-wrong-kind": (lambda a, t: ["compress", "--model", str(a["model"]), "--calib", _write(t, "c.csv", "a,b\n"),
+                                       "--out", str(t / "o"), "--use-ray", "false"], "must be .txt/.md or .parquet"),
+    "model-missing": (lambda a, t: ["compress", "--model", str(t / "no_model"), "--out", str(t / "o")], "model not found"),
+    "train-on-a-non-index": (lambda a, t: ["train", "--index", str(a["root"]), "--out", str(t / "o")],
+                             "is not an index folder"),
+    "refresh-unknown-force": (lambda a, t: ["refresh", "--force", "everything"], "RefreshConfig.force: unknown stage"),
+    "refresh-ads-missing": (lambda a, t: ["refresh", "--work", str(t / "w"), "--index.ads", str(t / "none.parquet")],
+                            "RefreshConfig.index.ads"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_MISTAKES))
+def test_cli_user_error_is_one_line_and_exit_2(case, assets, tmp_path, capsys, no_ray):
+    """A config / input mistake: exit status 2, one line on stderr naming the mistake, nothing on
+    stdout, no traceback, no output folder and no Ray started."""
+    from jobs.cli import main
+
+    argv, expected = CLI_MISTAKES[case]
+    assert main(argv(assets, tmp_path)) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("adbatch ") and ": error: " in lines[0] and expected in lines[0], lines[0]
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
+
+
+def test_cli_debug_shows_the_traceback_and_a_bug_is_not_hidden(assets, tmp_path, monkeypatch):
+    from adbatch.config import ConfigError
+    from jobs.cli import main
+
+    with pytest.raises(ConfigError, match="num_cpus"):
+        main(["--debug", "index", "--ads", str(assets["corpus"]), "--out", str(tmp_path / "o"), "--num-cpus", "0"])
+    with pytest.raises(ConfigError, match="num_cpus"):
+        main(["index", "--debug", "--ads", str(assets["corpus"]), "--out", str(tmp_path / "o"), "--num-cpus", "0"])
+    import pipelines.index
+
+    def broken(config):
+        raise KeyError("a bug of ours, not the user's mistake")
+
+    monkeypatch.setattr(pipelines.index, "run_index", broken)
+    with pytest.raises(KeyError):  # not a user error: it keeps its traceback
+        main(["index", "--ads", str(assets["corpus"]), "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.parametrize("script", ["cli", "batch_generate", "nightly_refresh"])
+def test_entry_point_exit_status_2_and_one_line(script, assets, tmp_path):
+    """The real processes: ``adbatch`` (python -m jobs.cli), ``jobs/batch_generate.py`` and
+    ``jobs/nightly_refresh.py`` exit 2 with one stderr line; with --debug the traceback is back."""
+    cmd = {"cli": [sys.executable, "-m", "jobs.cli", "generate"],
+           "batch_generate": [sys.executable, str(REPO / "jobs" / "batch_generate.py")],
+           "nightly_refresh": [sys.executable, str(REPO / "jobs" / "nightly_refresh.py")]}[script]
+    if script == "nightly_refresh":
+        args = ["--work", str(tmp_path / "w"), "--index.ads", str(tmp_path / "none.parquet")]
+        expected = "RefreshConfig.index.ads"
+    else:
+        args = ["--requests", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "o"), "--index", str(assets["index"])]
+        expected = "requests not found"
+    proc = subprocess.run(cmd + args, env=_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=REPO)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-3000:]
+    debug = subprocess.run(cmd + args + ["--debug"], env=_env(), capture_output=True, text=True,
+                           timeout=SUBPROCESS_TIMEOUT, cwd=REPO)
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr and expected in debug.stderr
+
+
+# --- inputs are checked before Ray starts -----------------------------------------------------------
+def _bad_corpus(t):
+    p = t / "bad_ads.parquet"
+    pq.write_table(pa.table({"ad_id": ["a", "b"], "title": ["", None]}), p)
+    return p
+
+
+BEFORE_RAY = {
+    "index-no-valid-ads": lambda a, t: ("index", _index_job(a, t / "o", ads=str(_bad_corpus(t)), index={}), "no valid ads"),
+    "generate-requests-schema": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", requests=a["corpus"]), "request"),
+    "train-index-missing": lambda a, t: ("train", __import__("pipelines.train", fromlist=["x"]).TrainJobConfig(
+        index=t / "none", out=t / "o"), "index folder not found"),
+    "compress-calib-missing": lambda a, t: ("compress", _compress_job(a, t / "o").replace(calib=t / "none.txt"), "not found"),
+    "refresh-ads-missing": lambda a, t: ("refresh", _refresh_job(a, t / "o").replace(
+        index=_refresh_job(a, t / "o").index.replace(ads=t / "none.parquet")), "not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BEFORE_RAY))
+def test_bad_input_is_refused_before_ray_starts(case, assets, tmp_path, no_ray):
+    stage, cfg, expected = BEFORE_RAY[case](assets, tmp_path)
+    runner = {"index": "pipelines.index:run_index", "generate": "pipelines.generate:run_generate",
+              "train": "pipelines.train:run_train", "compress": "pipelines.compress:run_compress",
+              "refresh": "jobs.nightly_refresh:run_refresh"}[stage]
+    module, fn = runner.split(":")
+    with pytest.raises((ValueError, FileNotFoundError), match=expected):
+        getattr(importlib.import_module(module), fn)(cfg)
+    assert not (tmp_path / "o").exists()
+
+
+# --- a one-CPU Ray ------------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_generate_on_a_one_cpu_ray_completes(assets, ray1, tmp_path):
+    """Issue 19 item 1: on a 1-CPU Ray the actor took 0.5 CPU and Ray Data's file listing waited
+    forever for a whole one. The timeout bounds the test; the run must finish and answer everything."""
+    from pipelines.generate import run_generate
+
+    out = tmp_path / "gen"
+    res = run_generate(_generate_job(assets, out, executor="ray", num_cpus=1, batch_size=3))
+    assert ray1.cluster_resources()["CPU"] == 1.0
+    assert res["counts"]["answered"] == 10 and res["counts"]["partitions_run"] == 3
+    _rows_check(res, out)
+
+
+# --- no network beyond loopback (keep last: it reads what every test above did) ----------------------
+@pytest.mark.timeout(120)
+def test_no_connect_beyond_loopback(ray1, netlog):
+    """Every Python process of the module's runs -- this driver, the subprocess drivers, and Ray's
+    dashboard, agents and workers -- ran the guard (positive control: a worker's connect to
+    10.255.255.1 is refused and recorded), and nothing else tried to leave loopback. Without the
+    local-Ray settings of pipelines.ray_runtime the dashboard's probes of 169.254.169.254 and
+    metadata.google.internal are recorded here."""
+    import ray
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    # the dashboard's usage-stats module probes at start-up, then logs this line: wait for it
+    dash_log = session / "logs" / "dashboard.log"
+    deadline = time.monotonic() + 60
+    while "Usage reporting is" not in (dash_log.read_text() if dash_log.is_file() else ""):
+        assert time.monotonic() < deadline, "the dashboard's usage-stats module never ran"
+        time.sleep(0.5)
+
+    @ray.remote(num_cpus=0.01)
+    def try_to_leave():
+        import socket
+
+        with socket.socket() as s:
+            s.settimeout(2)
+            try:
+                s.connect(("10.255.255.1", 9))
+            except OSError as exc:
+                return os.getpid(), str(exc)
+        return os.getpid(), "connected"
+
+    pid, outcome = ray.get(try_to_leave.remote(), timeout=60)
+    assert "netguard" in outcome
+    records = [json.loads(line) for line in netlog.read_text().splitlines()]
+    loaded = {r["pid"]: " ".join(r["argv"]) for r in records if r["what"] == "loaded"}
+    assert any("dashboard/dashboard.py" in a for a in loaded.values()), loaded
+    assert any("default_worker.py" in a for a in loaded.values()) and pid in loaded
+    assert os.getpid() in {r["pid"] for r in records}
+    attempts = [r for r in records if r["what"] != "loaded"]
+    control = [r for r in attempts if r["pid"] == pid and "10.255.255.1" in r["where"]]
+    assert len(control) == 1
+    others = [r for r in attempts if r not in control]
+    assert not others, json.dumps(others, indent=1)[:4000]
+    assert (session / "adbatch_driver.json").is_file()  # init_ray marked its session for pruning
