@@ -15,7 +15,9 @@ oversized query, a request_id that is not an integer or string, a duplicate requ
 text at all) sends the row to :data:`REJECTED_SCHEMA` with a reason; it is counted, never dropped.
 
 ``request_id`` is carried as a string in every output (integer ids are rendered in decimal), so one
-schema serves both kinds of input ids; ``ad_id`` likewise.
+schema serves both kinds of input ids; ``ad_id`` likewise. String ids are kept byte-exact (never
+stripped: ``' d3'``, ``'d3'`` and ``'d3 '`` are three requests); one with no visible character
+(empty, whitespace, control or format characters only) is rejected.
 """
 
 from __future__ import annotations
