@@ -7,9 +7,8 @@ for Llama-3-8B's), built by ``bench/decode.py``'s ``build_model``:
    bf16 at this shape's heads (the CPU tests can only run fp16 under the interpreter).
 2. **step table**: graph-replayed ``DecodeEngine.step`` (the product's step: the same entry point
    ``search_targets`` calls) at query batches ``--queries`` x ``--beams`` slot rows and suffix
-   positions ``--positions``, median of ``--repeats`` replays; and the graph-replayed plain forward
-   of the same rows (HF's model over one token per row with a static cache of the same length: the
-   limit the issue names) where ``--limit`` is given.
+   positions ``--positions``, median of ``--repeats`` replays, next to the step's roofline on an
+   H200 (GEMM FLOPs at the bf16 tensor-core peak, or weights + K/V + logits bytes at HBM bandwidth).
 3. **kernel profile**: one step at the largest row count (its body run eagerly: a replayed graph hides
    its kernels) under ``torch.profiler``: the top kernels by
    device time, how many kernels a step launches and their summed time.
@@ -76,20 +75,19 @@ def graph_ms(fn, repeats: int) -> float:
     return 1e3 * float(np.median(ts))
 
 
-def hf_forward_ms(model, rows: int, ctx: int, repeats: int, dev) -> float:
-    """HF's own forward over ``rows`` x 1 token with a StaticCache of ``ctx`` tokens, graph-replayed."""
-    from transformers import StaticCache
+PEAK_BF16_FLOPS = 989e12   # H200 SXM dense bf16 tensor-core peak
+PEAK_HBM_BYTES = 4.8e12    # H200 HBM3e
 
-    cache = StaticCache(config=model.config, max_batch_size=rows, max_cache_len=ctx + 8, device=dev,
-                        dtype=torch.bfloat16) if "max_batch_size" in StaticCache.__init__.__code__.co_varnames \
-        else StaticCache(config=model.config, max_cache_len=ctx + 8)
-    ids = torch.randint(100, 40000, (rows, 1), device=dev)
-    pos = torch.full((1,), ctx, device=dev, dtype=torch.long)
-    with torch.no_grad():
-        model(input_ids=torch.randint(100, 40000, (rows, ctx), device=dev), past_key_values=cache,
-              cache_position=torch.arange(ctx, device=dev), use_cache=True)
-        return graph_ms(lambda: model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True),
-                        repeats)
+
+def roofline_ms(model, eng, rows: int, queries: int, t: int) -> float:
+    """Lower bound of one step: max(GEMM FLOPs / peak, bytes that must move / HBM bandwidth), with
+    the bytes = weights once + the prompt and path K/V read + the logits written and read once."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    flops = 2.0 * rows * linear
+    L, kv, D, Lp, V = len(eng.layers), eng.n_kv, eng.head_dim, eng.Lp, eng.vocab
+    kv_bytes = 2 * 2 * L * kv * D * (queries * Lp + rows * (t + 1))
+    moved = 2 * linear + kv_bytes + 2 * 2 * rows * V
+    return 1e3 * max(flops / PEAK_BF16_FLOPS, moved / PEAK_HBM_BYTES)
 
 
 def main() -> None:
@@ -100,7 +98,6 @@ def main() -> None:
     ap.add_argument("--positions", type=lambda s: [int(x) for x in s.split(",")], default=[4, 28])
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--limit", action="store_true", help="also time HF's graph-replayed forward")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -112,8 +109,8 @@ def main() -> None:
     print(lines[-2], flush=True)
     eng = engine_for(model)
     queries = random_prompts(max(args.queries), args.prompt_len, 100, 40000, seed=0)
-    lines += ["| queries | beams | rows | t | step ms (graph) | HF forward ms (graph) | first call s |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| queries | beams | rows | t | step ms (graph) | roofline ms | of roofline | first call s |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for qn in args.queries:
         for t in args.positions:
             t0 = time.perf_counter()
@@ -132,13 +129,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ts.append(time.perf_counter() - t1)
             ms = 1e3 * float(np.median(ts))
-            hf = None
-            if args.limit:
-                try:
-                    hf = hf_forward_ms(model, R, args.prompt_len + t, args.repeats, dev)
-                except Exception as exc:  # the limit is a reference; its failure must not end the profile
-                    print(f"HF graph-replayed forward failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            row = f"| {qn} | {args.beams} | {R} | {t} | {ms:.2f} | {'' if hf is None else f'{hf:.2f}'} | {first:.1f} |"
+            roof = roofline_ms(model, eng, R, Qb, t)
+            row = f"| {qn} | {args.beams} | {R} | {t} | {ms:.2f} | {roof:.2f} | {roof / ms:.0%} | {first:.1f} |"
             lines.append(row)
             print(row, flush=True)
     from torch.profiler import ProfilerActivity, profile

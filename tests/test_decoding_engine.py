@@ -97,3 +97,35 @@ def test_unsupported_family_is_refused_by_name():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval()
     with pytest.raises(ValueError, match="gpt2.*not supported"):
         check_supported(model)
+
+
+def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results():
+    """A plan that routes every compressed layer to its dense copy: q/k/v and gate/up become one
+    fused GEMM each (views of one copy), and the step's log-probs equal the packed path's."""
+    from adbatch.compress import CompressConfig, compress_
+    from adbatch.decoding.engine import _shape_key
+
+    model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
+    compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", group_policy="uniform",
+                                    dense_dtype="float32"))
+    prompts, B = [[3, 4, 5, 6], [7, 8]], 2
+
+    def run(engine):
+        with torch.no_grad():
+            _, _, Qb = engine.prefill(prompts, B, 4)
+            engine.step(torch.tensor([20, 21] * Qb), 0, Qb)
+            logits, lse = engine.step(torch.tensor([30, 31] * Qb), 1, Qb, torch.tensor([1, 0, 3, 2]))
+        return logits.float() - lse[:, None]
+
+    packed = DecodeEngine(model)
+    assert packed._packed_modules and not packed._fused  # nothing dense to fuse up front
+    want = run(packed)
+    routed = DecodeEngine(model)
+    for m in routed._packed_modules:
+        routed.plan.choice[_shape_key(m) + (4,)] = "dense"
+    routed._plan_linears(4)
+    assert len(routed._fused_active) == 2 * model.config.num_hidden_layers
+    qkv = routed._fused_copies[id(model.model.layers[0].self_attn.q_proj)]
+    assert routed._dense[id(model.model.layers[0].self_attn.k_proj)].data_ptr() != qkv[0].data_ptr()
+    assert routed._dense[id(model.model.layers[0].self_attn.q_proj)].data_ptr() == qkv[0].data_ptr()
+    torch.testing.assert_close(run(routed), want, atol=1e-4, rtol=1e-4)

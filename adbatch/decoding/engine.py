@@ -234,6 +234,10 @@ class DecodeEngine:
         self.act = act if act in ("silu", "gelu_pytorch_tanh") else None  # None: the module's own act_fn
         self._fused: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
         self._fuse_dense_projections()
+        # compressed q/k/v or gate/up groups whose every member runs its dense copy at the bucket
+        # being captured: one fused GEMM of the copies, as for a dense model
+        self._fused_copies: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
+        self._fused_active: set[int] = set()
         self._packed_modules = [m for m in model.modules() if _is_packed(m)]
         self.capture_seconds = 0.0
         self.signature: tuple = ()
@@ -314,24 +318,34 @@ class DecodeEngine:
         # Gemma 3's embedding module scales by sqrt(hidden) itself (Gemma3TextScaledWordEmbedding)
         return self.dec.embed_tokens(tokens)
 
+    def _groups(self) -> list[tuple[Any, ...]]:
+        """Each layer's projections that read the same input: (q, k, v) and (gate, up)."""
+        return [g for layer in self.layers for g in ((layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                      layer.self_attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj))]
+
+    @staticmethod
+    def _fuse(weights: list[torch.Tensor], group: tuple[Any, ...]
+              ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]] | None:
+        biases = [getattr(m, "bias", None) for m in group]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            return None
+        b = None if biases[0] is None else torch.cat([x.detach() for x in biases], 0)
+        return torch.cat(weights, 0), b, tuple(int(m.out_features) for m in group)
+
     def _fuse_dense_projections(self) -> None:
         """Concatenate each layer's dense q/k/v and gate/up weights into one matrix (one GEMM
         instead of three / two: at beam-search row counts the launches cost more than the math).
         A copy: the model's own parameters stay untouched. Compressed layers keep their kernels."""
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
-                if not all(type(m) is torch.nn.Linear for m in group):
-                    continue
-                biases = [m.bias for m in group]
-                if any(b is None for b in biases) and not all(b is None for b in biases):
-                    continue
-                w = torch.cat([m.weight.detach() for m in group], 0)
-                b = None if biases[0] is None else torch.cat([x.detach() for x in biases], 0)
-                self._fused[id(group[0])] = (w, b, tuple(int(m.out_features) for m in group))
+        for group in self._groups():
+            if all(type(m) is torch.nn.Linear for m in group):
+                fused = self._fuse([m.weight.detach() for m in group], group)
+                if fused is not None:
+                    self._fused[id(group[0])] = fused
 
     def _projections(self, group: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
         fused = self._fused.get(id(group[0]))
+        if fused is None and id(group[0]) in self._fused_active:
+            fused = self._fused_copies[id(group[0])]
         if fused is None:
             return [self._linear(m, x) for m in group]
         w, b, sizes = fused
@@ -544,9 +558,10 @@ class DecodeEngine:
     # -------------------------------------------------------------- packed vs dense, per bucket
     def _plan_linears(self, rows: int) -> None:
         """For every compressed layer shape, time packed vs dense at ``rows`` rows (graph-replayed)
-        and route the layer's calls accordingly while this bucket is captured."""
+        and route the layer's calls accordingly while this bucket is captured. Groups (q/k/v,
+        gate/up) whose members all run dense run one fused GEMM of their copies."""
         mods = self._packed_modules
-        if not mods or self.device.type != "cuda":
+        if not mods:
             return
         from kernels.nm_int4 import dequantize_nm_int4
         from kernels.sparse_gemv import time_graphed_ms
@@ -555,6 +570,8 @@ class DecodeEngine:
         for m in mods:
             key = _shape_key(m) + (rows,)
             if key not in self.plan.choice:
+                if self.device.type != "cuda":  # nothing to time without graphs: a given plan only
+                    continue
                 x = torch.randn(rows, m.in_features, device=self.device, dtype=self.dtype)
                 w = dequantize_nm_int4(m.packed, self.dtype)
                 packed_us = 1e3 * time_graphed_ms(lambda: m(x), "warm")
@@ -568,6 +585,18 @@ class DecodeEngine:
                 if id(m) not in self._dense:
                     self._dense[id(m)] = dequantize_nm_int4(m.packed, self.dtype)
                 self._use_dense.add(id(m))
+        self._fused_active = set()
+        for group in self._groups():
+            if all(id(m) in self._use_dense for m in group):
+                if id(group[0]) not in self._fused_copies:
+                    fused = self._fuse([self._dense[id(m)] for m in group], group)
+                    if fused is None:
+                        continue
+                    self._fused_copies[id(group[0])] = fused
+                    # the members' copies become views of the fused one (no second copy kept)
+                    for m, w in zip(group, fused[0].split(fused[2], 0)):
+                        self._dense[id(m)] = w
+                self._fused_active.add(id(group[0]))
 
     # -------------------------------------------------------------- tree pass
     @torch.no_grad()
