@@ -13,13 +13,14 @@ A benchmark script, not a test. In one run (``--phase all``, the default):
    query``: the example queries and word spans of the ads); and the ``verify=auto`` cost-model
    calibration, so both timed runs load the same saved one (it decides which beams are verified).
 2. **library**: ``adbatch.generation.TargetGenerator`` in this process, batches of ``--batch-size``
-   (the job's default, 8) over the requests sorted by ``request_id``: the batches the job forms.
+   (default: the job's, by device: 1,024 on a GPU, 8 on CPU) over the requests sorted by
+   ``request_id``, across partitions: the batches the job forms.
    Timed end to end (model + index load included) and generation only.
 3. **cli**: ``python -m jobs.cli generate --task targets ...`` (``jobs.cli:main``, the ``adbatch``
    console script's entry) as a subprocess: local Ray, ``ActorPoolStrategy(size=1)``, ``num_gpus=1``
    when Ray sees a GPU (pipelines/generate.py ``_actor_resources``; the log line that says what the
-   actor got is echoed). ``--partition-size`` is picked so that Ray's blocks hold whole batches of 8
-   at the same offsets as the library's (10,000 requests: 50 partitions of 200).
+   actor got is echoed). ``--partition-size`` is picked so that batches and Ray's blocks line up
+   (a multiple of the batch dividing the requests, else 256: four blocks to a GPU batch of 1,024).
 4. **compare**: requests/s of both, their ratio, and whether every request got the same top-10 ad
    ids in the same order (per request, and one sha256 over all of them).
 
@@ -339,20 +340,20 @@ def run_library(args: argparse.Namespace, work: Path, state: dict[str, Any], dea
     answers, gen_s, done = [], 0.0, 0
     stopped = False
     next_log = max(1, n // 10)
-    log.info("library: %s on %s, %d requests, batch %d", type(gen).__name__, gen.device, n, args.batch_size)
-    # the job's blocks: chunks of `part` rows, batches of batch_size inside each chunk
-    for cstart in range(0, n, part):
-        chunk = accepted.slice(cstart, part)
-        for bstart in range(0, chunk.num_rows, args.batch_size):
-            batch = chunk.slice(bstart, args.batch_size)
-            t = _now()
-            answers.append(gen(batch))
-            gen_s += _now() - t
-            done += batch.num_rows
-            if done >= next_log:
-                log.info("library: %d/%d requests, %.2f req/s (generation)", done, n, done / gen_s)
-                next_log += max(1, n // 10)
-        if _now() > deadline and done < n:
+    batch_size = gen.batch_size  # the job's: --batch-size, else by device (adbatch.generation)
+    state["batch_size"] = batch_size
+    log.info("library: %s on %s, %d requests, batch %d", type(gen).__name__, gen.device, n, batch_size)
+    # the job's batches: consecutive requests in request_id order, across partitions (as Ray's)
+    while done < n:
+        batch = accepted.slice(done, gen.batch_size)
+        t = _now()
+        answers.append(gen(batch))
+        gen_s += _now() - t
+        done += batch.num_rows
+        if done >= next_log:
+            log.info("library: %d/%d requests, %.2f req/s (generation)", done, n, done / gen_s)
+            next_log += max(1, n // 10)
+        if _now() > deadline and done < n and done % part == 0:
             stopped = True
             log.warning("library: stopping after %d of %d requests (a partition boundary) to leave the "
                         "CLI run its share of --deadline-s", done, n)
@@ -423,7 +424,8 @@ def run_cli(args: argparse.Namespace, work: Path, state: dict[str, Any], deadlin
     shutil.rmtree(out, ignore_errors=True)  # a fresh run: a resumed one would skip every partition
     cmd = [sys.executable, "-m", "jobs.cli", "--log-level", "INFO", "generate", "--task", "targets",
            "--requests", str(requests), "--index", str(work / "index"), "--out", str(out),
-           "--batch-size", str(args.batch_size), "--partition-size", str(state["partition_size"]),
+           *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+           "--partition-size", str(state["partition_size"]),
            "--concurrency", "1", "--device", args.device, "--executor", "ray", "--progress", "false",
            "--max-query-tokens", str(args.max_query_tokens)]
     if state["model"] is not None:
@@ -626,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="random-init SmolLM2-135M-shaped model with the real SmolLM2 tokenizer")
     ap.add_argument("--tiny-model", action="store_true", help="with --random-model: 2 small layers")
     ap.add_argument("--tokenizer", default=None, help=f"tokenizer folder (default {CARRIED_TOKENIZER})")
-    ap.add_argument("--batch-size", type=int, default=job["batch_size"], help="requests per model call (job default)")
+    ap.add_argument("--batch-size", type=int, default=job["batch_size"],
+                    help="requests per model call (default: the job's, by device)")
     ap.add_argument("--partition-size", type=int, default=0,
                     help="the job's partition size (0 = a multiple of the batch size dividing --requests)")
     ap.add_argument("--max-query-tokens", type=int, default=job["max_query_tokens"])
@@ -662,10 +665,16 @@ def main(argv: list[str] | None = None) -> int:
 
     state_file = work / "state.json"
     state: dict[str, Any] = _read_json(state_file) or {} if args.phase != "all" else {}
-    state.update(batch_size=args.batch_size, verify=search_config(args).verify.value,
-                 partition_size=args.partition_size or auto_partition_size(args.requests, args.batch_size),
+    from adbatch.generation import default_batch_size
+
+    import torch
+
+    planned = args.batch_size or default_batch_size(
+        "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    state.update(batch_size=planned, verify=search_config(args).verify.value,
+                 partition_size=args.partition_size or auto_partition_size(args.requests, planned),
                  env=environment(), args=vars(args))
-    if state["partition_size"] % args.batch_size or args.requests % state["partition_size"]:
+    if planned % state["partition_size"] and state["partition_size"] % planned:
         log.warning("partition size %d: Ray's blocks will not hold whole batches at the library's offsets; "
                     "the two runs may batch requests differently", state["partition_size"])
     try:

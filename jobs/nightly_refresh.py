@@ -122,13 +122,14 @@ class GenerateStage(ConfigBase):
         default=CreativesModel.BASE, metadata={"help": "base | served: which model writes creatives"})
     validation: RequestValidationConfig = dataclasses.field(default_factory=RequestValidationConfig)
     concurrency: int = dataclasses.field(default=1, metadata={"help": "generation actors"})
-    batch_size: int = dataclasses.field(default=8, metadata={"help": "requests per model call"})
+    batch_size: int | None = dataclasses.field(
+        default=None, metadata={"help": "requests per model call (default by device, see adbatch generate)"})
     partition_size: int = dataclasses.field(default=64, metadata={"help": "requests per output partition"})
     executor: Executor = dataclasses.field(default=Executor.RAY, metadata={"help": "ray | local"})
 
     def validate(self) -> None:
         for name in ("concurrency", "batch_size", "partition_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"GenerateStage.{name} must be >= 1, got {getattr(self, name)}")
 
 

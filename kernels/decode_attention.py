@@ -20,8 +20,10 @@ key/value heads, ``H = kv * g`` query heads, head size ``D``):
 
 Scores and the softmax are float32 (online softmax, one pass over prompt then suffix). Per program:
 one query and one kv head; its ``B * g`` (beam, head) pairs are the rows of one tile, so the prompt's
-keys are read once per query (a ``tl.dot`` tile, the beams acting as extra query heads) and the
-suffix is read as gathered ``[rows, BLOCK_S, D]`` tiles.
+keys are read once per query (a ``tl.dot`` tile, the beams acting as extra query heads), and the
+suffix as gathered tiles of a few positions of every beam of the query (a second ``tl.dot``, each
+tile row masked to its own beam's keys: B-fold redundant math on tensor cores instead of per-row
+dot products).
 
 :func:`decode_attention_reference` is the pure-torch reference (CPU path and tests).
 """
@@ -44,7 +46,7 @@ def _decode_attention_kernel(
     s_or, s_oh,                      # out strides (row, head)
     Lp, scale, window,
     B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     qi = tl.program_id(0)
     h = tl.program_id(1)
@@ -89,27 +91,30 @@ def _decode_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    # suffix: position s of this row's path lives in slot anc[row, s]. BLOCK_S positions per
-    # iteration: their gathered [rows, BLOCK_S, D] loads are independent, so they are in flight
-    # together (one position per iteration measured 46 % of a 10,240-row step on the H200).
+    # suffix: position s of row r's path lives in slot anc[r, s]. Per iteration the K/V of BLOCK_S
+    # positions of ALL the query's beams are gathered as one [BLOCK_J = B_PAD * BLOCK_S, D] tile,
+    # so both products are tensor-core dots; a tile row (beam b, head) keeps only beam b's keys.
+    # (Per-row dot products on [rows, BLOCK_S, D] tiles took 46-48 % of a 10,240-row step.)
     s_first = tl.where(window > 0, tl.maximum(t - window + 1, 0), 0)
-    qf = q.to(tl.float32)
+    offs_j = tl.arange(0, BLOCK_J)
+    beam_j = offs_j // BLOCK_S
+    pos_j = offs_j % BLOCK_S
+    row_j = qi * B + beam_j
+    own = beam[:, None] == beam_j[None, :]                                   # [M, J]
     for s0 in range(s_first, t + 1, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        s_ok = offs_s <= t
-        ms_ok = m_ok[:, None] & s_ok[None, :]
-        src = tl.load(anc_ptr + row[:, None] * s_ar + offs_s[None, :], mask=ms_ok, other=0).to(tl.int64)
-        off = (offs_s[None, :, None] * s_ss + src[:, :, None] * s_sr + h * s_sh
-               + offs_d[None, None, :])                                   # [M, BLOCK_S, D]
-        k = tl.load(ks_ptr + off, mask=ms_ok[:, :, None], other=0.0).to(tl.float32)
-        sc = tl.sum(qf[:, None, :] * k, 2) * scale                        # [M, BLOCK_S]
-        sc = tl.where(s_ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))   # finite: every block holds a position <= t
+        s_j = s0 + pos_j
+        j_ok = (beam_j < B) & (s_j <= t)
+        src = tl.load(anc_ptr + row_j * s_ar + s_j, mask=j_ok, other=0).to(tl.int64)
+        off = s_j.to(tl.int64)[:, None] * s_ss + src[:, None] * s_sr + h * s_sh + offs_d[None, :]
+        k = tl.load(ks_ptr + off, mask=j_ok[:, None], other=0.0)            # [J, D]
+        sc = tl.dot(q, tl.trans(k)) * scale                                  # [M, J]
+        sc = tl.where(own & j_ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))   # finite: every block holds each beam's position <= t
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vs_ptr + off, mask=ms_ok[:, :, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, 1)
+        v = tl.load(vs_ptr + off, mask=j_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -148,6 +153,8 @@ def decode_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias
     if out is None:
         out = torch.empty(R, H, D, device=q.device, dtype=q.dtype)
     block_m = _tile_rows(beams * g)
+    b_pad = triton.next_power_of_2(beams)
+    block_s = max(1, 64 // b_pad)    # a [>= 64, D] tile of (beam, position) keys per iteration
     grid = (Qb, kv, triton.cdiv(beams * g, block_m))
     _decode_attention_kernel[grid](
         q, kp, vp, p_bias, p_pos, p_len, ks, vs, anc, t, out,
@@ -155,8 +162,7 @@ def decode_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias
         ks.stride(0), ks.stride(1), ks.stride(2), anc.stride(0), out.stride(0), out.stride(1),
         kp.shape[2], float(scaling), int(window),
         B=beams, G=g, D=D, BLOCK_M=block_m, BLOCK_N=min(64, max(16, triton.next_power_of_2(kp.shape[2]))),
-        # a [BLOCK_M, BLOCK_S, D] fp32 tile of at most 16K values: <= 64 registers a thread at 8 warps
-        BLOCK_S=max(1, min(8, 16384 // (block_m * D))), num_warps=8,
+        BLOCK_S=block_s, BLOCK_J=block_s * b_pad, num_warps=4,
     )
     return out
 

@@ -43,8 +43,8 @@ from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_ma
                                write_parquet_atomic)
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
-from adbatch.generation import (CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
-                                TargetGenerator, answers_to_output, check_model_index,
+from adbatch.generation import (DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
+                                TargetGenerator, answers_to_output, check_model_index, default_batch_size,
                                 generator_fingerprint)
 from adbatch.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, output_schema,
                               validate_requests)
@@ -86,8 +86,9 @@ class GenerateJobConfig(ConfigBase):
     creatives: CreativeConfig = dataclasses.field(default_factory=CreativeConfig)
     validation: RequestValidationConfig = dataclasses.field(default_factory=RequestValidationConfig)
     concurrency: int = dataclasses.field(default=1, metadata={"help": "generation actors (one model each)"})
-    batch_size: int = dataclasses.field(
-        default=8, metadata={"help": "requests per model call (halved on out-of-memory)"})
+    batch_size: int | None = dataclasses.field(
+        default=None, metadata={"help": "requests per model call (halved on out-of-memory); default by the "
+                                        "actors' device: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_BATCH_SIZE.items())})
     partition_size: int = dataclasses.field(
         default=256, metadata={"help": "requests per output partition (the unit of resume)"})
     device: DeviceChoice = dataclasses.field(default=DeviceChoice.AUTO, metadata={"help": "auto | cpu | cuda"})
@@ -114,7 +115,7 @@ class GenerateJobConfig(ConfigBase):
         if self.model is not None and self.compressed is not None:
             raise ConfigError("GenerateJobConfig: give --model or --compressed, not both")
         for name in ("concurrency", "batch_size", "partition_size", "max_query_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"GenerateJobConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"GenerateJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
@@ -336,12 +337,14 @@ def _iter_local(config: GenerateJobConfig, layout: Layout, pending: list[int]) -
     total = sum(pq.read_metadata(layout.work_file(i)).num_rows for i in pending)
     with tqdm(total=total, desc=f"generate {config.task.value}", unit="req",
               disable=not config.progress) as bar:
-        for i in pending:
-            table = pq.read_table(layout.work_file(i))
-            for start in range(0, table.num_rows, config.batch_size):
-                batch = table.slice(start, config.batch_size)
-                yield gen(batch)
-                bar.update(batch.num_rows)
+        # batches may span partitions (as Ray's do): a partition commits once all its rows are back
+        table = pa.concat_tables([pq.read_table(layout.work_file(i)) for i in pending]) if pending else None
+        start = 0
+        while table is not None and start < table.num_rows:
+            batch = table.slice(start, gen.batch_size)   # the generator's: by device, halved on OOM
+            yield gen(batch)
+            bar.update(batch.num_rows)
+            start += batch.num_rows
 
 
 def _actor_resources(config: GenerateJobConfig) -> tuple[dict[str, Any], int]:
@@ -384,7 +387,7 @@ def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> 
         fn_constructor_args=(config.task.value, dataclasses.asdict(config.spec),
                              str(config.index) if config.index else None, config.decoding.to_dict(),
                              config.generate_config(num_threads=threads).to_dict()),
-        batch_size=config.batch_size,
+        batch_size=config.batch_size or default_batch_size("cuda" if resources.get("num_gpus") else "cpu"),
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=config.concurrency),
         # a dead actor is restarted and its in-flight batch retried: no request is lost

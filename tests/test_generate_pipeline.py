@@ -195,6 +195,16 @@ def test_oom_halves_batch_size_and_answers_everything(assets, tmp_path, monkeypa
     assert gen.stats()["oom_events"] == 2
 
 
+def test_batch_size_defaults_by_device(assets):
+    from adbatch.generation import DEFAULT_BATCH_SIZE, default_batch_size
+
+    gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"],
+                          TargetSearchConfig(num_beams=2, top_k=2, verify="off"), GenerateConfig(device="cpu"))
+    assert gen.batch_size == DEFAULT_BATCH_SIZE["cpu"] == default_batch_size(torch.device("cpu"))
+    assert default_batch_size(torch.device("cuda", 1)) == default_batch_size("cuda") == DEFAULT_BATCH_SIZE["cuda"]
+    assert DEFAULT_BATCH_SIZE["cuda"] > DEFAULT_BATCH_SIZE["cpu"]
+
+
 def test_oom_at_batch_size_one_rejects_the_request(assets, monkeypatch):
     gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"],
                           TargetSearchConfig(num_beams=2, top_k=2, verify="off"),
