@@ -375,6 +375,18 @@ def test_cli_generate_overwrite_into_an_index_exits_2_and_keeps_it(assets, artif
     load_index(artifacts["index"])
 
 
+def test_every_stage_marks_its_folder_and_writes_with_the_umask_mode(artifacts):
+    """The marker is each stage's own, and manifests / markers get 0666 & ~umask (they were 0600)."""
+    from adbatch.artifacts import STAGE_MARKER, file_mode
+
+    for kind, folder in artifacts.items():
+        marker = json.loads((folder / STAGE_MARKER).read_text())
+        assert marker["stage"] == kind
+        for name in (STAGE_MARKER, "manifest.json", "refresh_summary.json", "adbatch_training.json"):
+            if (folder / name).is_file():
+                assert (folder / name).stat().st_mode & 0o777 == file_mode(), (kind, name)
+
+
 def test_generate_overwrite_replaces_only_its_own_outputs(assets, artifacts, tmp_path):
     """In its own folder --overwrite replaces the earlier generate run, and only what generate wrote."""
     import shutil
@@ -383,13 +395,14 @@ def test_generate_overwrite_replaces_only_its_own_outputs(assets, artifacts, tmp
 
     out = tmp_path / "gen"
     shutil.copytree(artifacts["generate"], out)
+    (out / "notes.txt").write_text("the user's own file")
     other = target_requests(tmp_path / "other.parquet", n=5)
     with pytest.raises(Exception, match="holds another generate run"):
         run_generate(_generate_job(assets, out, requests=other))
     res = run_generate(_generate_job(assets, out, overwrite=True, requests=other))
     table = _rows_check(res, out)
     assert sorted(set(table.column("request_id").to_pylist())) == [f"q{i:04d}" for i in range(5)]
-    assert artifact_kind(out) == "generate"
+    assert artifact_kind(out) == "generate" and (out / "notes.txt").read_text() == "the user's own file"
 
 
 # --- two writers on one folder ----------------------------------------------------------------------
@@ -557,6 +570,13 @@ def test_cli_debug_shows_the_traceback_and_a_bug_is_not_hidden(assets, tmp_path,
         main(["--debug", "index", "--ads", str(assets["corpus"]), "--out", str(tmp_path / "o"), "--num-cpus", "0"])
     with pytest.raises(ConfigError, match="num_cpus"):
         main(["index", "--debug", "--ads", str(assets["corpus"]), "--out", str(tmp_path / "o"), "--num-cpus", "0"])
+    import jobs.batch_generate
+    from jobs.config_cli import run_entrypoint
+
+    argv = ["--requests", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "o"), "--index", str(assets["index"])]
+    assert run_entrypoint(jobs.batch_generate.main, "batch_generate", argv) == 2
+    with pytest.raises(ValueError, match="requests not found"):  # RequestSchemaError; the scripts' --debug
+        run_entrypoint(jobs.batch_generate.main, "batch_generate", argv + ["--debug"])
     import pipelines.index
 
     def broken(config):
@@ -570,7 +590,8 @@ def test_cli_debug_shows_the_traceback_and_a_bug_is_not_hidden(assets, tmp_path,
 @pytest.mark.parametrize("script", ["cli", "batch_generate", "nightly_refresh"])
 def test_entry_point_exit_status_2_and_one_line(script, assets, tmp_path):
     """The real processes: ``adbatch`` (python -m jobs.cli), ``jobs/batch_generate.py`` and
-    ``jobs/nightly_refresh.py`` exit 2 with one stderr line; with --debug the traceback is back."""
+    ``jobs/nightly_refresh.py`` exit 2 with one stderr line; with --debug the traceback is back
+    (exit 1; as a process once, on ``adbatch``; the scripts' ``run_entrypoint`` in-process above)."""
     cmd = {"cli": [sys.executable, "-m", "jobs.cli", "generate"],
            "batch_generate": [sys.executable, str(REPO / "jobs" / "batch_generate.py")],
            "nightly_refresh": [sys.executable, str(REPO / "jobs" / "nightly_refresh.py")]}[script]
@@ -583,6 +604,8 @@ def test_entry_point_exit_status_2_and_one_line(script, assets, tmp_path):
     proc = subprocess.run(cmd + args, env=_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=REPO)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-3000:]
+    if script != "cli":  # the in-process tests above cover `adbatch --debug`
+        return
     debug = subprocess.run(cmd + args + ["--debug"], env=_env(), capture_output=True, text=True,
                            timeout=SUBPROCESS_TIMEOUT, cwd=REPO)
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr and expected in debug.stderr
