@@ -358,8 +358,10 @@ def _actor_resources(config: GenerateJobConfig) -> tuple[dict[str, Any], int]:
     gpus, cpus = float(res.get("GPU", 0)), float(res.get("CPU", 1))
     if gpus >= 1:
         return {"num_gpus": 1, "num_cpus": 1}, max(1, int(cpus // max(gpus, 1)))
-    per_actor = max(0.05, cpus / config.concurrency)
-    return {"num_cpus": round(per_actor, 3)}, max(1, int(cpus // config.concurrency))
+    # an actor lives on one node: never ask for more CPUs than the largest node has
+    node_cpus = max((float(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")), default=cpus)
+    per_actor = max(0.05, min(cpus / config.concurrency, node_cpus))
+    return {"num_cpus": round(per_actor, 3)}, max(1, int(per_actor))
 
 
 def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> Iterator[pa.Table]:

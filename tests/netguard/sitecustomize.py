@@ -4,7 +4,8 @@ A directory holding this file is put first on ``PYTHONPATH``, so every Python pr
 that environment (the test's driver, Ray's dashboard, log monitor, autoscaler monitor, dashboard
 agent and workers) imports it at start-up (``site`` imports ``sitecustomize``). With
 ``ADBATCH_NETGUARD_LOG`` set it patches the Python socket layer: ``connect``/``connect_ex``/``sendto``
-to a non-loopback address and ``getaddrinfo`` of a name other than this host's own or ``localhost``
+to an address that is neither loopback nor this host's own, and ``getaddrinfo`` of a name other than
+this host's own or ``localhost``,
 raise ``ConnectionRefusedError`` / ``gaierror`` and append one JSON line (pid, argv, what, where)
 to that file; each guarded process also appends a ``loaded`` line, so a test can check that the
 process it cares about was guarded at all. Connects made in C (Ray's gcs_server / raylet, gRPC core)
@@ -32,6 +33,13 @@ def install(log_path: str) -> None:
     try:
         own_names.add(socket.getfqdn())
     except OSError:
+        pass
+    try:  # this host's own interface addresses (a Ray node's IP): a connect there stays on the host
+        import psutil
+
+        own_names.update(a.address.split("%", 1)[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                         if a.family in (socket.AF_INET, socket.AF_INET6))
+    except ImportError:
         pass
 
     def record(what: str, where: object) -> None:
