@@ -643,6 +643,10 @@ def exactness_check(report: Report, dev: torch.device, tries: dict[str, Trie], e
                "same_topk_off_vs_hf": float(np.mean([a == b for a, b in zip(off["rows"], hf["rows"])])),
                "max_abs_score_diff_off_vs_hf": float(np.max(np.abs(np.array(off["scores"]) - np.array(hf["scores"])))),
                "always_ge_off_elementwise": bool((np.array(alw["scores"]) >= np.array(off["scores"]) - 1e-3).all()),
+               # how far below: numerics (tree pass vs steps; compare max_abs_score_diff_off_vs_hf)
+               # or a lost candidate (a gap of a whole token's log-prob)
+               "max_always_below_off": float(np.max(np.nan_to_num(np.array(off["scores"]) - np.array(alw["scores"]),
+                                                                  nan=0.0, posinf=1e9, neginf=0.0))),
                "always_beams_verified": alw["stats"].get("beams_verified")}
         report.note("8b", "fp32 exactness check (4-layer, 8B width): " + json.dumps(row))
     del model

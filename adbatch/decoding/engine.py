@@ -432,6 +432,8 @@ class DecodeEngine:
         self.prompt_pos[:Qb] = pos
         self.prompt_bias[:Qb] = torch.where(valid, 0.0, NEG_INF)
         self.anc.copy_(self.slot_ids[:, None].expand_as(self.anc))  # every row its own path
+        if self.graphs_enabled:  # eager passes choose packed vs dense at their own row count too
+            self._plan_linears(bucket_queries(Qb * Lp))
         causal = torch.ones(Lp, Lp, dtype=torch.bool, device=dev).tril()
         vis = causal[None] & valid[:, None, :]
         vis |= torch.eye(Lp, dtype=torch.bool, device=dev)[None]  # padding queries see themselves
@@ -558,8 +560,9 @@ class DecodeEngine:
     # -------------------------------------------------------------- packed vs dense, per bucket
     def _plan_linears(self, rows: int) -> None:
         """For every compressed layer shape, time packed vs dense at ``rows`` rows (graph-replayed)
-        and route the layer's calls accordingly while this bucket is captured. Groups (q/k/v,
-        gate/up) whose members all run dense run one fused GEMM of their copies."""
+        and route the layer's calls accordingly for the pass that follows (a step being captured,
+        a prefill or a tree pass: eager ones plan at their row count's power-of-two bucket). Groups
+        (q/k/v, gate/up) whose members all run dense run one fused GEMM of their copies."""
         mods = self._packed_modules
         if not mods:
             return
@@ -617,6 +620,8 @@ class DecodeEngine:
         V, Fn = tokens.shape
         q_of = rows // self.B
         Lp = self.Lp
+        if self.graphs_enabled:
+            self._plan_linears(bucket_queries(V * Fn))
         p_vis = (self.prompt_bias[q_of] == 0)[:, None, :].expand(V, Fn, Lp)
         s_vis = torch.ones(V, Fn, t, dtype=torch.bool, device=self.device)
         vis = torch.cat([p_vis, s_vis, tree_vis], -1)[:, None]                # [V, 1, F, Lp+t+F]
