@@ -73,11 +73,11 @@ def _read_pairs(path: str | Path) -> tuple[Any, list[tuple[str, Any]]]:
     table = pq.read_table(path)
     missing = [c for c in ("query", "ad_id") if c not in table.column_names]
     if missing:
-        raise ValueError(f"{path}: labelled queries need column(s) {missing}; found {table.column_names}")
+        raise ConfigError(f"{path}: labelled queries need column(s) {missing}; found {table.column_names}")
     queries, ads = table.column("query").to_pylist(), table.column("ad_id").to_pylist()
     bad = next((i for i, (q, a) in enumerate(zip(queries, ads)) if q is None or a is None or not str(q).strip()), None)
     if bad is not None:
-        raise ValueError(f"{path}: row {bad} has an empty query or a null ad_id")
+        raise ConfigError(f"{path}: row {bad} has an empty query or a null ad_id")
     return table, list(zip(queries, ads))
 
 
@@ -104,7 +104,7 @@ def read_validation_qrels(path: str | Path) -> dict[str, dict[Any, float]]:
     listed pair counts as relevant (grade 3, the top of the Home Depot scale)."""
     table, pairs = _read_pairs(path)
     if not pairs:
-        raise ValueError(f"{path}: no validation pairs (model selection would be silently off)")
+        raise ConfigError(f"{path}: no validation pairs (model selection would be silently off)")
     grades = table.column("grade").to_pylist() if "grade" in table.column_names else [3.0] * len(pairs)
     qrels: dict[str, dict[Any, float]] = {}
     for (q, a), g in zip(pairs, grades):
@@ -151,18 +151,20 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
     # inputs checked before Ray starts
     if not Path(config.index).is_dir():
         raise FileNotFoundError(f"index folder not found: {config.index}")
-    if artifact_kind(config.index) != ArtifactKind.INDEX.value:
-        raise ConfigError(f"TrainJobConfig.index: {config.index} is not an index folder (adbatch index writes one)")
     for name in ("ads", "queries", "valid_queries"):
         path = getattr(config, name)
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"TrainJobConfig.{name}: {path} not found")
-    if config.queries is not None and config.valid_queries is not None:
-        shared = ({str(q) for q, _ in read_labelled_queries(config.queries)}
-                  & set(read_validation_qrels(config.valid_queries)))
+    # the labelled pairs are small: read (and checked) here, before Ray, though the workers read them again
+    train_queries = read_labelled_queries(config.queries) if config.queries is not None else None
+    valid_qrels = read_validation_qrels(config.valid_queries) if config.valid_queries is not None else None
+    if train_queries is not None and valid_qrels is not None:
+        shared = {str(q) for q, _ in train_queries} & set(valid_qrels)
         if shared:  # model selection on queries the model trained on measures memory, not retrieval
-            raise ValueError(f"{len(shared)} validation queries are also training queries (e.g. "
+            raise ConfigError(f"{len(shared)} validation queries are also training queries (e.g. "
                              f"{sorted(shared)[0]!r}): split the labelled queries by query string")
+    if artifact_kind(config.index) != ArtifactKind.INDEX.value:
+        raise ConfigError(f"TrainJobConfig.index: {config.index} is not an index folder (adbatch index writes one)")
     # the model folder is replaced by a rename at the end (adbatch.training.checkpoint.save_trained), so
     # it is marked as the train stage's after that, not before
     with claim_output(config.out, ArtifactKind.TRAIN, mark=False):
