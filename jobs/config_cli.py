@@ -129,7 +129,7 @@ USER_ERROR_TYPES = (
     ("adbatch.corpus", "CorpusSchemaError"),
     ("adbatch.requests", "RequestSchemaError"),
     ("adbatch.trie", "TrieFormatError"),
-    ("adbatch.models", "UnsafeCheckpointError"),
+    ("adbatch.models", "ModelFolderError"),  # UnsafeCheckpointError derives from it
     ("adbatch.compress.checkpoint", "CheckpointError"),
     ("adbatch.training.checkpoint", "IndexMismatchError"),
 )

@@ -565,6 +565,23 @@ def test_cli_user_error_is_one_line_and_exit_2(case, assets, tmp_path, capsys, n
     assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
 
 
+def test_cli_model_folder_mistake_is_one_line_and_exit_2(tmp_path, capsys):
+    """A pickle-only --model folder (adbatch.models.ModelFolderError, part B's check) is a user error too."""
+    import torch
+
+    from conftest import make_tiny_llama
+    from jobs.cli import main
+
+    model = make_tiny_llama(vocab_size=32)
+    model.config.save_pretrained(tmp_path / "pickled")
+    torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
+    calib = _write(tmp_path, "calib.txt", "one text\nanother text\n")
+    assert main(["compress", "--model", str(tmp_path / "pickled"), "--calib", calib, "--out", str(tmp_path / "o"),
+                 "--use-ray", "false"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "pytorch_model.bin" in lines[0] and "safetensors" in lines[0], lines
+
+
 def test_cli_debug_shows_the_traceback_and_a_bug_is_not_hidden(assets, tmp_path, monkeypatch):
     from adbatch.config import ConfigError
     from jobs.cli import main
