@@ -47,6 +47,7 @@ def _decode_attention_kernel(
     Lp, scale, window,
     B: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     qi = tl.program_id(0)
     h = tl.program_id(1)
@@ -75,7 +76,7 @@ def _decode_attention_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Lp
         k = tl.load(kp_base + offs_n[:, None] * s_pl + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         bias = tl.load(pb_ptr + qi * s_bq + offs_n, mask=n_ok, other=float("-inf"))
         if window > 0:
             kpos = tl.load(ppos_ptr + qi * s_bq + offs_n, mask=n_ok, other=0)
@@ -88,7 +89,7 @@ def _decode_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vp_base + offs_n[:, None] * s_pl + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     # suffix: position s of row r's path lives in slot anc[r, s]. Per iteration the K/V of BLOCK_S
@@ -107,14 +108,14 @@ def _decode_attention_kernel(
         src = tl.load(anc_ptr + row_j * s_ar + s_j, mask=j_ok, other=0).to(tl.int64)
         off = s_j.to(tl.int64)[:, None] * s_ss + src[:, None] * s_sr + h * s_sh + offs_d[None, :]
         k = tl.load(ks_ptr + off, mask=j_ok[:, None], other=0.0)            # [J, D]
-        sc = tl.dot(q, tl.trans(k)) * scale                                  # [M, J]
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale     # [M, J]
         sc = tl.where(own & j_ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))   # finite: every block holds each beam's position <= t
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(sc - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vs_ptr + off, mask=j_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -162,7 +163,10 @@ def decode_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias
         ks.stride(0), ks.stride(1), ks.stride(2), anc.stride(0), out.stride(0), out.stride(1),
         kp.shape[2], float(scaling), int(window),
         B=beams, G=g, D=D, BLOCK_M=block_m, BLOCK_N=min(64, max(16, triton.next_power_of_2(kp.shape[2]))),
-        BLOCK_S=block_s, BLOCK_J=block_s * b_pad, num_warps=4,
+        BLOCK_S=block_s, BLOCK_J=block_s * b_pad,
+        # fp32 models get fp32 products (Triton's default for fp32 dots is TF32: ~1e-3 relative,
+        # which measured as 5e-3 score differences against HF's fp32 forward on the H200)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     return out
 

@@ -86,3 +86,14 @@ def test_rejects_bad_shapes():
     args[0] = torch.randn(8, 4, 12).half()
     with pytest.raises(ValueError, match="power of two"):
         da.decode_attention(*args, torch.tensor([0]), 4, 0.25)
+
+
+@interpreted
+def test_fp32_inputs_get_fp32_products():
+    """fp32 inputs match the reference to fp32 precision. (On the GPU the kernel asks for IEEE fp32
+    dots, not Triton's TF32 default; the interpreter computes in fp32 either way, so this checks the
+    fp32 path's math, not the precision flag.)"""
+    args = _inputs(2, 10, 3, 3, 64, 32, 8, torch.float32, seed=11)
+    out = da.decode_attention(*args, torch.tensor([6]), 10, 0.125, 0)
+    ref = da.decode_attention_reference(*args, 6, 10, 0.125, 0)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
