@@ -658,6 +658,12 @@ def run_gpu(args, report: Report, budget: Budget) -> None:
         # the packed kernels' tuner times up to 32 configs per (shape, batch bucket) on a fresh
         # machine: minutes; the heuristic config keeps the run inside its budget
         os.environ.setdefault("ADBATCH_NM_INT4_AUTOTUNE", "0")
+    if args.check_only:  # the fp32 exactness check alone, on the 8B-shape tries (no 8B model built)
+        cfg, w = {**SHAPES["8b"], **(SMOKE_SHAPE if args.smoke else {})}, workload("8b", args.smoke)
+        tries = build_tries(args.schemes, 300 if args.smoke else args.n_ads_8b, cfg["vocab_size"],
+                            cfg["eos_token_id"], w, dev)
+        exactness_check(report, dev, tries, cfg["eos_token_id"], cfg["pad_token_id"])
+        return
     old = load_baseline()
     names = [m for m in args.methods if m != "old" or old is not None]
     shapes = list(dict.fromkeys(args.model_shape + (["default"] if args.creatives else [])))
@@ -787,6 +793,7 @@ def main() -> None:
     g.add_argument("--n-ads-8b", type=int, default=100_000)
     g.add_argument("--hf-max-batch-8b", type=int, default=16)
     g.add_argument("--check", action="store_true", help="8b: fp32 exactness check first")
+    g.add_argument("--check-only", action="store_true", help="only the fp32 exactness check (8B-shape tries)")
     g.add_argument("--creatives", action="store_true", help="(c) greedy creatives, HF generate vs ours")
     g.add_argument("--creative-prompts", type=int, default=256)
     g.add_argument("--creative-tokens", type=int, default=16)
