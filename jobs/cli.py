@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one sub-command: 0 with its summary as JSON on stdout; 2 with one line on stderr for a user
     error (config, schema, integrity, ownership, a missing input; ``--debug`` re-raises it with its
     traceback); any other failure propagates with its traceback."""
+    from pipelines.ray_runtime import prefer_loopback_ray
+
+    prefer_loopback_ray()  # before any stage module imports Ray
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.log_level)

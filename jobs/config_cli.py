@@ -164,6 +164,9 @@ def run_entrypoint(main: Any, prog: str, argv: list[str] | None = None,
     import json
     import sys
 
+    from pipelines.ray_runtime import prefer_loopback_ray
+
+    prefer_loopback_ray()  # before the job imports Ray
     argv = sys.argv[1:] if argv is None else argv
     front = argparse.ArgumentParser(add_help=False)
     add_debug_argument(front)

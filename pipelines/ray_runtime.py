@@ -5,6 +5,11 @@ an in-process local Ray (the embedded default) sized by ``num_cpus``.
 
 A local Ray makes no network attempt beyond loopback:
 
+- it runs on ``127.0.0.1`` when this process imports Ray through :func:`prefer_loopback_ray` (the
+  entry points call it first; :func:`init_ray` too): ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray
+  reads once at import, is its single-machine mode. A process that imported Ray before keeps Ray's
+  default: it finds the machine's address by a UDP ``connect`` to 8.8.8.8 (no packet is sent) and
+  listens on that address;
 - usage statistics are off (``RAY_USAGE_STATS_ENABLED=0``) and the dashboard's web UI is not started;
 - Ray's dashboard process still loads its usage-stats module, which asks the cloud metadata services
   (``169.254.169.254``, ``metadata.google.internal``) what cloud it runs on -- whether usage stats are
@@ -30,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -48,6 +54,30 @@ SESSION_MARK = "adbatch_driver.json"
 KEEP_SESSIONS = 5
 
 
+#: read by Ray when it is imported: "0" makes ``get_node_ip_address`` answer 127.0.0.1 (the
+#: Windows / macOS single-machine mode) instead of asking the routing table by a UDP connect to 8.8.8.8
+LOOPBACK_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def prefer_loopback_ray() -> bool:
+    """In a process that will start a local Ray (no ``RAY_ADDRESS``): import Ray now, with
+    :data:`LOOPBACK_NODE_ENV` = "0" for that moment (unless the user set it), so the Ray this process
+    starts runs on 127.0.0.1. Returns whether it will: False when Ray was imported before (then it keeps
+    finding the machine's address) or when the process joins a cluster. Called by the entry points
+    before anything imports Ray, and by :func:`init_ray`."""
+    if os.environ.get("RAY_ADDRESS"):
+        return False
+    if "ray" not in sys.modules:
+        with _environ({LOOPBACK_NODE_ENV: os.environ.get(LOOPBACK_NODE_ENV, "0")}):
+            import ray  # noqa: F401  (Ray reads the setting once, at import)
+    return _ray_reads_loopback()
+
+
+def _ray_reads_loopback() -> bool:
+    constants = sys.modules.get("ray._private.ray_constants")
+    return constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", True) is False
+
+
 @contextlib.contextmanager
 def _environ(values: dict[str, str]) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in values}
@@ -63,6 +93,8 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 
 def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
+    if not address:
+        prefer_loopback_ray()  # before the first `import ray` of this process, if this is it
     import ray
 
     if ray.is_initialized():
@@ -75,7 +107,10 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     # address="local" always starts a fresh in-process cluster; a bare ray.init() would
     # silently join a stray `ray start` head left on the machine.
     log.info("starting local Ray with num_cpus=%s", num_cpus)
-    with _environ(LOCAL_RAY_ENV):
+    env = dict(LOCAL_RAY_ENV)
+    if _ray_reads_loopback():  # the processes Ray starts must agree with this driver on the address
+        env[LOOPBACK_NODE_ENV] = "0"
+    with _environ(env):
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     session = _session_dir()
     if session is not None:

@@ -676,6 +676,27 @@ def test_generate_on_a_one_cpu_ray_completes(assets, ray1, tmp_path):
 
 
 # --- no network beyond loopback (keep last: it reads what every test above did) ----------------------
+LOOPBACK_RAY = '''
+from pipelines.ray_runtime import init_ray
+init_ray(num_cpus=1)
+import ray
+print(sorted({n["NodeManagerAddress"] for n in ray.nodes()} | {ray.util.get_node_ip_address()}))
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_local_ray_started_by_init_ray_listens_on_loopback_only():
+    """Started before anything imported Ray (as every entry point does): the node's address is
+    127.0.0.1, so no Ray port listens on the machine's other interfaces and Ray does not look up its
+    address by a UDP connect to 8.8.8.8 (C code the guard cannot see; strace shows it otherwise)."""
+    env = _env()
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", LOOPBACK_RAY], env=env, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['127.0.0.1']"
+
+
 @pytest.mark.timeout(120)
 def test_no_connect_beyond_loopback(ray1, netlog):
     """Every Python process of the module's runs -- this driver, the subprocess drivers, and Ray's
