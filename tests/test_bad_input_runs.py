@@ -11,7 +11,6 @@ those that need Ray join the module's cluster (``RAY_ADDRESS``) instead of start
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -26,8 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from adbatch.artifacts import (ArtifactKind, OutputLockedError, OutputOwnershipError, artifact_kind, lock_path,
-                               mark_output)
+from adbatch.artifacts import ArtifactKind, OutputLockedError, OutputOwnershipError, artifact_kind, mark_output
 from test_generate_support import target_requests, tiny_corpus, tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
