@@ -2,11 +2,14 @@
 
 One place decides how a query or an ad becomes the model's input, so a model trained on these
 prompts (the train stage) sees exactly what the generate stage feeds it. Instruct models get their
-chat template; models without one get a plain-text frame.
+chat template; models without one get a plain-text frame. Free text is encoded the way the
+tokenizer wants it (:func:`encode_text`: its BOS where it declares ``add_bos_token``, none where
+it does not), here and in every stage that tokenizes text (calibration, perplexity, training).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Mapping
 
 TARGETING_INSTRUCTION = "Find the ad that best matches this search query."
@@ -19,11 +22,63 @@ CREATIVE_INSTRUCTION = "Write a short, catchy advertising headline (at most 10 w
 CREATIVE_FIELDS = ("advertiser", "title", "description", "industry", "category", "keywords")
 
 
+_PROBE = "Hello world, this is a probe."
+_FRAMES: "weakref.WeakKeyDictionary[Any, tuple[tuple, tuple[tuple[int, ...], tuple[int, ...]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def special_tokens_around(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids ``tokenizer`` itself puts before and after a text: ``(prefix, suffix)``.
+
+    Read from the tokenizer, not from its name or config keys: a probe text is encoded with and
+    without ``add_special_tokens`` and the difference is the frame (Gemma / Llama: ``((bos,), ())``
+    from ``add_bos_token``; SmolLM2: ``((), ())`` although it names a BOS token; ``add_eos_token``
+    gives a suffix). Cached per tokenizer object while its BOS/EOS settings stay the same.
+    """
+    state = tuple(getattr(tokenizer, a, None) for a in ("add_bos_token", "add_eos_token", "bos_token_id",
+                                                        "eos_token_id"))
+    try:
+        hit = _FRAMES.get(tokenizer)
+    except TypeError:  # not weak-referenceable: no cache
+        hit = None
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    full = list(tokenizer(_PROBE, add_special_tokens=True)["input_ids"])
+    bare = list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"])
+    n = len(bare)
+    starts = [i for i in range(len(full) - n + 1) if full[i:i + n] == bare]
+    if not starts:
+        raise ValueError("the tokenizer encodes a text differently with and without special tokens beyond "
+                         f"adding some around it ({full[:8]}... vs {bare[:8]}...): cannot tell its frame")
+    frame = (tuple(full[:starts[0]]), tuple(full[starts[0] + n:]))
+    try:
+        _FRAMES[tokenizer] = (state, frame)
+    except TypeError:
+        pass
+    return frame
+
+
+def encode_text(tokenizer: Any, text: str, *, begin: bool = True, end: bool = False) -> list[int]:
+    """Token ids of free ``text`` the way ``tokenizer`` wants it: its own prefix (BOS where it adds
+    one) when ``begin``, its own suffix (EOS where ``add_eos_token``) when ``end``
+    (:func:`special_tokens_around`). A prompt takes ``begin`` only: the model continues it."""
+    prefix, suffix = special_tokens_around(tokenizer)
+    body = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return [*(prefix if begin else ()), *body, *(suffix if end else ())]
+
+
+def with_prefix(tokenizer: Any, ids: list[int]) -> list[int]:
+    """``ids`` starting with the tokenizer's prefix (BOS where it adds one), never twice: a chat template
+    that writes ``{{ bos_token }}`` itself (Gemma, Llama 3) is left alone, one that omits it gets it."""
+    prefix = list(special_tokens_around(tokenizer)[0])
+    return ids if ids[:len(prefix)] == prefix else prefix + ids
+
+
 def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     if isinstance(ids, Mapping) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
-    return list(ids)
+    return with_prefix(tokenizer, list(ids))
 
 
 def _chat_or_plain(tokenizer: Any, user_text: str, plain_suffix: str, system: str | None = None) -> list[int]:
@@ -44,7 +99,7 @@ def _chat_or_plain(tokenizer: Any, user_text: str, plain_suffix: str, system: st
         return _apply_template(tokenizer, [{"role": "user", "content": user_text}])
     if system is not None:
         user_text = f"{system}\n{user_text}"
-    return list(tokenizer(user_text + plain_suffix, add_special_tokens=True)["input_ids"])
+    return encode_text(tokenizer, user_text + plain_suffix)
 
 
 def truncate_text_tokens(tokenizer: Any, text: str, max_tokens: int) -> str:

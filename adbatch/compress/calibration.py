@@ -23,7 +23,8 @@ Two paths, same statistics (``CalibrationConfig.mode``; tests/test_compress_laye
   to CPU as soon as it is done, so the device holds one block's ``grad_sq`` at a time.
 
 Both paths record through the same hooks (:class:`_StatsCollector`). Texts are concatenated
-(EOS-separated) and cut into fixed-length sequences, so there is no padding to mask out.
+(EOS-separated) and cut into fixed-length sequences, each starting with the tokenizer's own prefix
+(BOS where it declares one), so there is no padding to mask out (:func:`token_blocks`).
 """
 
 from __future__ import annotations
@@ -170,24 +171,38 @@ def load_calibration_texts(config: CalibrationConfig) -> list[str]:
 
 
 def token_blocks(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor:
-    """Concatenate texts (EOS between them) and cut into rows of ``seq_len`` tokens.
+    """Concatenate texts (EOS between them) and cut into rows of ``seq_len`` tokens, each row
+    starting the way the tokenizer starts a text.
+
+    Special tokens follow the tokenizer's own settings (:func:`adbatch.prompts.special_tokens_around`):
+    every row begins with its prefix (BOS where it declares ``add_bos_token``: Gemma's perplexity
+    without it is ~7x higher), and texts end with its suffix when it adds one (``add_eos_token``),
+    else with EOS. A tokenizer that adds nothing (SmolLM2) gives plain EOS-joined text.
 
     Returns long [B, seq_len]; the tail shorter than seq_len becomes a last, shorter batch only if
     nothing else exists (so tiny inputs still yield one row).
     """
-    eos = tokenizer.eos_token_id
+    from adbatch.prompts import special_tokens_around
+
+    prefix, suffix = special_tokens_around(tokenizer)
+    end = list(suffix) if suffix else ([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])
+    if len(prefix) >= seq_len:
+        raise ValueError(f"seq_len {seq_len} leaves no room after the tokenizer's {len(prefix)} prefix tokens")
     ids: list[int] = []
     for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
-        if eos is not None:
-            ids.append(eos)
+        ids.extend(end)
     if not ids:
         raise ValueError("calibration texts tokenized to nothing")
     flat = torch.tensor(ids, dtype=torch.long)
-    rows = flat.numel() // seq_len
+    body = seq_len - len(prefix)
+    rows = flat.numel() // body
     if rows == 0:
-        return flat.unsqueeze(0)
-    return flat[: rows * seq_len].reshape(rows, seq_len)
+        rows, body = 1, flat.numel()
+    blocks = flat[: rows * body].reshape(rows, body)  # [B, seq_len - len(prefix)]
+    if prefix:
+        blocks = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(rows, len(prefix)), blocks], dim=1)
+    return blocks
 
 
 def peak_rss_mb() -> float:
