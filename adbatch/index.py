@@ -10,11 +10,11 @@ its presence marks a finished index):
   position in the leaf), ``token_ids`` list<int32> (the target sequence), ``text`` string (the
   rendered sequence).
 - ``trie.safetensors``: the :class:`~adbatch.trie.Trie` over ``token_ids`` (terminal rows = rows).
-- ``clusters.parquet``: one row per cluster: ``path``, ``size``, ``label``.
+- ``clusters.parquet``: one row per cluster: ``path``, ``size``, ``label`` (words), ``token`` (codes scheme).
 - ``rejected.parquet``: corpus rows set aside, with a reason (see :mod:`adbatch.corpus`).
 - ``manifest.json``: input hash, config, counts, timings, code version, plus ``scheme``,
   ``tokenizer``, ``base_vocab_size``, ``special_tokens`` (codes), ``eos_token_id`` (text),
-  ``index_hash``.
+  ``id_render_version`` (:data:`adbatch.semantic_ids.ID_RENDER_VERSION`), ``index_hash``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from adbatch.clustering import ClusterConfig, Hierarchy, build_hierarchy, update
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.corpus import Corpus, CorpusConfig, read_corpus
 from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
-from adbatch.semantic_ids import IdScheme, RenderConfig, RenderedIds, render_ids
+from adbatch.semantic_ids import ID_RENDER_VERSION, IdScheme, RenderConfig, RenderedIds, render_ids
 from adbatch.trie import Trie
 
 log = logging.getLogger(__name__)
@@ -203,6 +203,7 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
             "base_vocab_size": rendered.base_vocab_size,
             "special_tokens": rendered.special_tokens,
             "eos_token_id": rendered.eos_token_id,
+            "id_render_version": ID_RENDER_VERSION,
             "trie_file": TRIE_FILE,
             "index_hash": index_hash,
             "input_files": [str(p) for p in corpus.paths],
@@ -285,12 +286,19 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     if differs:
         log.info("index: the earlier index at %s was built with other %s: full build", previous, differs)
         return None
+    # the codes are the clustering's, kept across renderings; labels of another rendering version
+    # (manifests before the version was recorded: 1) would mix two renderings in one index
+    prev_render = int(prev.manifest.get("id_render_version", 1))
+    if prev_render != ID_RENDER_VERSION:
+        log.info("index: the earlier index at %s was rendered with id_render_version %d (this code: %d): "
+                 "codes kept, labels rendered anew", previous, prev_render, ID_RENDER_VERSION)
     code_of = dict(zip(prev.ad_ids, prev.ad_codes.column("code").to_pylist()))
     codes = [code_of.get(a) for a in corpus.table.column("ad_id").to_pylist()]
     # only clusters that still hold a kept ad keep their label: every other path of today's hierarchy
     # is a new cluster (with no ad in common, a fresh clustering reuses the old paths for other ads)
     live = {tuple(c[:d]) for c in codes if c for d in range(1, len(c))}
-    labels = {tuple(p): lab for p, lab in zip(clusters["path"], clusters["label"]) if tuple(p) in live}
+    labels = ({tuple(p): lab for p, lab in zip(clusters["path"], clusters["label"]) if tuple(p) in live}
+              if prev_render == ID_RENDER_VERSION else {})
     return StableStart(codes, labels, prev.special_tokens, prev.index_hash)
 
 

@@ -466,3 +466,30 @@ def test_generate_refuses_an_index_built_with_another_tokenizer(tmp_path, defaul
     ext = _model_folder(tmp_path / "extended", extended,
                         {"trained_on_index": codes["index_hash"], "targeting_prompt_version": TARGETING_PROMPT_VERSION})
     assert check_model_index(ModelSpec(model=str(ext)), tmp_path / "codes", codes)["trained_on_index"] == codes["index_hash"]
+
+
+def test_stable_ids_from_an_index_of_an_older_rendering_keep_codes_not_labels(tmp_path):
+    """An earlier index rendered before ID_RENDER_VERSION 2 (no ``id_render_version`` in its manifest):
+    the ads keep their codes (the clustering's), but its labels are not carried into this rendering."""
+    from adbatch.artifacts import sha256_file, write_json_atomic
+    from adbatch.semantic_ids import ID_RENDER_VERSION
+
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=400)
+    cfg = cfg_for(IdScheme.TEXT)
+    m1 = build_index(ads, tmp_path / "idx", cfg, progress=False)
+    assert m1["id_render_version"] == ID_RENDER_VERSION == 2
+    # make it an index of the old rendering: old-style labels, no version in the manifest
+    clusters = pq.read_table(tmp_path / "idx" / "clusters.parquet")
+    old = clusters.set_column(2, "label", pa.array([f"old label {i}" for i in range(clusters.num_rows)]))
+    pq.write_table(old, tmp_path / "idx" / "clusters.parquet")
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    manifest["outputs"]["clusters.parquet"] = sha256_file(tmp_path / "idx" / "clusters.parquet")
+    del manifest["id_render_version"]
+    write_json_atomic(tmp_path / "idx" / "manifest.json", manifest)
+    codes1 = load_index(tmp_path / "idx").ad_codes.column("code").to_pylist()
+    m2 = build_index(ads, tmp_path / "idx", cfg, progress=False, previous=tmp_path / "idx")
+    assert m2["stable_ids"]["kept"] == 400 and m2["id_render_version"] == ID_RENDER_VERSION
+    assert load_index(tmp_path / "idx").ad_codes.column("code").to_pylist() == codes1
+    labels = pq.read_table(tmp_path / "idx" / "clusters.parquet").column("label").to_pylist()
+    assert not any(lab.startswith("old label") for lab in labels)
+    assert labels == clusters.column("label").to_pylist()  # this rendering's labels, as a full build gives
