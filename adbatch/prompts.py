@@ -137,6 +137,12 @@ def render_ad_fields(ad: Mapping[str, Any], max_chars: int | None = AD_PROMPT_CH
     return "\n".join(parts)[:max_chars]
 
 
+def creative_prompt_text(ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS) -> str:
+    """The text of the creative prompt for one ad (the user turn, without the chat template):
+    what :func:`encode_creative_prompt` encodes and what the prompt-copy metric compares against."""
+    return f"{CREATIVE_INSTRUCTION}\n{render_ad_fields(ad, max_chars)}"
+
+
 def encode_creative_prompt(tokenizer: Any, ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS) -> list[int]:
     """Token ids of the creative prompt for one ad/product record (fields in CREATIVE_FIELDS)."""
-    return _chat_or_plain(tokenizer, f"{CREATIVE_INSTRUCTION}\n{render_ad_fields(ad, max_chars)}", "\nHeadline:")
+    return _chat_or_plain(tokenizer, creative_prompt_text(ad, max_chars), "\nHeadline:")

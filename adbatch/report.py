@@ -1,5 +1,18 @@
 """Creative-quality metrics and the evaluation report (``report.md`` + PNG plots).
 
+Creative metrics (one implementation each, used by ``adbatch eval`` and the nightly refresh):
+
+- ROUGE-1/2/L F1 (:func:`rouge_f1`): Google's ``rouge-score`` (ROUGE-1.5.5 re-implementation,
+  Porter stemmer on), mean sentence F1 x 100: the scale of Jin et al. 2021's 35.58 / 18.47 / 33.32.
+- BLEU (:func:`corpus_bleu`): sacrebleu corpus BLEU. METEOR (:func:`meteor_exact_stem`): below.
+- distinct-n (:func:`distinct_n`, Li et al. 2016): distinct word n-grams / all word n-grams over the
+  outputs (a model that writes the same headline for every ad scores near 0).
+- prompt-copy share (:func:`prompt_copy_share`): the share of outputs whose longest run of
+  consecutive words found verbatim in their prompt covers ``>= 50 %`` of the output's words
+  (:func:`prompt_copy_fraction`): "Advertiser: Clearfunds" copies 100 % of itself from the prompt,
+  "Clearfunds: loans made simple" 25 %. Empty outputs are not copies; they count in the empty share.
+- empty share (:func:`empty_share`): outputs with no word.
+
 METEOR here is the *exact + stem* variant: nltk's implementation (unigram alignment, F-mean with
 recall weight, fragmentation penalty) with the WordNet synonym stage switched off, because nltk
 downloads WordNet from the internet and our machines have none. Scores are therefore a little lower
@@ -51,6 +64,77 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
 
 
+def rouge_f1(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+    """Mean sentence ROUGE-1/2/L F1 x 100 (``rouge-score``, stemmed): keys ``rouge1``, ``rouge2``, ``rougeL``."""
+    try:
+        from rouge_score import rouge_scorer
+    except ImportError as e:  # an install without the dependency (pyproject lists it)
+        raise ImportError("ROUGE needs the 'rouge-score' package: pip install rouge-score") from e
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses vs {len(references)} references")
+    keys = ("rouge1", "rouge2", "rougeL")
+    if not hypotheses:
+        return {k: 0.0 for k in keys}
+    scorer = rouge_scorer.RougeScorer(list(keys), use_stemmer=True)
+    sums = dict.fromkeys(keys, 0.0)
+    for h, r in zip(hypotheses, references):
+        scores = scorer.score(r, h)  # (target, prediction)
+        for k in keys:
+            sums[k] += scores[k].fmeasure
+    return {k: 100.0 * v / len(hypotheses) for k, v in sums.items()}
+
+
+def distinct_n(hypotheses: Sequence[str], n: int) -> float:
+    """Distinct word n-grams / all word n-grams over ``hypotheses`` (0 when there are none)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    grams = [tuple(w[i:i + n]) for w in map(_tokens, hypotheses) for i in range(len(w) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def prompt_copy_fraction(output: str, prompt: str) -> float:
+    """Longest run of consecutive words of ``output`` that occurs as consecutive words of ``prompt``,
+    over the output's word count (0 for an output without words)."""
+    out, src = _tokens(output), _tokens(prompt)
+    if not out or not src:
+        return 0.0
+    # longest common substring over words: one DP row per prompt word, O(|out| * |src|)
+    best, prev = 0, [0] * (len(out) + 1)
+    for w in src:
+        cur = [0] * (len(out) + 1)
+        for j, o in enumerate(out, 1):
+            if o == w:
+                cur[j] = prev[j - 1] + 1
+                best = max(best, cur[j])
+        prev = cur
+    return best / len(out)
+
+
+def prompt_copy_share(outputs: Sequence[str], prompts: Sequence[str], threshold: float = 0.5) -> float:
+    """Share of ``outputs`` with :func:`prompt_copy_fraction` ``>= threshold`` against their prompt."""
+    if len(outputs) != len(prompts):
+        raise ValueError(f"{len(outputs)} outputs vs {len(prompts)} prompts")
+    if not outputs:
+        return 0.0
+    return sum(prompt_copy_fraction(o, p) >= threshold for o, p in zip(outputs, prompts)) / len(outputs)
+
+
+def empty_share(outputs: Sequence[str]) -> float:
+    """Share of ``outputs`` without a single word."""
+    return sum(not _tokens(o) for o in outputs) / len(outputs) if outputs else 0.0
+
+
+def creative_quality(outputs: Sequence[str], references: Sequence[str], prompts: Sequence[str]) -> dict[str, float]:
+    """Every creative metric of the report for one variant: ``rouge1``, ``rouge2``, ``rougeL``, ``bleu``,
+    ``meteor``, ``distinct1``, ``distinct2``, ``copy_share``, ``empty_share`` (``prompts``: the text
+    each output was generated from, for the copy share)."""
+    return {**rouge_f1(outputs, references), "bleu": corpus_bleu(outputs, references),
+            "meteor": meteor_exact_stem(outputs, references), "distinct1": distinct_n(outputs, 1),
+            "distinct2": distinct_n(outputs, 2), "copy_share": prompt_copy_share(outputs, prompts),
+            "empty_share": empty_share(outputs)}
+
+
 def _fmt(v: Any, digits: int = 3) -> str:
     if v is None:
         return "–"
@@ -91,7 +175,9 @@ TARGETING_COLS = [("variant", "variant"), ("scheme", "scheme"), ("verify", "veri
                   ("recall@1", "recall@1"), ("recall@10", "recall@10"), ("mrr@10", "MRR@10"),
                   ("ndcg@10", "nDCG@10"), ("queries", "queries"), ("queries_per_s", "queries/s"),
                   ("ms_per_query", "ms/query"), ("note", "note")]
-CREATIVE_COLS = [("variant", "variant"), ("bleu", "BLEU"), ("meteor", "METEOR (exact+stem)"),
+CREATIVE_COLS = [("variant", "variant"), ("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"), ("rougeL", "ROUGE-L"),
+                 ("bleu", "BLEU"), ("meteor", "METEOR (exact+stem)"), ("distinct1", "distinct-1"),
+                 ("distinct2", "distinct-2"), ("copy_share", "copy >= 50% of prompt"), ("empty_share", "empty"),
                  ("examples", "examples"), ("requests_per_s", "requests/s"),
                  ("ms_per_request", "ms/request"), ("note", "note")]
 
@@ -134,18 +220,25 @@ def write_report(out: Path, results: dict[str, Any]) -> dict[str, Path]:
     if c.get("skipped"):
         lines += [f"Skipped: {c['skipped']}", ""]
     else:
-        lines += [f"- data: {c.get('data')}; first {c.get('examples')} rows",
+        lines += [f"- data: {c.get('data')}; first {c.get('examples')} of {c.get('rows_in_file', '?')} rows",
+                  "- ROUGE-1/2/L: rouge-score F1 x 100 (stemmed), mean over sentences; published anchor on the "
+                  "same test set (Jin et al. 2021, arXiv 2102.05924): 35.58 / 18.47 / 33.32",
                   "- BLEU: sacrebleu corpus BLEU, one human reference per ad",
                   "- METEOR (exact+stem): nltk METEOR without WordNet synonyms (offline), mean "
-                  "over sentences", ""]
+                  "over sentences",
+                  "- distinct-1/2: distinct word uni/bigrams over all outputs; copy >= 50% of prompt: share of "
+                  "outputs whose longest verbatim word run from the prompt is >= half their words; empty: "
+                  "share of outputs with no word", ""]
         rows = c.get("rows", [])
         lines += [_table(rows, CREATIVE_COLS), ""]
         ok = [r for r in rows if r.get("bleu") is not None]
         if ok:
             png = out / "creatives_quality.png"
             _bar_plot(png, [r["variant"] for r in ok],
-                      {"BLEU/100": [float(r["bleu"]) / 100 for r in ok],
-                       "METEOR": [float(r["meteor"]) for r in ok]},
+                      {"ROUGE-L/100": [float(r.get("rougeL") or 0.0) / 100 for r in ok],
+                       "BLEU/100": [float(r["bleu"]) / 100 for r in ok],
+                       "METEOR": [float(r["meteor"]) for r in ok],
+                       "copy share": [float(r.get("copy_share") or 0.0) for r in ok]},
                       "Creative quality (slogan test-curated)", "score")
             files["creatives_quality"] = png
             lines += [f"![creatives quality]({png.name})", ""]

@@ -455,8 +455,81 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return run_refresh(parse_job_config(RefreshConfig, argv, "refresh", __doc__.splitlines()[0]))
 
 
+def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> list[str]:
+    """A few outputs a person can judge (query -> top 3 ads with their titles; ad -> headline) and one
+    line of what this run's budget reached, read back from the files the stages wrote."""
+    import pyarrow.parquet as pq
+
+    lines: list[str] = []
+    work = Path(result["work"])
+    index_manifest = _read(work / "index" / "manifest.json") or {}
+    titles: dict[str, str] = {}
+    files = index_manifest.get("input_files") or []
+    if len(files) == 1 and Path(files[0]).is_file():
+        cols = (index_manifest.get("config") or {}).get("columns") or {}
+        id_col, title_col = cols.get("ad_id") or "ad_id", cols.get("title") or "title"
+        corpus = pq.read_table(files[0], columns=[id_col, title_col])
+        titles = dict(zip(map(str, corpus.column(id_col).to_pylist()), corpus.column(title_col).to_pylist()))
+    outputs = result.get("outputs") or {}
+    tops: list[str] = []
+    common = None
+    if "targets" in outputs:
+        req_file = ((_read(work / "generate" / "targets" / "manifest.json") or {}).get("config") or {}).get("requests")
+        answers = pq.read_table(outputs["targets"], columns=["request_id", "rank", "ad_id"]).to_pylist()
+        ranked: dict[str, list[str]] = {}
+        for a in sorted(answers, key=lambda a: (a["request_id"], a["rank"])):
+            ranked.setdefault(a["request_id"], []).append(a["ad_id"])
+        query_of = {}
+        if req_file and Path(req_file).is_file():
+            req = pq.read_table(req_file, columns=["request_id", "query"])
+            query_of = dict(zip(req.column("request_id").to_pylist(), req.column("query").to_pylist()))
+        lines.append("targets (query -> top 3 ads):")
+        for rid in sorted(ranked)[:queries]:
+            lines.append(f"  {query_of.get(rid, rid)!r}")
+            lines += [f"    {i}. {ad}: {titles.get(ad, '?')}" for i, ad in enumerate(ranked[rid][:3], 1)]
+        tops = [r[0] for r in ranked.values() if r]
+        if tops:
+            common = max(set(tops), key=tops.count)
+            lines.append(f"  {len(set(tops))} distinct top-1 ads over {len(tops)} queries; the most common, {common}, "
+                         f"tops {tops.count(common)}")
+    if "creatives" in outputs:
+        from adbatch.prompts import creative_prompt_text
+        from adbatch.report import empty_share, prompt_copy_share
+
+        req_file = ((_read(work / "generate" / "creatives" / "manifest.json") or {}).get("config") or {}).get("requests")
+        made = [r for r in pq.read_table(outputs["creatives"], columns=["ad_id", "variant", "headline"]).to_pylist()
+                if r["variant"] == 0]
+        ad_of = {}
+        if req_file and Path(req_file).is_file():
+            ad_of = {r["ad_id"]: r for r in pq.read_table(req_file).to_pylist()}
+        lines.append("creatives (ad -> headline; in brackets the ad's own title):")
+        lines += [f"  {(ad_of.get(r['ad_id']) or {}).get('advertiser') or r['ad_id']} -> {r['headline']!r} "
+                  f"[{titles.get(r['ad_id'], '?')}]" for r in made[:ads]]
+        known = [r for r in made if r["ad_id"] in ad_of]
+        if known:
+            heads = [r["headline"] for r in known]
+            share = prompt_copy_share(heads, [creative_prompt_text(ad_of[r["ad_id"]]) for r in known])
+            lines.append(f"  {len(heads)} headlines: {share:.0%} copy >= half of their words from the prompt, "
+                         f"{empty_share(heads):.0%} empty")
+    record = _read(Path(result["model"]) / "adbatch_training.json") if result.get("model") else None
+    train = (record or {}).get("train") or {}
+    if train:
+        line = (f"this budget reached: {train.get('steps')} optimizer steps ({train.get('epochs_done', 0):.2%} of "
+                f"an epoch at {train.get('tokens_per_s', 0):.0f} tokens/s"
+                f"{', stopped by the time/step budget' if train.get('stopped_early') else ''})")
+        if tops and tops.count(common) * 3 > len(tops):
+            line += f"; too little for the model to tell the queries apart ({common} tops {tops.count(common)} of {len(tops)})"
+        lines.append(line)
+    return lines
+
+
 def _show(result: dict[str, Any]) -> None:
     print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    try:
+        samples = _sample_lines(result)
+    except (OSError, ValueError, KeyError) as e:  # a sample print must not fail a finished refresh
+        samples = [f"(no samples: {type(e).__name__}: {e})"]
+    print("\n" + "\n".join(samples))
     print(f"\noutputs: {json.dumps(result['outputs'])}\nreport: {result['report']}\n"
           f"summary: {Path(result['work']) / 'refresh_summary.json'}")
 

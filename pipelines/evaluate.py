@@ -5,8 +5,10 @@ Targeting runs on Home Depot (``../shared/data``; relevant = relevance >= 2.67):
 is given, queries from one split. Rows: the dense model and the compressed checkpoint, each with
 verification off and auto; an extra (index, model) pair such as a ``codes``-scheme trained model;
 and the MiniLM + FAISS nearest-neighbour baseline on the same catalogue. Creatives run on the slogan
-``test-curated.csv``: BLEU (sacrebleu) and METEOR (exact + stem, see :mod:`adbatch.report`), dense
-vs compressed. Every quality number sits beside the throughput and latency measured with it.
+``test-curated.csv`` (all 994 rows unless ``creatives.max_examples`` bounds them): ROUGE-1/2/L F1,
+BLEU (sacrebleu), METEOR (exact + stem), distinct-1/2, the prompt-copy share and the empty share
+(:func:`adbatch.report.creative_quality`), dense vs compressed, and a sample table. Every quality
+number sits beside the throughput and latency measured with it.
 
 Sample sizes are bounded by config (a 2-core CPU is slow). The models run through the same
 generator classes as the generate stage (no Ray needed).
@@ -76,15 +78,16 @@ class CreativesEvalConfig(ConfigBase):
     enabled: bool = dataclasses.field(default=True, metadata={"help": "evaluate creatives"})
     csv: Path = dataclasses.field(default=SHARED_DATA / "slogan_gen" / "test-curated.csv",
                                   metadata={"help": "slogan test-curated.csv"})
-    max_examples: int = dataclasses.field(default=24, metadata={"help": "first N rows evaluated"})
+    max_examples: int | None = dataclasses.field(
+        default=None, metadata={"help": "first N rows evaluated; None = the whole file (994 rows)"})
     model: str | None = dataclasses.field(default=None, metadata={"help": "dense model; None = the default"})
     compressed: Path | None = dataclasses.field(default=None, metadata={"help": "compressed checkpoint"})
     creative: CreativeConfig = dataclasses.field(default_factory=lambda: CreativeConfig(max_new_tokens=16))
     batch_size: int = dataclasses.field(default=8, metadata={"help": "requests per model call"})
-    samples: int = dataclasses.field(default=5, metadata={"help": "example outputs shown in the report"})
+    samples: int = dataclasses.field(default=10, metadata={"help": "example outputs shown in the report"})
 
     def validate(self) -> None:
-        if self.max_examples < 1:
+        if self.max_examples is not None and self.max_examples < 1:
             raise ConfigError(f"CreativesEvalConfig.max_examples must be >= 1, got {self.max_examples}")
         if self.batch_size < 1:
             raise ConfigError(f"CreativesEvalConfig.batch_size must be >= 1, got {self.batch_size}")
@@ -198,15 +201,20 @@ def eval_targeting(cfg: TargetingEvalConfig, out: Path, model: str | None, compr
 def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path | None,
                    num_threads: int) -> dict[str, Any]:
     from adbatch.datasets import load_slogan_test
-    from adbatch.report import corpus_bleu, meteor_exact_stem
+    from adbatch.prompts import creative_prompt_text
+    from adbatch.report import creative_quality
 
     if not Path(cfg.csv).is_file():
         return {"skipped": f"slogan test data not found at {cfg.csv}"}
-    table = load_slogan_test(cfg.csv).slice(0, cfg.max_examples)
+    full = load_slogan_test(cfg.csv)
+    table = full if cfg.max_examples is None else full.slice(0, cfg.max_examples)
     refs = table.column("reference").to_pylist()
     requests = pa.table({"request_id": table.column("ad_id"), "ad_id": table.column("ad_id"),
                          "advertiser": table.column("advertiser"),
                          "description": table.column("description"), "industry": table.column("industry")})
+    # the text each headline is written from: what the prompt-copy share compares against
+    prompt_texts = [creative_prompt_text(r) for r in requests.select(["advertiser", "description", "industry"])
+                    .to_pylist()]
     model = cfg.model or model
     compressed = cfg.compressed or compressed
     variants = [("dense", ModelSpec(model=model))]
@@ -229,15 +237,15 @@ def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path
         ans = pa.concat_tables(answers)
         hyps = [(h[0] if h else "") for h in ans.column("headlines").to_pylist()]
         outputs[name] = hyps
-        rows.append({"variant": name, "bleu": corpus_bleu(hyps, refs), "meteor": meteor_exact_stem(hyps, refs),
-                     "examples": len(hyps), "requests_per_s": len(hyps) / secs,
-                     "ms_per_request": 1000.0 * secs / len(hyps),
+        rows.append({"variant": name, **creative_quality(hyps, refs, prompt_texts), "examples": len(hyps),
+                     "requests_per_s": len(hyps) / secs, "ms_per_request": 1000.0 * secs / len(hyps),
                      "note": f"{cfg.creative.strategy.value}, max {cfg.creative.max_new_tokens} tokens"})
         log.info("creatives %s: %s", name, rows[-1])
     adv = table.column("advertiser").to_pylist()
     samples = [{"advertiser": adv[i], "reference": refs[i], "outputs": {k: v[i] for k, v in outputs.items()}}
                for i in range(min(cfg.samples, len(refs)))]
-    return {"data": str(cfg.csv), "examples": len(refs), "rows": rows, "samples": samples}
+    return {"data": str(cfg.csv), "examples": len(refs), "rows_in_file": full.num_rows, "rows": rows,
+            "samples": samples}
 
 
 def run_eval(config: EvalJobConfig) -> dict[str, Any]:
