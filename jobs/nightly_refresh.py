@@ -96,7 +96,9 @@ class TrainStage(ConfigBase):
 @dataclasses.dataclass
 class CompressStage(ConfigBase):
     enabled: bool = dataclasses.field(default=True, metadata={"help": "compress the model"})
-    calib: Path | None = dataclasses.field(default=None, metadata={"help": "calibration texts"})
+    calib: Path | None = dataclasses.field(default=None, metadata={
+        "help": "calibration texts; None = this refresh's ads and (labelled, else pseudo) queries as the "
+                "served model reads them (targeting prompt + the ad's target)"})
     compress: CompressConfig = dataclasses.field(default_factory=CompressConfig)
     calibration: CalibrationConfig = dataclasses.field(default_factory=CalibrationConfig)
     eval_texts: int = dataclasses.field(default=16, metadata={"help": "held-out texts for perplexity"})
@@ -340,7 +342,11 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
     index_job = IndexJobConfig(ads=str(ads), out=str(index_dir), index=config.index.config,
                                num_cpus=config.num_cpus, progress=False,
                                previous=str(index_dir) if config.index.stable_ids else None)
-    runner.run(Stage.INDEX, index_job, {"ads": sha256_paths(list_request_files(ads))},
+    from adbatch.semantic_ids import ID_RENDER_VERSION
+
+    # a new id rendering rebuilds the index (and so everything trained on it) even when nothing else changed
+    runner.run(Stage.INDEX, index_job, {"ads": sha256_paths(list_request_files(ads)),
+                                        "id_render_version": str(ID_RENDER_VERSION)},
                index_dir / "manifest.json", lambda: run_index(index_job))
     index_in = sha256_file(index_dir / "manifest.json")
 
@@ -377,7 +383,14 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
         from pipelines.compress import CompressJobConfig, run_compress
 
         compressed_dir = work / "compressed"
-        comp_job = CompressJobConfig(model=model_dir, calib=_abs(config.compress.calib), out=compressed_dir,
+        calib = _abs(config.compress.calib)
+        # without a calibration file: calibrate on what the served model reads -- this refresh's ads (the
+        # texts its index was built from) and its labelled queries (else span pseudo-queries) rendered as
+        # the targeting prompt + the ad's target
+        served = calib is None
+        comp_job = CompressJobConfig(model=model_dir, calib=calib, out=compressed_dir,
+                                     index=index_dir if served else None, ads=ads if served else None,
+                                     queries=_abs(config.train.queries) if served else None,
                                      compress=config.compress.compress,
                                      calibration=config.compress.calibration,
                                      eval_texts=config.compress.eval_texts,
@@ -389,6 +402,10 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
         inputs = {"model": model_in, "packed_format_version": str(FORMAT_VERSION)}
         if comp_job.calib:
             inputs["calib"] = sha256_file(comp_job.calib)
+        else:  # the calibration source by content: the index (its manifest hashes the ads) and the queries
+            inputs["calibration_index"] = index_in
+            if comp_job.queries:
+                inputs["calibration_queries"] = sha256_file(comp_job.queries)
         runner.run(Stage.COMPRESS, comp_job, inputs, compressed_dir / "manifest.json",
                    lambda: run_compress(comp_job))
     use_compressed = compressed_dir is not None and gen.use is GenerateWith.COMPRESSED

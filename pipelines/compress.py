@@ -1,6 +1,10 @@
 """The compression job: calibrate once, then mask + quantize + pack every layer as parallel Ray tasks.
 
-``adbatch compress [--model M] [--calib PATH] --out DIR [--ablations true]``. Each layer's weight and
+``adbatch compress [--model M] [--index DIR [--queries PAIRS.parquet] | --calib PATH] --out DIR
+[--ablations true]``. Calibration texts: ``--index`` = what the served model reads (the index's ad
+texts, and queries rendered as the targeting prompt + the ad's target:
+:func:`adbatch.compress.calibration.served_calibration_texts`); ``--calib`` = a file of texts; neither
+= a sample of the bundled examples/slogan_ads.parquet. Each layer's weight and
 statistics are ``ray.put`` once and shared by the two per-layer passes (importance, then
 quantize+pack); the tasks run the same library functions as the sequential path, so the result is
 bit-identical (tests/test_compress_ray.py).
@@ -28,7 +32,15 @@ class CompressJobConfig(ConfigBase):
     model: str | None = dataclasses.field(default=None, metadata={
         "help": "local HF folder or GGUF file; None = the default SmolLM2-135M-Instruct"})
     calib: Path | None = dataclasses.field(default=None, metadata={
-        "help": "calibration texts (.txt lines or Parquet); None = sample examples/slogan_ads.parquet"})
+        "help": "calibration texts (.txt lines or Parquet); None and no --index = sample examples/slogan_ads.parquet"})
+    index: Path | None = dataclasses.field(default=None, metadata={
+        "help": "calibrate on what the model serving this index reads: its ads' texts and queries as "
+                "targeting prompt + the ad's target (not with --calib)"})
+    queries: Path | None = dataclasses.field(default=None, metadata={
+        "help": "with --index: labelled (query, ad_id) Parquet for the query prompts; None = span "
+                "pseudo-queries of the ads' titles"})
+    ads: Path | None = dataclasses.field(default=None, metadata={
+        "help": "with --index: the ad corpus it was built from; None = the files its manifest lists"})
     out: Path = dataclasses.field(default=Path("compressed"), metadata={"help": "output directory"})
     ablations: bool = dataclasses.field(default=False, metadata={
         "help": "also run the ablation variants (report.md table + PNGs)"})
@@ -53,6 +65,11 @@ class CompressJobConfig(ConfigBase):
             raise ConfigError(f"CompressJobConfig.eval_seq_len must be >= 2, got {self.eval_seq_len}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"CompressJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
+        if self.calib is not None and self.index is not None:
+            raise ConfigError("CompressJobConfig: calib and index both set; calibrate on one source "
+                              "(index: what the served model reads; calib: a file of texts)")
+        if self.index is None and (self.queries is not None or self.ads is not None):
+            raise ConfigError("CompressJobConfig: queries / ads choose the index's calibration texts: set index too")
         if self.layer_device is not None and self.use_ray:
             raise ConfigError("CompressJobConfig.layer_device needs use_ray=false (Ray tasks run on CPU workers)")
 
@@ -102,12 +119,34 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
     # model, the calibration file reads
     classify_model_arg(config.model)
     with timer.phase("calibrate"):
-        texts = load_calibration_texts(calib_cfg)
+        if config.index is None:
+            texts = load_calibration_texts(calib_cfg)
+        else:  # needs the model's tokenizer: rendered after loading it, the inputs read here
+            from adbatch.index import load_index
+
+            load_index(config.index)
+            texts = None
+            if config.queries is not None:
+                from pipelines.train import read_labelled_queries
+
+                read_labelled_queries(config.queries)
     with claim_output(out, ArtifactKind.COMPRESS):
         return _compress_into(config, out, calib_cfg, texts, timer, t_start)
 
 
-def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationConfig, texts: list[str],
+def _served_texts(config: CompressJobConfig, tok: Any, calib_cfg: CalibrationConfig) -> list[str]:
+    """The ``--index`` calibration texts for the model's tokenizer ``tok``."""
+    from adbatch.compress.calibration import served_calibration_texts
+
+    pairs = []
+    if config.queries is not None:
+        from pipelines.train import read_labelled_queries
+
+        pairs = read_labelled_queries(config.queries)
+    return served_calibration_texts(config.index, tok, calib_cfg, queries=pairs, ads=config.ads)
+
+
+def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationConfig, texts: list[str] | None,
                    timer: Any, t_start: float) -> dict[str, Any]:
     """The part of :func:`run_compress` that starts Ray and writes: under the folder's claim."""
     import torch
@@ -140,6 +179,8 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
     if qat_note:
         log.info("%s", qat_note)
     with timer.phase("calibrate"):
+        if texts is None:
+            texts = _served_texts(config, tok, calib_cfg)
         stats = calibrate(model, token_blocks(tok, texts, calib_cfg.seq_len), calib_cfg, config.compress.skip_modules)
     # held-out ads come from the other end of the same seeded permutation: disjoint from calibration
     _, held = example_corpus_split(calib_cfg.num_texts, config.eval_texts, calib_cfg.seed)
@@ -169,7 +210,13 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
     quality = {**comp_q, **{f"dense_{k}": v for k, v in dense_q.items()}}
     sizes = size_report(recipe)
     inputs = {"model_config": sha256_file(src / "config.json")}
-    if calib_cfg.path is None:
+    if config.index is not None:
+        from adbatch.artifacts import MANIFEST_NAME
+
+        inputs["calibration_index"] = sha256_file(Path(config.index) / MANIFEST_NAME)
+        if config.queries is not None:
+            inputs["calibration_queries"] = sha256_file(config.queries)
+    elif calib_cfg.path is None:
         inputs["calibration_corpus"] = sha256_file(EXAMPLE_CORPUS)
     else:
         inputs["calibration_corpus"] = sha256_file(calib_cfg.path)
@@ -191,6 +238,8 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
         "sizes": sizes,
         "summary": recipe.summary(),
         "calibration": recipe.calibration,
+        "calibration_source": ("index" if config.index is not None else
+                               "example" if calib_cfg.path is None else "file"),
         "group_policy": {"policy": compress_cfg.group_policy.value, "size": compress_cfg.reference_group_size,
                          "note": qat_note},
         "timings_s": {k: round(v, 2) for k, v in timer.seconds.items()} | {"total": round(total, 2)},

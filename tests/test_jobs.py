@@ -340,3 +340,55 @@ def test_refresh_reruns_eval_when_what_it_reads_changes(tmp_path, monkeypatch):
     (override / "model.safetensors").write_bytes(b"weights v2")  # the override model re-trained in place
     assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "ran"
     assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "skipped"
+
+
+def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monkeypatch):
+    """Without compress.calib the compress stage calibrates on the refresh's index (its ads) and its
+    labelled queries; a changed queries file or a new id rendering re-runs what depends on it."""
+    import pyarrow as pa
+
+    import adbatch.semantic_ids
+    import jobs.nightly_refresh as nr
+    import pipelines.compress
+    import pipelines.index
+    import pipelines.ray_runtime
+    from adbatch.artifacts import write_json_atomic
+
+    jobs_seen = []
+
+    def fake_index(job):
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "index", "index_hash": "h"})
+        return {}
+
+    def fake_compress(job):
+        jobs_seen.append(job)
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "compress"})
+        return {}
+
+    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(pipelines.index, "run_index", fake_index)
+    monkeypatch.setattr(pipelines.compress, "run_compress", fake_compress)
+    monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    queries = tmp_path / "queries.parquet"
+    pq.write_table(pa.table({"query": ["red sofa"], "ad_id": ["a1"]}), queries)
+    ads = REPO / "examples/slogan_ads.parquet"
+    cfg = nr.RefreshConfig.from_dict({
+        "work": str(tmp_path / "work"), "index": {"ads": str(ads), "stable_ids": False},
+        "train": {"enabled": False, "queries": str(queries)}, "eval": {"enabled": False},
+        "generate": {"targets_requests": None, "creatives_requests": None}})
+    stages = nr.run_refresh(cfg)["stages"]
+    assert stages["compress"]["status"] == "ran"
+    job = jobs_seen[-1]
+    assert job.calib is None and job.index == tmp_path / "work" / "index"
+    assert job.queries == queries and job.ads == ads
+    assert nr.run_refresh(cfg)["stages"]["compress"]["status"] == "skipped"
+    pq.write_table(pa.table({"query": ["blue sofa"], "ad_id": ["a1"]}), queries)  # same path, new pairs
+    assert nr.run_refresh(cfg)["stages"]["compress"]["status"] == "ran"
+    # a new id rendering rebuilds the index even with the same ads and config
+    monkeypatch.setattr(adbatch.semantic_ids, "ID_RENDER_VERSION", adbatch.semantic_ids.ID_RENDER_VERSION + 1)
+    assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "ran"
+    # an explicit calibration file is used as before, and the index is not
+    calib = tmp_path / "calib.txt"
+    calib.write_text("one text\n")
+    nr.run_refresh(cfg.replace(compress=cfg.compress.replace(calib=calib)))
+    assert jobs_seen[-1].calib == calib and jobs_seen[-1].index is None and jobs_seen[-1].queries is None

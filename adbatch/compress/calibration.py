@@ -36,7 +36,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from adbatch.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LayerStats", "CalibrationStats", "calibrate", "load_calibration_texts",
+__all__ = ["LayerStats", "CalibrationStats", "calibrate", "load_calibration_texts", "served_calibration_texts",
            "example_corpus_split", "token_blocks", "compressible_linears", "decoder_blocks",
            "choose_mode", "full_path_bytes", "free_memory_bytes", "EXAMPLE_CORPUS"]
 
@@ -168,6 +168,86 @@ def load_calibration_texts(config: CalibrationConfig) -> list[str]:
     g = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(texts), generator=g).tolist()[: config.num_texts]
     return [texts[i] for i in order]
+
+
+def served_calibration_texts(index_dir: str | Path, tokenizer: Any, config: CalibrationConfig,
+                             queries: Sequence[tuple[str, Any]] = (), ads: str | Path | None = None,
+                             query_share: float = 0.5, max_query_tokens: int = 48) -> list[str]:
+    """Calibration texts from what a model serving the index at ``index_dir`` reads: ``config.num_texts``
+    texts, sampled with ``config.seed``.
+
+    - ``1 - query_share`` of them: ad texts of the indexed ads, as the index embedded them (category,
+      title, description, keywords of the corpus it was built from: ``ads``, default the manifest's
+      ``input_files``, read with the index's column mapping).
+    - ``query_share``: queries rendered as the targeting prompt (:func:`adbatch.prompts.encode_targeting_prompt`,
+      decoded back to text) followed by the ad's target sequence (its ``ad_codes.text``, the trailing
+      EOS left to :func:`token_blocks`) -- the labelled ``(query, ad_id)`` pairs that name an indexed ad,
+      topped up with span pseudo-queries of the ads' titles (:func:`adbatch.training.pseudo_queries.span_pseudo_queries`)
+      when there are fewer than that.
+
+    ``tokenizer``: the one of the model being compressed (a model trained on a ``codes`` index has its
+    code tokens, so a rendered ``<ad_L0_3>...`` target reads back as those tokens).
+    """
+    from adbatch.corpus import CorpusConfig, read_corpus
+    from adbatch.index import load_index
+    from adbatch.prompts import encode_targeting_prompt, special_tokens_around
+    from adbatch.training.pseudo_queries import PseudoQueryConfig, span_pseudo_queries
+
+    if not 0.0 <= query_share <= 1.0:
+        raise ConfigError(f"served_calibration_texts: query_share must be in [0, 1], got {query_share}")
+    index = load_index(index_dir)
+    manifest = index.manifest
+    columns = (manifest.get("config") or {}).get("columns")
+    col_cfg = CorpusConfig.from_dict(columns) if columns else None
+    sources = [Path(ads)] if ads is not None else [Path(p) for p in manifest.get("input_files") or []]
+    if not sources:
+        raise ConfigError(f"{index_dir}: the index manifest lists no input_files; pass the ad corpus (ads=)")
+    text_of: dict[Any, str] = {}
+    title_of: dict[Any, str] = {}
+    for src in sources:
+        if ads is None and not src.exists():
+            raise FileNotFoundError(f"{index_dir}: the ad corpus {src} the index was built from is not there; "
+                                    "pass it (ads=)")
+        corpus = read_corpus(src, col_cfg)
+        ids = corpus.table.column("ad_id").to_pylist()
+        text_of.update(zip(ids, corpus.embedding_inputs()))
+        title_of.update(zip(ids, corpus.table.column("text").to_pylist()))
+    ad_ids = index.ad_ids
+    rows = [r for r, a in enumerate(ad_ids) if text_of.get(a)]
+    if not rows:
+        raise ConfigError(f"{index_dir}: none of the index's {len(ad_ids)} ads has a text in {[str(s) for s in sources]}")
+    if len(rows) < len(ad_ids):
+        log.warning("calibration: %d of the index's %d ads have no text in %s (the corpus changed since the "
+                    "index was built?)", len(ad_ids) - len(rows), len(ad_ids), [str(s) for s in sources])
+    n_query = int(round(config.num_texts * query_share))
+    n_ad = config.num_texts - n_query
+    g = torch.Generator().manual_seed(config.seed)
+    ad_rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()[:n_ad]]
+    out = [text_of[ad_ids[r]] for r in ad_rows]
+
+    row_of = {a: r for r, a in enumerate(ad_ids)}
+    pairs = [(str(q), row_of[a]) for q, a in queries if a in row_of and str(q).strip()]
+    picked = [pairs[i] for i in torch.randperm(len(pairs), generator=g).tolist()[:n_query]]
+    if len(picked) < n_query:  # too few labelled pairs (or none): span pseudo-queries of other ads' titles
+        order = torch.randperm(len(rows), generator=g).tolist()[: n_query - len(picked)]
+        span_rows = [rows[i] for i in order]
+        spans = span_pseudo_queries([title_of.get(ad_ids[r]) or "" for r in span_rows],
+                                    PseudoQueryConfig(per_ad=1, seed=config.seed))
+        picked += [(q, span_rows[j]) for q, j in spans]
+    targets = index.texts()
+    eos_str = tokenizer.eos_token or ""
+    prefix = list(special_tokens_around(tokenizer)[0])
+    for q, r in picked:
+        prompt = encode_targeting_prompt(tokenizer, q, max_query_tokens=max_query_tokens)
+        if prefix and prompt[:len(prefix)] == prefix:  # token_blocks starts every row with the prefix
+            prompt = prompt[len(prefix):]
+        target = targets[r]
+        if eos_str and target.endswith(eos_str):  # token_blocks ends every text with EOS
+            target = target[:-len(eos_str)]
+        out.append(tokenizer.decode(prompt) + target)
+    log.info("calibration: %d ad texts + %d query prompts (%d labelled) from index %s", len(ad_rows),
+             len(picked), min(len(pairs), n_query), index.index_hash[:12])
+    return out
 
 
 def token_blocks(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor:
