@@ -180,26 +180,42 @@ def gather_suffix(ks: torch.Tensor, anc: torch.Tensor, rows: torch.Tensor, lengt
 
 def decode_attention_reference(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
                                p_pos: torch.Tensor, p_len: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-                               anc: torch.Tensor, t: int, beams: int, scaling: float, window: int = 0
-                               ) -> torch.Tensor:
-    """Pure-torch :func:`decode_attention` (``t`` a Python int): one float32 softmax over the
-    query's prompt and the row's gathered path ``0..t``."""
-    R, H, D = q.shape
-    kv, Lp = kp.shape[1], kp.shape[2]
-    g, Qb = H // kv, R // beams
-    rows = torch.arange(R, device=q.device)
+                               anc: torch.Tensor, t: int, beams: int, scaling: float, window: int = 0,
+                               rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch :func:`decode_attention` (``t`` a Python int), also over a subset of slot rows:
+    ``rows: Long[n]`` (distinct; default all ``Qb * beams``) with ``q [n, H, D]``. One float32
+    softmax over the query's prompt and the row's path ``0..t``.
+
+    The prompt keys are read once per query, as the kernel does: the rows are scattered into a
+    ``[Qb, beams]`` grid whose beams act as extra query heads of one matmul per query (on CPU,
+    gathering a copy of the prompt's K/V for every row cost ~20 % of a decode step)."""
+    n, H, D = q.shape
+    Qb, kv, Lp = kp.shape[0], kp.shape[1], kp.shape[2]
+    g, R = H // kv, Qb * beams
+    rows = torch.arange(n, device=q.device) if rows is None else rows
     q_of = rows // beams
-    kk = torch.cat([kp[q_of], gather_suffix(ks, anc, rows, t + 1)], 2)        # [R, kv, Lp+t+1, D]
-    vv = torch.cat([vp[q_of], gather_suffix(vs, anc, rows, t + 1)], 2)
-    bias = torch.cat([p_bias[q_of], torch.zeros(R, t + 1, device=q.device)], 1)  # [R, Lp+t+1]
+
+    def per_query(x: torch.Tensor) -> torch.Tensor:  # [n, kv, g, X] rows -> [Qb, kv, beams * g, X]
+        grid = x.new_zeros(R, *x.shape[1:])
+        grid[rows] = x
+        return grid.view(Qb, beams, kv, g, -1).permute(0, 2, 1, 3, 4).reshape(Qb, kv, beams * g, -1)
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:  # the inverse
+        return x.view(Qb, kv, beams, g, -1).permute(0, 2, 1, 3, 4).reshape(R, kv, g, -1)[rows]
+
+    qf = q.float().view(n, kv, g, D)
+    p_mask = p_bias
     if window > 0:
-        qpos = p_len[q_of] + t
-        kpos = torch.cat([p_pos[q_of], torch.arange(t + 1, device=q.device).expand(R, t + 1) + p_len[q_of, None]], 1)
-        bias = torch.where(qpos[:, None] - kpos >= window, float("-inf"), bias)
-    qh = q.view(R, kv, g, D).float()
-    s = torch.matmul(qh, kk.float().transpose(-1, -2)) * scaling + bias[:, None, None, :]
-    o = torch.matmul(s.softmax(-1), vv.float())                              # [R, kv, g, D]
-    return o.reshape(R, H, D).to(q.dtype)
+        p_mask = torch.where((p_len + t)[:, None] - p_pos >= window, float("-inf"), p_bias)
+    sp = per_row(torch.matmul(per_query(qf), kp.float().transpose(-1, -2)))   # [n, kv, g, Lp]
+    sp = sp * scaling + p_mask[q_of][:, None, None, :]
+    kpath, vpath = gather_suffix(ks, anc, rows, t + 1), gather_suffix(vs, anc, rows, t + 1)  # [n, kv, t+1, D]
+    ss = torch.matmul(qf, kpath.float().transpose(-1, -2)) * scaling          # [n, kv, g, t+1]
+    if window > 0:
+        ss = ss.masked_fill(t - torch.arange(t + 1, device=q.device) >= window, float("-inf"))
+    prob = torch.cat([sp, ss], -1).softmax(-1)
+    o = per_row(torch.matmul(per_query(prob[..., :Lp]), vp.float())) + torch.matmul(prob[..., Lp:], vpath.float())
+    return o.reshape(n, H, D).to(q.dtype)
 
 
 __all__ = ["decode_attention", "decode_attention_reference", "gather_suffix"]

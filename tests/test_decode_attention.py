@@ -97,3 +97,12 @@ def test_fp32_inputs_get_fp32_products():
     out = da.decode_attention(*args, torch.tensor([6]), 10, 0.125, 0)
     ref = da.decode_attention_reference(*args, 6, 10, 0.125, 0)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_reference_over_a_subset_of_rows_equals_those_rows_of_the_whole():
+    q, kp, vp, p_bias, p_pos, plen, ks, vs, anc = _inputs(3, 4, 2, 2, 16, 12, 6, torch.float32, seed=5)
+    whole = da.decode_attention_reference(q, kp, vp, p_bias, p_pos, plen, ks, vs, anc, 4, 4, 0.25, window=3)
+    rows = torch.tensor([0, 3, 5, 6, 11])
+    part = da.decode_attention_reference(q[rows], kp, vp, p_bias, p_pos, plen, ks, vs, anc, 4, 4, 0.25,
+                                         window=3, rows=rows)
+    torch.testing.assert_close(part, whole[rows])

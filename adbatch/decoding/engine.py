@@ -471,52 +471,64 @@ class DecodeEngine:
         return Qb
 
     # -------------------------------------------------------------- decode step
-    def _attend(self, li: int, q: torch.Tensor, Qb: int) -> torch.Tensor:
-        """Layer ``li``'s one-token attention of rows ``R = Qb * B``: ``q [R, H, D]`` -> ``[R, H, D]``
-        over the query's prompt row and the row's path ``[0, t]`` (K/V at ``t`` already written)."""
+    def _attend(self, li: int, q: torch.Tensor, Qb: int, t: int | None, rows: torch.Tensor | None
+                ) -> torch.Tensor:
+        """Layer ``li``'s one-token attention of slot rows (``rows``: a subset, eager CPU steps;
+        None: all ``Qb * B``): ``q [n, H, D]`` -> ``[n, H, D]`` over the query's prompt row and the
+        row's path ``[0, t]`` (K/V at ``t`` already written). ``t``: host int, None = ``in_t``."""
         args = (q, self.kp[li][:Qb], self.vp[li][:Qb], self.prompt_bias[:Qb], self.prompt_pos[:Qb],
                 self.prompt_len[:Qb], self.ks[li], self.vs[li], self.anc)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and rows is None:
             return decode_attention(*args, self.in_t, self.B, self.scaling[li], self.window[li])
-        return decode_attention_reference(*args, int(self.in_t), self.B, self.scaling[li], self.window[li])
+        t = int(self.in_t) if t is None else t
+        return decode_attention_reference(*args, t, self.B, self.scaling[li], self.window[li], rows=rows)
+
+    def _one_token_forward(self, tokens: torch.Tensor, pos: torch.Tensor, Qb: int, t: int | None,
+                           rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``tokens: Long[n]`` at positions ``pos: Long[n, 1]`` (suffix position ``t``; None:
+        ``in_t``, graph-safe) to slot ``rows`` (None: all ``Qb * B``): their K/V are stored at
+        ``t``; returns ``(logits [n, V], lse Float32[n])``."""
+        n, H, D = tokens.shape[0], self.n_heads, self.head_dim
+        h = self._embed(tokens[:, None])                                       # [n, 1, hidden]
+        rope = self._rope_all(h, pos)
+        for li, layer in enumerate(self.layers):
+            x = self._norm(layer.input_layernorm, h)
+            q, k, v = self._qkv(layer, x, rope, li)                            # [n, H, 1, D]
+            if rows is None:  # t on the device: one graph serves every step
+                self.ks[li, :, :n].index_copy_(0, self.in_t, k.transpose(1, 2).reshape(1, n, self.n_kv, D))
+                self.vs[li, :, :n].index_copy_(0, self.in_t, v.transpose(1, 2).reshape(1, n, self.n_kv, D))
+            else:
+                self.ks[li, t, rows] = k[:, :, 0]
+                self.vs[li, t, rows] = v[:, :, 0]
+            o = self._attend(li, q.reshape(n, H, D), Qb, t, rows)
+            h = self._block_tail(layer, h, o.reshape(n, 1, H * D))
+        return self.head_lse(self._final_norm(h[:, 0]))
 
     def _step_body(self, Qb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per slot row ``R = Qb * B`` from the static inputs ``in_tokens / in_parent /
         in_t``. Graph-safe: no host syncs, fixed shapes, ``t`` read on the device."""
-        R, H, D = Qb * self.B, self.n_heads, self.head_dim
-        t = self.in_t
+        R = Qb * self.B
         # Row r continues the path of in_parent[r]: its ancestry is the parent's (an integer gather
         # of [R, S]; the K/V stay where they were written), plus its own slot at t.
         self.anc[:R] = self.anc[self.in_parent[:R]]
-        self.anc[:R].index_copy_(1, t, self.slot_ids[:R, None])
-        plen = self.prompt_len[:Qb].repeat_interleave(self.B)                # [R]
-        pos = (plen + t)[:, None]                                             # [R, 1]
-        h = self._embed(self.in_tokens[:R, None])                             # [R, 1, hidden]
-        rope = self._rope_all(h, pos)
-        for li, layer in enumerate(self.layers):
-            x = self._norm(layer.input_layernorm, h)
-            q, k, v = self._qkv(layer, x, rope, li)                           # [R, H, 1, D]
-            self.ks[li, :, :R].index_copy_(0, t, k.transpose(1, 2).reshape(1, R, self.n_kv, D))
-            self.vs[li, :, :R].index_copy_(0, t, v.transpose(1, 2).reshape(1, R, self.n_kv, D))
-            o = self._attend(li, q.reshape(R, H, D), Qb)
-            h = self._block_tail(layer, h, o.reshape(R, 1, H * D))
-        logits, lse = self.head_lse(self._final_norm(h[:, 0]))
-        return logits, lse
+        self.anc[:R].index_copy_(1, self.in_t, self.slot_ids[:R, None])
+        pos = (self.prompt_len[:Qb].repeat_interleave(self.B) + self.in_t)[:, None]   # [R, 1]
+        return self._one_token_forward(self.in_tokens[:R], pos, Qb, None, None)
 
     @torch.no_grad()
     def step_rows(self, tokens: torch.Tensor, t: int, rows: torch.Tensor, parent: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager step over a subset of slot rows (CPU, where padding rows cost compute and there are
-        no graphs to keep shapes fixed for): row ``rows[i]`` continues the path of row ``parent[i]``
-        and is fed ``tokens[i]`` at position ``t``. Returns ``(logits [n, V], lse [n])`` in
-        ``rows`` order."""
+        no graphs to keep shapes fixed for): row ``rows[i]`` (distinct) continues the path of row
+        ``parent[i]`` and is fed ``tokens[i]`` at position ``t``. Returns ``(logits [n, V], lse
+        [n])`` in ``rows`` order."""
         if t >= self.S:
             raise ValueError(f"suffix position {t} beyond the reserved {self.S}")
         self.anc[rows] = self.anc[parent]
         self.anc[rows, t] = rows.to(torch.int32)
-        pos = self.prompt_len[rows // self.B][:, None] + t
-        one = torch.ones(rows.shape[0], 1, 1, dtype=torch.bool, device=self.device)
-        return self.tree_forward(rows, t, tokens[:, None], pos, one, write=True)
+        q_of = rows // self.B
+        Qb = int(q_of.max()) + 1 if rows.numel() else 1   # eager path: a host read costs nothing here
+        return self._one_token_forward(tokens, self.prompt_len[q_of][:, None] + t, Qb, t, rows)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, t: int, Qb: int, parent: torch.Tensor | None = None
@@ -604,10 +616,8 @@ class DecodeEngine:
     # -------------------------------------------------------------- tree pass
     @torch.no_grad()
     def tree_forward(self, rows: torch.Tensor, t: int, tokens: torch.Tensor, pos: torch.Tensor,
-                     tree_vis: torch.Tensor, write: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score token trees hanging below slot rows, without touching the cache (``write``: trees of
-        one token, whose K/V are stored at suffix position ``t`` of their row: an eager decode step
-        over just those rows).
+                     tree_vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score token trees hanging below slot rows, without touching the cache.
 
         Args:
             rows: ``Long[V]`` slot row whose path ``[0, t)`` is each tree's prefix (the row's
@@ -632,9 +642,6 @@ class DecodeEngine:
         for li, layer in enumerate(self.layers):
             x = self._norm(layer.input_layernorm, h)
             q, k, v = self._qkv(layer, x, rope, li)
-            if write:  # one-token trees: their K/V are the rows' tokens at t (ancestry set by caller)
-                self.ks[li, t, rows] = k[:, :, 0]
-                self.vs[li, t, rows] = v[:, :, 0]
             kk = torch.cat([self.kp[li].index_select(0, q_of), gather_suffix(self.ks[li], self.anc, rows, t), k], 2)
             vv = torch.cat([self.vp[li].index_select(0, q_of), gather_suffix(self.vs[li], self.anc, rows, t), v], 2)
             m = vis
