@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import re
 from typing import Any, Mapping
@@ -283,12 +284,18 @@ def _word_cut_keeping_distinct(prefixes: list[list[int]], text_tokens: list[list
     return keep
 
 
+@functools.lru_cache(maxsize=1)
+def _stop_words() -> frozenset[str]:
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+
+    return frozenset(ENGLISH_STOP_WORDS)
+
+
 def label_words(text: str) -> list[str]:
     """The label words of ``text`` in reading order, lower-cased (see the module docstring): whole
     whitespace-separated words without digits, abbreviations, unit words after a number or English
     stop words."""
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
-
+    stop = _stop_words()
     out: list[str] = []
     prev = ""
     for raw in text.split():
@@ -297,7 +304,7 @@ def label_words(text: str) -> list[str]:
         core = core.rstrip(".").strip(_EDGE_PUNCT).lower()
         after_number = bool(_NUMBER.match(prev))
         prev = raw
-        if (len(core) < 2 or not _LABEL_WORD.fullmatch(core) or core in ENGLISH_STOP_WORDS
+        if (len(core) < 2 or not _LABEL_WORD.fullmatch(core) or core in stop
                 or (abbrev and len(core) <= _ABBREV_LETTERS) or (after_number and len(core) <= 4)):
             continue
         out.append(core)
@@ -331,7 +338,6 @@ def cluster_labels(node_of: list[np.ndarray], paths: list[np.ndarray], parents: 
         vocab = np.asarray(vec.get_feature_names_out())
     except ValueError:  # no word at all in the corpus
         x, vocab = sp.csr_matrix((n, 1), dtype=np.float32), np.array(["group"])
-    xc = x.tocsc()
     positions: dict[int, dict[str, float]] = {}  # row -> word -> relative position of its first use
 
     def in_reading_order(words: list[str], rows: np.ndarray) -> str:
@@ -402,7 +408,7 @@ def cluster_labels(node_of: list[np.ndarray], paths: list[np.ndarray], parents: 
                         if s_o[i] > 0 and vocab[c_o[i]] not in above]
                 rows = members[node]
                 if cols:
-                    sub = xc[:, cols][rows].toarray() > 0           # [n_node, len(cols)] word present
+                    sub = x[rows][:, cols].toarray() > 0             # [n_node, len(cols)] word present
                     with_first = sub[:, 0]
                     cnt = sub.sum(axis=0)
                     both = (sub & with_first[:, None]).sum(axis=0)
