@@ -68,7 +68,7 @@ def classify_model_arg(model: str | Path | None) -> ModelSourceKind:
         with path.open("rb") as fh:
             if fh.read(4) == b"GGUF":
                 return ModelSourceKind.GGUF
-        raise ValueError(f"{path} is neither a HF model folder nor a GGUF file (bad magic bytes)")
+        raise ModelFolderError(f"{path} is neither a HF model folder nor a GGUF file (bad magic bytes)")
     raise FileNotFoundError(f"model not found: {path}")
 
 

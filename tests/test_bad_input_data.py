@@ -645,3 +645,16 @@ def test_intact_compressed_checkpoint_loads_and_lists_its_side_files(compressed_
     assert {"recipe.json", "config.json", "tokenizer.json", "tokenizer_config.json"} <= set(manifest["outputs"])
     model, tok = load_compressed(compressed_folder)
     assert tok.eos_token_id is not None and model.config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 not a model", b"\x00" * 16])
+def test_model_file_that_is_not_gguf_is_a_user_error(tmp_path, content):
+    """A --model file without the GGUF magic: a ModelFolderError (one line, exit 2 in the CLI)."""
+    from adbatch.models import ModelFolderError, classify_model_arg
+    from jobs.config_cli import is_user_error
+
+    f = tmp_path / "model.gguf"
+    f.write_bytes(content)
+    with pytest.raises(ModelFolderError, match="neither a HF model folder nor a GGUF") as err:
+        classify_model_arg(f)
+    assert is_user_error(err.value)
