@@ -68,9 +68,9 @@ class TrainJobConfig(ConfigBase):
 
 def _read_pairs(path: str | Path) -> tuple[Any, list[tuple[str, Any]]]:
     """The Parquet table and its (query, ad_id) pairs (``query`` and ``ad_id`` columns, nulls rejected)."""
-    import pyarrow.parquet as pq
+    from adbatch.corpus import read_parquet_table
 
-    table = pq.read_table(path)
+    table = read_parquet_table(Path(path), error=ConfigError)  # corrupt pages: an error naming the file
     missing = [c for c in ("query", "ad_id") if c not in table.column_names]
     if missing:
         raise ConfigError(f"{path}: labelled queries need column(s) {missing}; found {table.column_names}")

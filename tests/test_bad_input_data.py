@@ -658,3 +658,16 @@ def test_model_file_that_is_not_gguf_is_a_user_error(tmp_path, content):
     with pytest.raises(ModelFolderError, match="neither a HF model folder nor a GGUF") as err:
         classify_model_arg(f)
     assert is_user_error(err.value)
+
+
+def test_corrupt_labelled_queries_file_names_the_file(tmp_path):
+    """train's --queries / --valid-queries pairs: corrupt pages give a ConfigError naming the file."""
+    from adbatch.config import ConfigError
+    from pipelines.train import _read_pairs
+
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"query": [f"cordless drill {i}" for i in range(400)],
+                             "ad_id": [f"a{i % 7}" for i in range(400)]}), path, compression="snappy")
+    _corrupt_pages(path)
+    with pytest.raises(ConfigError, match="pairs.parquet: corrupt Parquet data"):
+        _read_pairs(path)
