@@ -10,13 +10,27 @@ it does not), here and in every stage that tokenizes text (calibration, perplexi
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 TARGETING_INSTRUCTION = "Find the ad that best matches this search query."
 #: bumped whenever the targeting prompt's rendering changes: a model trained on one rendering must be
 #: retrained (the nightly refresh's train stage takes it as an input; checkpoints record it)
 TARGETING_PROMPT_VERSION = 2
 CREATIVE_INSTRUCTION = "Write a short, catchy advertising headline (at most 10 words) for this advertiser."
+#: bumped whenever the creative prompt's rendering changes: headlines generated and creative examples
+#: trained on one rendering are stale under another
+CREATIVE_PROMPT_VERSION = 2
+#: worked examples the creative prompt shows before the ad (version 2). Made-up advertisers written for
+#: this repository -- never rows of the slogan data or the example corpus -- whose headlines share no
+#: run of words with their descriptions, so the model sees headlines that are not copies.
+CREATIVE_EXAMPLES: tuple[tuple[dict[str, str], str], ...] = (
+    ({"advertiser": "Northwind Bikes", "description": "Hand-built city and touring bicycles, with free servicing "
+      "for the first year.", "industry": "sporting goods"}, "Ride Further on a Bike Built by Hand"),
+    ({"advertiser": "Lumen Dental", "description": "Family dental clinic offering check-ups, whitening and "
+      "emergency appointments six days a week.", "industry": "medical practice"}, "Brighter Smiles for the Whole Family"),
+    ({"advertiser": "Ledgerly", "description": "Cloud bookkeeping software that reconciles bank feeds and files VAT "
+      "returns for small businesses.", "industry": "computer software"}, "Bookkeeping That Does Itself"),
+)
 
 #: ad fields shown to the creative model, in this order, when present and non-empty
 CREATIVE_FIELDS = ("advertiser", "title", "description", "industry", "category", "keywords")
@@ -81,25 +95,40 @@ def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     return with_prefix(tokenizer, list(ids))
 
 
-def _chat_or_plain(tokenizer: Any, user_text: str, plain_suffix: str, system: str | None = None) -> list[int]:
+def _chat_or_plain(tokenizer: Any, user_text: str, plain_suffix: str, system: str | None = None,
+                   examples: Sequence[tuple[str, str]] = ()) -> list[int]:
     """Chat-template ids of one user turn (``system`` as the system turn when given), or a plain frame.
 
     A system turn replaces a template's default system prompt (SmolLM2's is 16 tokens), which
     matters for training cost: every targeting example repeats the prompt. Templates that reject a
-    system role (Gemma) get the instruction folded into the user turn instead.
+    system role (Gemma) get the instruction folded into the first user turn instead. ``examples``:
+    worked ``(user, assistant)`` turns before the user turn (few-shot); the plain frame writes each
+    as ``user + plain_suffix + " " + assistant`` and a blank line.
     """
+    turns = [*examples, (user_text, None)]
+
+    def messages(system_turn: bool) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": system}] if system_turn else []
+        for i, (user, assistant) in enumerate(turns):
+            if i == 0 and system is not None and not system_turn:
+                user = f"{system}\n{user}"
+            msgs.append({"role": "user", "content": user})
+            if assistant is not None:
+                msgs.append({"role": "assistant", "content": assistant})
+        return msgs
+
     template = getattr(tokenizer, "chat_template", None)
     if template:
         if system is not None:
             try:
-                return _apply_template(tokenizer, [{"role": "system", "content": system},
-                                                   {"role": "user", "content": user_text}])
+                return _apply_template(tokenizer, messages(True))
             except Exception:  # jinja raise_exception("System role not supported") and the like
-                user_text = f"{system}\n{user_text}"
-        return _apply_template(tokenizer, [{"role": "user", "content": user_text}])
+                pass
+        return _apply_template(tokenizer, messages(False))
+    text = "".join(f"{u}{plain_suffix} {a}\n\n" for u, a in examples) + user_text
     if system is not None:
-        user_text = f"{system}\n{user_text}"
-    return encode_text(tokenizer, user_text + plain_suffix)
+        text = f"{system}\n{text}"
+    return encode_text(tokenizer, text + plain_suffix)
 
 
 def truncate_text_tokens(tokenizer: Any, text: str, max_tokens: int) -> str:
@@ -138,11 +167,22 @@ def render_ad_fields(ad: Mapping[str, Any], max_chars: int | None = AD_PROMPT_CH
 
 
 def creative_prompt_text(ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS) -> str:
-    """The text of the creative prompt for one ad (the user turn, without the chat template):
-    what :func:`encode_creative_prompt` encodes and what the prompt-copy metric compares against."""
-    return f"{CREATIVE_INSTRUCTION}\n{render_ad_fields(ad, max_chars)}"
+    """All the text the creative prompt shows the model for one ad, without the chat template: the
+    instruction, the worked examples and the ad's fields. The prompt-copy metric
+    (:func:`adbatch.report.prompt_copy_share`) compares a headline against it, so copying an example's
+    headline counts as copying too."""
+    shots = [f"{render_ad_fields(ex)}\n{headline}" for ex, headline in CREATIVE_EXAMPLES]
+    return "\n".join([CREATIVE_INSTRUCTION, *shots, render_ad_fields(ad, max_chars)])
 
 
 def encode_creative_prompt(tokenizer: Any, ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS) -> list[int]:
-    """Token ids of the creative prompt for one ad/product record (fields in CREATIVE_FIELDS)."""
-    return _chat_or_plain(tokenizer, creative_prompt_text(ad, max_chars), "\nHeadline:")
+    """Token ids of the creative prompt for one ad/product record (fields in CREATIVE_FIELDS).
+
+    Rendering version :data:`CREATIVE_PROMPT_VERSION`: the instruction as the system turn, then each of
+    :data:`CREATIVE_EXAMPLES` as a user turn (its fields) answered by an assistant turn (its headline),
+    then the ad's fields (version 1 was the instruction and the fields in one user turn: the default
+    model echoed the prompt, "Advertiser: Clearfunds").
+    """
+    examples = [(render_ad_fields(ex), headline) for ex, headline in CREATIVE_EXAMPLES]
+    return _chat_or_plain(tokenizer, render_ad_fields(ad, max_chars), "\nHeadline:", system=CREATIVE_INSTRUCTION,
+                          examples=examples)

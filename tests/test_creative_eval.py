@@ -81,17 +81,17 @@ def test_eval_creatives_on_real_test_rows(shared_data, tmp_path):
         pytest.skip(f"{csv} not found")
     assert CreativesEvalConfig().max_examples is None  # the default evaluates the whole file
     assert load_slogan_test(csv).num_rows == 994
-    cfg = CreativesEvalConfig.from_dict({"csv": str(csv), "max_examples": 10, "batch_size": 10,
+    cfg = CreativesEvalConfig.from_dict({"csv": str(csv), "max_examples": 4, "batch_size": 4,
                                          "creative": {"max_new_tokens": 3}})
     res = eval_creatives(cfg, str(tiny_model_dir(tmp_path)), None, 0)
-    assert res["examples"] == 10 and res["rows_in_file"] == 994
+    assert res["examples"] == 4 and res["rows_in_file"] == 994
     (row,) = res["rows"]
     for k in ("rouge1", "rouge2", "rougeL", "bleu"):
         assert 0.0 <= row[k] <= 100.0
     for k in ("meteor", "distinct1", "distinct2", "copy_share", "empty_share"):
         assert 0.0 <= row[k] <= 1.0
-    assert row["examples"] == 10 and row["requests_per_s"] > 0
-    assert len(res["samples"]) == 10 and all(s["reference"] and "dense" in s["outputs"] for s in res["samples"])
+    assert row["examples"] == 4 and row["requests_per_s"] > 0
+    assert len(res["samples"]) == 4 and all(s["reference"] and "dense" in s["outputs"] for s in res["samples"])
 
 
 def test_refresh_prints_samples_and_what_the_budget_reached(tmp_path):

@@ -97,3 +97,28 @@ def test_long_ad_text_cut_in_the_prompt_is_logged_once(caplog, monkeypatch):
         gen._warn_cut_ad_text([long])
     assert len(caplog.records) == 1
     assert "request l (and 1 more" in caplog.records[0].getMessage()
+
+
+def test_creative_prompt_v2_is_few_shot_chat(default_tokenizer):
+    """Version 2: instruction as the system turn, each worked example a user turn answered by its
+    headline, then the ad; the examples' headlines are not copies of their own fields."""
+    from adbatch.prompts import (CREATIVE_EXAMPLES, CREATIVE_INSTRUCTION, CREATIVE_PROMPT_VERSION,
+                                 creative_prompt_text, encode_creative_prompt, render_ad_fields)
+    from adbatch.report import prompt_copy_fraction
+
+    assert CREATIVE_PROMPT_VERSION == 2 and len(CREATIVE_EXAMPLES) == 3
+    ad = {"advertiser": "Acme", "description": "Power tools for trades.", "industry": "tools"}
+    text = default_tokenizer.decode(encode_creative_prompt(default_tokenizer, ad))
+    assert text.startswith(f"<|im_start|>system\n{CREATIVE_INSTRUCTION}<|im_end|>\n")
+    for example, headline in CREATIVE_EXAMPLES:
+        assert (f"<|im_start|>user\n{render_ad_fields(example)}<|im_end|>\n"
+                f"<|im_start|>assistant\n{headline}<|im_end|>\n") in text
+        assert prompt_copy_fraction(headline, render_ad_fields(example)) < 0.5
+    assert text.endswith(f"<|im_start|>user\n{render_ad_fields(ad)}<|im_end|>\n<|im_start|>assistant\n")
+    plain = default_tokenizer.decode(encode_creative_prompt(_PlainTokenizer(default_tokenizer), ad))
+    first, headline = CREATIVE_EXAMPLES[0]
+    assert plain.startswith(f"{CREATIVE_INSTRUCTION}\n{render_ad_fields(first)}\nHeadline: {headline}\n\n")
+    assert plain.endswith(f"{render_ad_fields(ad)}\nHeadline:")
+    # the copy metric's text holds everything the model is shown
+    shown = creative_prompt_text(ad)
+    assert all(h in shown for _, h in CREATIVE_EXAMPLES) and shown.endswith(render_ad_fields(ad))
