@@ -431,6 +431,10 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
             executor=gen.executor, num_cpus=config.num_cpus, overwrite=True, progress=False)
         inputs = {"requests": sha256_paths(req_files[task]), "model": base_hash if from_base else serve_in,
                   "index": index_in}
+        if task is GenerateTask.CREATIVES:  # a new creative prompt rendering rewrites the headlines
+            from adbatch.prompts import CREATIVE_PROMPT_VERSION
+
+            inputs["creative_prompt_version"] = str(CREATIVE_PROMPT_VERSION)
         gen_results[task.value] = runner.run(stage, job, inputs, out / "manifest.json",
                                              lambda job=job: run_generate(job))
         outputs[task.value] = str(out / task.value)

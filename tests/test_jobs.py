@@ -392,3 +392,36 @@ def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monk
     calib.write_text("one text\n")
     nr.run_refresh(cfg.replace(compress=cfg.compress.replace(calib=calib)))
     assert jobs_seen[-1].calib == calib and jobs_seen[-1].index is None and jobs_seen[-1].queries is None
+
+
+def test_refresh_rewrites_creatives_when_the_creative_prompt_changes(tmp_path, monkeypatch):
+    """The generate-creatives stage keys on the creative prompt's rendering version."""
+    import adbatch.prompts
+    import jobs.nightly_refresh as nr
+    import pipelines.generate
+    import pipelines.index
+    import pipelines.ray_runtime
+    from adbatch.artifacts import write_json_atomic
+
+    def fake_index(job):
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "index", "index_hash": "h"})
+        return {}
+
+    def fake_generate(job):
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "generate"})
+        return {}
+
+    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(pipelines.index, "run_index", fake_index)
+    monkeypatch.setattr(pipelines.generate, "run_generate", fake_generate)
+    monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    cfg = nr.RefreshConfig.from_dict({
+        "work": str(tmp_path / "work"), "index": {"ads": str(REPO / "examples/slogan_ads.parquet"), "stable_ids": False},
+        "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
+        "generate": {"targets_requests": None,
+                     "creatives_requests": str(REPO / "examples/requests_creatives.parquet")}})
+    stage = "generate_creatives"
+    assert nr.run_refresh(cfg)["stages"][stage]["status"] == "ran"
+    assert nr.run_refresh(cfg)["stages"][stage]["status"] == "skipped"
+    monkeypatch.setattr(adbatch.prompts, "CREATIVE_PROMPT_VERSION", adbatch.prompts.CREATIVE_PROMPT_VERSION + 1)
+    assert nr.run_refresh(cfg)["stages"][stage]["status"] == "ran"
