@@ -496,6 +496,10 @@ def answers_to_output(task: GenerateTask, answers: pa.Table) -> tuple[pa.Table, 
 
 
 def generator_fingerprint(task: GenerateTask, decoding: Any, config: GenerateConfig) -> str:
-    """Hash of everything that decides the content of the answers (not the batch size)."""
+    """Hash of everything that decides the content of the answers (not the batch size), the
+    prompt's rendering version included: a resumed run must not keep answers to another prompt."""
+    from adbatch.prompts import CREATIVE_PROMPT_VERSION, TARGETING_PROMPT_VERSION
+
+    prompt = TARGETING_PROMPT_VERSION if task is GenerateTask.TARGETS else CREATIVE_PROMPT_VERSION
     return sha256_json({"task": task.value, "decoding": decoding.to_dict(),
-                        "max_query_tokens": config.max_query_tokens})
+                        "max_query_tokens": config.max_query_tokens, "prompt_version": prompt})

@@ -317,3 +317,20 @@ def test_model_trained_on_another_index_is_refused_before_any_work(assets, tmp_p
     with pytest.raises(IndexMismatchError, match="was trained on index ffffffffffff"):
         pg.run_generate(_cfg(assets, req, out, model=str(model), executor="ray"))
     assert not out.exists()
+
+
+def test_a_new_prompt_rendering_is_a_new_run_not_a_resume(monkeypatch):
+    """The run key (resume identity) covers the prompt's rendering version of each task."""
+    import adbatch.prompts
+    from adbatch.decoding import CreativeConfig
+    from adbatch.generation import generator_fingerprint
+    from adbatch.requests import GenerateTask
+
+    gc = GenerateConfig(device="cpu")
+    before = {t: generator_fingerprint(t, cfg, gc) for t, cfg in
+              ((GenerateTask.TARGETS, TargetSearchConfig()), (GenerateTask.CREATIVES, CreativeConfig()))}
+    monkeypatch.setattr(adbatch.prompts, "CREATIVE_PROMPT_VERSION", adbatch.prompts.CREATIVE_PROMPT_VERSION + 1)
+    assert generator_fingerprint(GenerateTask.CREATIVES, CreativeConfig(), gc) != before[GenerateTask.CREATIVES]
+    assert generator_fingerprint(GenerateTask.TARGETS, TargetSearchConfig(), gc) == before[GenerateTask.TARGETS]
+    monkeypatch.setattr(adbatch.prompts, "TARGETING_PROMPT_VERSION", adbatch.prompts.TARGETING_PROMPT_VERSION + 1)
+    assert generator_fingerprint(GenerateTask.TARGETS, TargetSearchConfig(), gc) != before[GenerateTask.TARGETS]
