@@ -228,9 +228,12 @@ def test_train_job_passes_absolute_paths_to_the_workers(tmp_path, monkeypatch):
     assert seen["init_model"] == "default"
 
 
-def test_refresh_stamp_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
-    """The same config started from the repository and from elsewhere (cron, ray job submit): a
-    relative input path resolves to the same file, so the unchanged stage is skipped."""
+def _refresh_without_ray(monkeypatch, **stage_runs):
+    """Patch the refresh for in-process stage-logic tests: no Ray, a base-model hash of "base", an
+    index stage that only writes its manifest, and ``stage_runs`` (``"compress": fn``, ...) as the
+    ``pipelines.<stage>.run_<stage>`` functions. Returns ``jobs.nightly_refresh``."""
+    import importlib
+
     import jobs.nightly_refresh as nr
     import pipelines.index
     import pipelines.ray_runtime
@@ -243,6 +246,28 @@ def test_refresh_stamp_does_not_depend_on_the_working_directory(tmp_path, monkey
     monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
     monkeypatch.setattr(pipelines.index, "run_index", fake_index)
     monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    for module, fn in stage_runs.items():
+        name = {"eval": "evaluate"}.get(module, module)
+        monkeypatch.setattr(importlib.import_module(f"pipelines.{name}"), f"run_{module}", fn)
+    return nr
+
+
+def _manifest_writer(stage: str, seen: list | None = None):
+    """A stage run that records its job and writes only ``{"stage": stage}`` as its manifest."""
+    from adbatch.artifacts import write_json_atomic
+
+    def run(job):
+        if seen is not None:
+            seen.append(job)
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": stage})
+        return {}
+    return run
+
+
+def test_refresh_stamp_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+    """The same config started from the repository and from elsewhere (cron, ray job submit): a
+    relative input path resolves to the same file, so the unchanged stage is skipped."""
+    nr = _refresh_without_ray(monkeypatch)
     cfg = nr.RefreshConfig.from_dict({
         "work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
         "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
@@ -301,23 +326,7 @@ def test_refresh_reruns_a_stage_whose_listed_outputs_were_damaged(tmp_path, monk
 def test_refresh_reruns_eval_when_what_it_reads_changes(tmp_path, monkeypatch):
     """The eval stage's stamp covers the evaluation data files and explicitly configured model folders
     by content, not only by path: an updated test file or a re-trained override model re-runs it."""
-    import jobs.nightly_refresh as nr
-    import pipelines.evaluate
-    import pipelines.index
-    import pipelines.ray_runtime
-    from adbatch.artifacts import write_json_atomic
-
-    def fake_index(job):
-        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "index", "index_hash": "h"})
-        return {}
-
-    def fake_eval(job):
-        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "eval"})
-        return {}
-
-    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
-    monkeypatch.setattr(pipelines.index, "run_index", fake_index)
-    monkeypatch.setattr(pipelines.evaluate, "run_eval", fake_eval)
+    nr = _refresh_without_ray(monkeypatch, eval=_manifest_writer("eval"))
     monkeypatch.setattr(nr, "_model_hash", lambda model: "base" if model is None else nr.sha256_paths(
         sorted(Path(model).glob("*.safetensors"))))
     slogans, hd = tmp_path / "slogans.csv", tmp_path / "hd.csv"
@@ -348,27 +357,9 @@ def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monk
     import pyarrow as pa
 
     import adbatch.semantic_ids
-    import jobs.nightly_refresh as nr
-    import pipelines.compress
-    import pipelines.index
-    import pipelines.ray_runtime
-    from adbatch.artifacts import write_json_atomic
 
     jobs_seen = []
-
-    def fake_index(job):
-        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "index", "index_hash": "h"})
-        return {}
-
-    def fake_compress(job):
-        jobs_seen.append(job)
-        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "compress"})
-        return {}
-
-    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
-    monkeypatch.setattr(pipelines.index, "run_index", fake_index)
-    monkeypatch.setattr(pipelines.compress, "run_compress", fake_compress)
-    monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    nr = _refresh_without_ray(monkeypatch, compress=_manifest_writer("compress", jobs_seen))
     queries = tmp_path / "queries.parquet"
     pq.write_table(pa.table({"query": ["red sofa"], "ad_id": ["a1"]}), queries)
     ads = REPO / "examples/slogan_ads.parquet"
@@ -397,24 +388,8 @@ def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monk
 def test_refresh_rewrites_creatives_when_the_creative_prompt_changes(tmp_path, monkeypatch):
     """The generate-creatives stage keys on the creative prompt's rendering version."""
     import adbatch.prompts
-    import jobs.nightly_refresh as nr
-    import pipelines.generate
-    import pipelines.index
-    import pipelines.ray_runtime
-    from adbatch.artifacts import write_json_atomic
 
-    def fake_index(job):
-        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "index", "index_hash": "h"})
-        return {}
-
-    def fake_generate(job):
-        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "generate"})
-        return {}
-
-    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
-    monkeypatch.setattr(pipelines.index, "run_index", fake_index)
-    monkeypatch.setattr(pipelines.generate, "run_generate", fake_generate)
-    monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    nr = _refresh_without_ray(monkeypatch, generate=_manifest_writer("generate"))
     cfg = nr.RefreshConfig.from_dict({
         "work": str(tmp_path / "work"), "index": {"ads": str(REPO / "examples/slogan_ads.parquet"), "stable_ids": False},
         "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
