@@ -58,23 +58,6 @@ def kernel_check(model, beams: int, dev) -> dict:
     return out
 
 
-def graph_ms(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        g.replay()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(ts))
-
-
 PEAK_BF16_FLOPS = 989e12   # H200 SXM dense bf16 tensor-core peak
 PEAK_HBM_BYTES = 4.8e12    # H200 HBM3e
 

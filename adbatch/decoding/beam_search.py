@@ -299,7 +299,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
             logit_row = torch.arange(Qb * B, device=dev)
         else:  # eager: only the rows decoded on (dead, verified and finished slots cost nothing)
             live = cont_t.nonzero()[:, 0]
-            logits, lse = engine.step_rows(tokens[live], t, live, parent_slot[live])
+            logits, lse = engine.step_rows(tokens[live], t, live, parent_slot[live], Qb)
             logit_row = torch.zeros(Qb * B, dtype=torch.long, device=dev)
             logit_row[live] = torch.arange(live.numel(), device=dev)
         clock.mark("decode")

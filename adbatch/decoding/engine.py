@@ -238,6 +238,7 @@ class DecodeEngine:
         # being captured: one fused GEMM of the copies, as for a dense model
         self._fused_copies: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
         self._fused_active: set[int] = set()
+        self._routed_rows: int | None = None  # the bucket _use_dense / _fused_active were planned for
         self._packed_modules = [m for m in model.modules() if _is_packed(m)]
         self.capture_seconds = 0.0
         self.signature: tuple = ()
@@ -516,19 +517,18 @@ class DecodeEngine:
         return self._one_token_forward(self.in_tokens[:R], pos, Qb, None, None)
 
     @torch.no_grad()
-    def step_rows(self, tokens: torch.Tensor, t: int, rows: torch.Tensor, parent: torch.Tensor
+    def step_rows(self, tokens: torch.Tensor, t: int, rows: torch.Tensor, parent: torch.Tensor, Qb: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager step over a subset of slot rows (CPU, where padding rows cost compute and there are
         no graphs to keep shapes fixed for): row ``rows[i]`` (distinct) continues the path of row
-        ``parent[i]`` and is fed ``tokens[i]`` at position ``t``. Returns ``(logits [n, V], lse
+        ``parent[i]`` and is fed ``tokens[i]`` at position ``t`` (``Qb``: the query rows in use). Returns ``(logits [n, V], lse
         [n])`` in ``rows`` order."""
         if t >= self.S:
             raise ValueError(f"suffix position {t} beyond the reserved {self.S}")
         self.anc[rows] = self.anc[parent]
         self.anc[rows, t] = rows.to(torch.int32)
-        q_of = rows // self.B
-        Qb = int(q_of.max()) + 1 if rows.numel() else 1   # eager path: a host read costs nothing here
-        return self._one_token_forward(tokens, self.prompt_len[q_of][:, None] + t, Qb, t, rows)
+        pos = self.prompt_len[rows // self.B][:, None] + t
+        return self._one_token_forward(tokens, pos, Qb, t, rows)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, t: int, Qb: int, parent: torch.Tensor | None = None
@@ -576,16 +576,18 @@ class DecodeEngine:
         a prefill or a tree pass: eager ones plan at their row count's power-of-two bucket). Groups
         (q/k/v, gate/up) whose members all run dense run one fused GEMM of their copies."""
         mods = self._packed_modules
-        if not mods:
+        if not mods or rows == self._routed_rows:  # the routing depends on the bucket alone
             return
         from kernels.nm_int4 import dequantize_nm_int4
         from kernels.sparse_gemv import time_graphed_ms
 
         self._use_dense = set()
+        planned = True
         for m in mods:
             key = _shape_key(m) + (rows,)
             if key not in self.plan.choice:
                 if self.device.type != "cuda":  # nothing to time without graphs: a given plan only
+                    planned = False
                     continue
                 x = torch.randn(rows, m.in_features, device=self.device, dtype=self.dtype)
                 w = dequantize_nm_int4(m.packed, self.dtype)
@@ -612,6 +614,7 @@ class DecodeEngine:
                     for m, w in zip(group, fused[0].split(fused[2], 0)):
                         self._dense[id(m)] = w
                 self._fused_active.add(id(group[0]))
+        self._routed_rows = rows if planned else None
 
     # -------------------------------------------------------------- tree pass
     @torch.no_grad()
