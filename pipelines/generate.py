@@ -337,14 +337,18 @@ def _iter_local(config: GenerateJobConfig, layout: Layout, pending: list[int]) -
     total = sum(pq.read_metadata(layout.work_file(i)).num_rows for i in pending)
     with tqdm(total=total, desc=f"generate {config.task.value}", unit="req",
               disable=not config.progress) as bar:
-        # batches may span partitions (as Ray's do): a partition commits once all its rows are back
-        table = pa.concat_tables([pq.read_table(layout.work_file(i)) for i in pending]) if pending else None
-        start = 0
-        while table is not None and start < table.num_rows:
-            batch = table.slice(start, gen.batch_size)   # the generator's: by device, halved on OOM
-            yield gen(batch)
-            bar.update(batch.num_rows)
-            start += batch.num_rows
+        # batches may span partitions (as Ray's do): a partition commits once all its rows are back;
+        # partitions are read one at a time, a partial batch carried into the next
+        carry = None
+        for n, i in enumerate(pending):
+            table = pq.read_table(layout.work_file(i))
+            carry = table if carry is None else pa.concat_tables([carry, table])
+            last = n == len(pending) - 1
+            while carry.num_rows and (carry.num_rows >= gen.batch_size or last):
+                batch = carry.slice(0, gen.batch_size)   # the generator's: by device, halved on OOM
+                yield gen(batch)
+                bar.update(batch.num_rows)
+                carry = carry.slice(batch.num_rows)
 
 
 def _actor_resources(config: GenerateJobConfig) -> tuple[dict[str, Any], int]:
