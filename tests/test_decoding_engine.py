@@ -7,6 +7,11 @@ import torch
 
 from adbatch.decoding.engine import DecodeEngine, check_supported, engine_for
 from conftest import make_tiny_llama
+from kernels import fused_ops
+
+# fused=True runs the CUDA path's Triton kernels (kernels/fused_ops.py) on CPU under the interpreter
+FUSED = [False, pytest.param(True, marks=pytest.mark.skipif(
+    type(fused_ops._row_lse_kernel).__name__ != "InterpretedFunction", reason="needs TRITON_INTERPRET=1"))]
 
 
 def _tiny(family: str):
@@ -34,10 +39,11 @@ def _ref_logprobs(model, seq: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
 
 
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_prefill_steps_and_reorder_match_hf(family):
+def test_prefill_steps_and_reorder_match_hf(family, fused):
     model = _tiny(family)
-    engine = DecodeEngine(model)
+    engine = DecodeEngine(model, fused=fused)
     prompts = [[3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13]]
     B = 2
     with torch.no_grad():
@@ -59,9 +65,11 @@ def test_prefill_steps_and_reorder_match_hf(family):
             assert torch.allclose(got, want, atol=2e-5), (family, q, b)
 
 
-def test_tree_forward_sees_prompt_suffix_and_ancestors_only():
-    model = _tiny("gemma3")  # sliding window applies inside the tree pass too
-    engine = DecodeEngine(model)
+@pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_tree_forward_sees_prompt_suffix_and_ancestors_only(family, fused):
+    model = _tiny(family)  # Gemma 3: the sliding window applies inside the tree pass too
+    engine = DecodeEngine(model, fused=fused)
     prompt = [3, 4, 5, 6, 7]
     with torch.no_grad():
         engine.prefill([prompt], 1, 8)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels import fused_ops as fo
 from kernels.decode_attention import decode_attention, decode_attention_reference, gather_suffix
 
 log = logging.getLogger(__name__)
@@ -103,62 +104,21 @@ def check_supported(model: Any) -> None:
                          f"decoding engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x: [N, heads, T, D]``, ``cos/sin: [N, T, D]`` (HF's rotary outputs)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
-
-
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """HF's RMSNorm, op for op: Llama/Qwen/Mistral (``weight * normed.to(dtype)``) or Gemma 3
-    (``normed * (1 + weight)`` in float32, ``unit_offset``)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if unit_offset:
-        return (y * (1.0 + weight.float())).to(x.dtype)
-    return weight * y.to(x.dtype)
-
-
-def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up  # gelu_pytorch_tanh (Gemma)
-
-
-def rows_lse(logits: torch.Tensor) -> torch.Tensor:
-    """``Float32[N]`` log-sum-exp of each row, computed in float32."""
-    return torch.logsumexp(logits.float(), dim=-1)
-
-
 class _Ops:
-    """The step's elementwise / reduction pieces: plain torch (CPU, tests) or the same functions
-    compiled by TorchInductor (CUDA), which fuses each into one or two kernels. Pure functions of
-    tensors, so one compilation serves every layer (a compiled module would recompile per layer)."""
+    """The step's row-wise pieces: the Triton kernels of :mod:`kernels.fused_ops` on CUDA (one
+    launch each, graph-safe, no TorchInductor compilation in a process's first batch) or the torch
+    ops they reproduce (CPU, tests)."""
 
-    def __init__(self, compiled: bool) -> None:
-        if compiled:
-            import torch._dynamo
+    def __init__(self, fused: bool) -> None:
+        self.fused = fused
+        self.add_rms_norm = fo.add_rms_norm if fused else fo.add_rms_norm_reference
+        self.gated_act = fo.gated_act if fused else fo.gated_act_reference
+        self.rows_lse = fo.row_logsumexp if fused else fo.row_logsumexp_reference
 
-            # each function meets a handful of stride patterns (beam counts, suffix slices); past
-            # the limit Dynamo falls back to eager for the new pattern, which stays correct
-            for knob in ("recompile_limit", "cache_size_limit"):
-                if hasattr(torch._dynamo.config, knob):
-                    setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
-        wrap = (lambda f: torch.compile(f, dynamic=True)) if compiled else (lambda f: f)
-        self.compiled = compiled
-        self.rms_norm = wrap(rms_norm)
-        self.rotary_qk = wrap(rotary_qk)
-        self.gated_act = wrap(gated_act)
-        self.rows_lse = wrap(rows_lse)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+        if self.fused and x.stride(-1) == 1 and fo.rows_view_ok(x):
+            return fo.add_rms_norm(x, None, weight, eps, unit_offset)[1]
+        return fo.rms_norm_reference(x, weight, eps, unit_offset)
 
 
 # ------------------------------------------------------------------------------------------ linears
@@ -198,7 +158,7 @@ class DecodeEngine:
     [R, V]`` in the head's dtype and ``lse Float32[R]`` with ``log_softmax = logits - lse``.
     """
 
-    def __init__(self, model: Any, compile: bool | None = None) -> None:
+    def __init__(self, model: Any, fused: bool | None = None) -> None:
         check_supported(model)
         self.model = model
         self.cfg = model.config
@@ -226,10 +186,10 @@ class DecodeEngine:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self.graphs_enabled = self.device.type == "cuda"
-        self.ops = _Ops(self.device.type == "cuda" if compile is None else compile)
-        # (Compiling the whole 30-layer step instead was tried on the H200: its compilation had not
-        # finished in the two minutes left of that device call. The per-op functions compile in
-        # seconds and one compilation serves every layer.)
+        self.ops = _Ops(self.device.type == "cuda" if fused is None else fused)
+        # rotary + K/V cache write as one kernel needs the projections' raw outputs: models with
+        # q/k norms (Qwen3, Gemma 3) norm them first and take the unfused path
+        self.store_fused = self.ops.fused and not hasattr(attn0, "q_norm") and not self.head_dim & (self.head_dim - 1)
         act = str(getattr(self.cfg, "hidden_act", None) or getattr(self.cfg, "hidden_activation", "silu"))
         self.act = act if act in ("silu", "gelu_pytorch_tanh") else None  # None: the module's own act_fn
         self._fused: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
@@ -352,13 +312,52 @@ class DecodeEngine:
         w, b, sizes = fused
         return list(F.linear(x, w, b).split(sizes, dim=-1))
 
-    def _norm(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
-        """HF's RMSNorm through :func:`rms_norm` (fused when compiled); other norms as they are."""
+    @staticmethod
+    def _norm_params(mod: Any) -> tuple[torch.Tensor, float, bool] | None:
+        """``(weight, eps, unit_offset)`` of an HF RMSNorm module; None for other norms."""
         if type(mod).__name__ == "Gemma3RMSNorm":
-            return self.ops.rms_norm(x, mod.weight, float(mod.eps), True)
+            return mod.weight, float(mod.eps), True
         if hasattr(mod, "variance_epsilon"):  # Llama / Mistral / Qwen2 / Qwen3 RMSNorm
-            return self.ops.rms_norm(x, mod.weight, float(mod.variance_epsilon), False)
-        return mod(x)
+            return mod.weight, float(mod.variance_epsilon), False
+        return None
+
+    def _norm(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
+        p = self._norm_params(mod)
+        return mod(x) if p is None else self.ops.rms_norm(x, *p)
+
+    def _add_norm(self, h: torch.Tensor, a: torch.Tensor | None, mod: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add ``h + a`` (``a=None``: none) and ``mod``'s norm of the sum: one kernel
+        on CUDA, which writes the sum into ``h``'s own buffer."""
+        p = self._norm_params(mod)
+        if p is None:
+            h = h if a is None else h + a
+            return h, mod(h)
+        return self.ops.add_rms_norm(h, a, *p)
+
+    def _layer_stack(self, h: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Every decoder layer over ``h [N, T, hidden]`` -> the final-normed hidden ``[N, T, hidden]``.
+
+        ``attend(li, layer, x)`` is the pass's attention (prefill, step or tree: their caches
+        differ): input-normed ``x [N, T, hidden]`` -> output before o_proj ``[N, T, H * D]``. Each
+        residual add is fused with the norm that reads its sum (the next layer's input norm too):
+        two row-wise kernels per layer besides the GEMMs, attention, rotary and the activation."""
+        h, x = self._add_norm(h, None, self.layers[0].input_layernorm)
+        for li, layer in enumerate(self.layers):
+            a = self._linear(layer.self_attn.o_proj, attend(li, layer, x))
+            if self.gemma:  # sandwich norms: the branch output is normed before the residual add
+                h, x = self._add_norm(h, self._norm(layer.post_attention_layernorm, a), layer.pre_feedforward_layernorm)
+            else:
+                h, x = self._add_norm(h, a, layer.post_attention_layernorm)
+            m = self._mlp(layer.mlp, x)
+            if self.gemma:
+                m = self._norm(layer.post_feedforward_layernorm, m)
+            nxt = self.layers[li + 1].input_layernorm if li + 1 < len(self.layers) else self.dec.norm
+            h, x = self._add_norm(h, m, nxt)
+        return x
+
+    def _split_heads(self, layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = layer.self_attn
+        return self._projections((attn.q_proj, attn.k_proj, attn.v_proj), x)
 
     def _qkv(self, layer: Any, x: torch.Tensor, rope: dict[str, tuple], li: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -366,25 +365,23 @@ class DecodeEngine:
         attn = layer.self_attn
         N, T, _ = x.shape
         D = self.head_dim
-        q, k, v = self._projections((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        q, k, v = self._split_heads(layer, x)
         q = q.reshape(N, T, self.n_heads, D).transpose(1, 2)
         k = k.reshape(N, T, self.n_kv, D).transpose(1, 2)
         v = v.reshape(N, T, self.n_kv, D).transpose(1, 2)
         if hasattr(attn, "q_norm"):
             q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
         cos, sin = rope[self.layer_types[li]]
-        q, k = self.ops.rotary_qk(q, k, cos, sin)
-        return q, k, v
+        return fo.apply_rotary_reference(q, cos, sin), fo.apply_rotary_reference(k, cos, sin), v
 
-    def _block_tail(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residuals, norms and MLP after attention (``attn_out`` before o_proj, ``[N, T, H*D]``)."""
-        a = self._linear(layer.self_attn.o_proj, attn_out)
-        if self.gemma:
-            h = h + self._norm(layer.post_attention_layernorm, a)
-            m = self._norm(layer.pre_feedforward_layernorm, h)
-            return h + self._norm(layer.post_feedforward_layernorm, self._mlp(layer.mlp, m))
-        h = h + a
-        return h + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, h))
+    def _qkv_store(self, layer: Any, x: torch.Tensor, rope: dict[str, tuple], li: int, k_out: torch.Tensor,
+                   v_out: torch.Tensor, t0: torch.Tensor | None) -> torch.Tensor:
+        """CUDA, models without q/k norms: projections, then one kernel for rotary + the K/V cache
+        write (``k_out/v_out`` as :func:`kernels.fused_ops.rotary_store` takes them). Returns
+        q ``[N, T, H, D]``."""
+        q, k, v = self._split_heads(layer, x)
+        cos, sin = rope[self.layer_types[li]]
+        return fo.rotary_store(q, k, v, cos, sin, k_out, v_out, t0)
 
     def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._projections((mlp.gate_proj, mlp.up_proj), x)
@@ -394,15 +391,14 @@ class DecodeEngine:
     def _rope_all(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple]:
         return {t: self._rotary(h, pos, t) for t in set(self.layer_types)}
 
-    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self._norm(self.dec.norm, h)
-
     def head_lse(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [N, H]`` (final-normed) -> ``(logits [N, V], lse Float32[N])``."""
         logits = self._linear(self.head, hidden)
+        if self.ops.fused:  # the kernel reads the logits' own dtype: no float32 temporary
+            return logits, self.ops.rows_lse(logits)
         n = logits.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for s in range(0, n, LSE_CHUNK):  # chunks bound the float32 temporary (eager path)
+        for s in range(0, n, LSE_CHUNK):  # chunks bound the float32 temporary
             lse[s:s + LSE_CHUNK] = self.ops.rows_lse(logits[s:s + LSE_CHUNK])
         return logits, lse
 
@@ -440,19 +436,23 @@ class DecodeEngine:
         vis |= torch.eye(Lp, dtype=torch.bool, device=dev)[None]  # padding queries see themselves
         h = self._embed(ids)
         rope = self._rope_all(h, pos)
-        for li, layer in enumerate(self.layers):
-            x = self._norm(layer.input_layernorm, h)
-            q, k, v = self._qkv(layer, x, rope, li)
-            self.kp[li][:Qb] = k
-            self.vp[li][:Qb] = v
+
+        def attend(li: int, layer: Any, x: torch.Tensor) -> torch.Tensor:
+            if self.store_fused:
+                q = self._qkv_store(layer, x, rope, li, self.kp[li][:Qb], self.vp[li][:Qb], None).transpose(1, 2)
+                k, v = self.kp[li][:Qb], self.vp[li][:Qb]
+            else:
+                q, k, v = self._qkv(layer, x, rope, li)
+                self.kp[li][:Qb] = k
+                self.vp[li][:Qb] = v
             m = vis
             if self.window[li]:
                 m = vis & ((pos[:, :, None] - pos[:, None, :]) < self.window[li])
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=self.scaling[li],
                                                enable_gqa=self.n_kv != self.n_heads)
-            h = self._block_tail(layer, h, o.transpose(1, 2).reshape(Qb, Lp, -1))
-        last = self._final_norm(h[:, -1])
-        logits, lse = self.head_lse(last)
+            return o.transpose(1, 2).reshape(Qb, Lp, -1)
+
+        logits, lse = self.head_lse(self._layer_stack(h, attend)[:, -1])
         return logits, lse, Qb
 
     @torch.no_grad()
@@ -492,18 +492,22 @@ class DecodeEngine:
         n, H, D = tokens.shape[0], self.n_heads, self.head_dim
         h = self._embed(tokens[:, None])                                       # [n, 1, hidden]
         rope = self._rope_all(h, pos)
-        for li, layer in enumerate(self.layers):
-            x = self._norm(layer.input_layernorm, h)
-            q, k, v = self._qkv(layer, x, rope, li)                            # [n, H, 1, D]
-            if rows is None:  # t on the device: one graph serves every step
-                self.ks[li, :, :n].index_copy_(0, self.in_t, k.transpose(1, 2).reshape(1, n, self.n_kv, D))
-                self.vs[li, :, :n].index_copy_(0, self.in_t, v.transpose(1, 2).reshape(1, n, self.n_kv, D))
+
+        def attend(li: int, layer: Any, x: torch.Tensor) -> torch.Tensor:
+            if rows is None and self.store_fused:  # rotary + K/V write at in_t: one kernel
+                q = self._qkv_store(layer, x, rope, li, self.ks[li][:, :n].permute(1, 2, 0, 3),
+                                    self.vs[li][:, :n].permute(1, 2, 0, 3), self.in_t)
             else:
-                self.ks[li, t, rows] = k[:, :, 0]
-                self.vs[li, t, rows] = v[:, :, 0]
-            o = self._attend(li, q.reshape(n, H, D), Qb, t, rows)
-            h = self._block_tail(layer, h, o.reshape(n, 1, H * D))
-        return self.head_lse(self._final_norm(h[:, 0]))
+                q, k, v = self._qkv(layer, x, rope, li)                        # [n, H, 1, D]
+                if rows is None:  # t on the device: one graph serves every step
+                    self.ks[li, :, :n].index_copy_(0, self.in_t, k.transpose(1, 2).reshape(1, n, self.n_kv, D))
+                    self.vs[li, :, :n].index_copy_(0, self.in_t, v.transpose(1, 2).reshape(1, n, self.n_kv, D))
+                else:
+                    self.ks[li, t, rows] = k[:, :, 0]
+                    self.vs[li, t, rows] = v[:, :, 0]
+            return self._attend(li, q.reshape(n, H, D), Qb, t, rows).reshape(n, 1, H * D)
+
+        return self.head_lse(self._layer_stack(h, attend)[:, 0])
 
     def _step_body(self, Qb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per slot row ``R = Qb * B`` from the static inputs ``in_tokens / in_parent /
@@ -642,8 +646,8 @@ class DecodeEngine:
                              self.prompt_len[q_of][:, None] + torch.arange(t, device=self.device), pos], 1)
         h = self._embed(tokens)
         rope = self._rope_all(h, pos)
-        for li, layer in enumerate(self.layers):
-            x = self._norm(layer.input_layernorm, h)
+
+        def attend(li: int, layer: Any, x: torch.Tensor) -> torch.Tensor:
             q, k, v = self._qkv(layer, x, rope, li)
             kk = torch.cat([self.kp[li].index_select(0, q_of), gather_suffix(self.ks[li], self.anc, rows, t), k], 2)
             vv = torch.cat([self.vp[li].index_select(0, q_of), gather_suffix(self.vs[li], self.anc, rows, t), v], 2)
@@ -652,8 +656,9 @@ class DecodeEngine:
                 m = vis & ((pos[:, None, :, None] - key_pos[:, None, None, :]) < self.window[li])
             o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=m, scale=self.scaling[li],
                                                enable_gqa=self.n_kv != self.n_heads)
-            h = self._block_tail(layer, h, o.transpose(1, 2).reshape(V, Fn, -1))
-        return self.head_lse(self._final_norm(h).reshape(V * Fn, -1))
+            return o.transpose(1, 2).reshape(V, Fn, -1)
+
+        return self.head_lse(self._layer_stack(h, attend).reshape(V * Fn, -1))
 
 
 _ENGINES: "weakref.WeakKeyDictionary[Any, DecodeEngine]" = weakref.WeakKeyDictionary()
