@@ -440,12 +440,16 @@ class CreativeGenerator(_GeneratorBase):
             raise TypeError(f"creative must be a CreativeConfig, got {type(creative).__name__}")
         super().__init__(spec, config or GenerateConfig())
         self.creative = creative
+        from adbatch.prompts import creative_prompt_of
+
+        # the prompt the model declares it was fine-tuned on (adbatch.training.creatives), else few-shot
+        self.prompt_style = creative_prompt_of(self.model)
 
     def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         from adbatch.decoding import generate_creatives
         from adbatch.prompts import encode_creative_prompt
 
-        prompts = [encode_creative_prompt(self.tokenizer, r) for r in rows]
+        prompts = [encode_creative_prompt(self.tokenizer, r, style=self.prompt_style) for r in rows]
         _warn_cut_ad_text(rows)
         cfg = self.creative.replace(batch_size=len(rows))
         results = generate_creatives(self.model, self.tokenizer, prompts, cfg)
@@ -498,8 +502,10 @@ def answers_to_output(task: GenerateTask, answers: pa.Table) -> tuple[pa.Table, 
 def generator_fingerprint(task: GenerateTask, decoding: Any, config: GenerateConfig) -> str:
     """Hash of everything that decides the content of the answers (not the batch size), the
     prompt's rendering version included: a resumed run must not keep answers to another prompt."""
-    from adbatch.prompts import CREATIVE_PROMPT_VERSION, TARGETING_PROMPT_VERSION
+    from adbatch.prompts import CREATIVE_PROMPT_VERSION, TARGETING_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
 
-    prompt = TARGETING_PROMPT_VERSION if task is GenerateTask.TARGETS else CREATIVE_PROMPT_VERSION
+    # creatives: both renderings' versions (the model decides which one it reads; its hash is in the key too)
+    prompt = (TARGETING_PROMPT_VERSION if task is GenerateTask.TARGETS
+              else f"{CREATIVE_PROMPT_VERSION}/tuned{TUNED_CREATIVE_PROMPT_VERSION}")
     return sha256_json({"task": task.value, "decoding": decoding.to_dict(),
                         "max_query_tokens": config.max_query_tokens, "prompt_version": prompt})

@@ -9,6 +9,7 @@ it does not), here and in every stage that tokenizes text (calibration, perplexi
 
 from __future__ import annotations
 
+import enum
 import weakref
 from typing import Any, Mapping, Sequence
 
@@ -166,23 +167,109 @@ def render_ad_fields(ad: Mapping[str, Any], max_chars: int | None = AD_PROMPT_CH
     return "\n".join(parts)[:max_chars]
 
 
-def creative_prompt_text(ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS) -> str:
+class CreativePrompt(str, enum.Enum):
+    """Which creative prompt rendering a model reads (declared by the model, never guessed).
+
+    ``few_shot`` (version :data:`CREATIVE_PROMPT_VERSION`): what an untuned instruct model needs -- the
+    instruction as the system turn, :data:`CREATIVE_EXAMPLES` as worked user/assistant turns, then the ad.
+    ``tuned`` (version :data:`TUNED_CREATIVE_PROMPT_VERSION`): a model fine-tuned on (ad fields -> human
+    headline) pairs (:mod:`adbatch.training.creatives`) learned the task from the pairs, so its prompt is
+    the short instruction and the ad's fields only (~45 instead of ~230 tokens for an example ad): the
+    same rendering in training and serving.
+    """
+
+    FEW_SHOT = "few_shot"
+    TUNED = "tuned"
+
+
+TUNED_CREATIVE_INSTRUCTION = "Write an advertising headline for this advertiser."
+#: bumped whenever the tuned creative prompt's rendering (or the headline target after it) changes: a
+#: model fine-tuned on one rendering must be fine-tuned again (the refresh takes it as an input; the model
+#: declares the version it learned, see :func:`declare_creative_prompt`)
+TUNED_CREATIVE_PROMPT_VERSION = 1
+#: the ``model.config`` attribute (saved in config.json, so it survives save_pretrained and the compress
+#: stage) where a fine-tuned model declares the creative prompt it learned: ``{"style", "version"}``
+CREATIVE_PROMPT_ATTR = "adbatch_creative_prompt"
+
+
+class CreativePromptMismatchError(ValueError):
+    """A model declares a creative prompt rendering this code does not render (another version)."""
+
+
+def creative_prompt_version(style: CreativePrompt) -> int:
+    """The rendering version of ``style`` in this code."""
+    return TUNED_CREATIVE_PROMPT_VERSION if CreativePrompt(style) is CreativePrompt.TUNED else CREATIVE_PROMPT_VERSION
+
+
+def declare_creative_prompt(model: Any, style: CreativePrompt = CreativePrompt.TUNED) -> None:
+    """Record on ``model.config`` that the model was trained on the ``style`` creative prompt (this code's
+    version), so every later load -- dense folder or compressed checkpoint -- renders that prompt."""
+    style = CreativePrompt(style)
+    setattr(model.config, CREATIVE_PROMPT_ATTR, {"style": style.value, "version": creative_prompt_version(style)})
+
+
+def creative_prompt_of(model: Any) -> CreativePrompt:
+    """The creative prompt ``model`` reads: what its config declares (:func:`declare_creative_prompt`), else
+    ``few_shot`` (an untuned model). Raises :class:`CreativePromptMismatchError` when the declared version
+    is not this code's: the model must be fine-tuned again on the current rendering."""
+    config = getattr(model, "config", None)
+    declared = getattr(config, CREATIVE_PROMPT_ATTR, None) if config is not None else None
+    if not declared:
+        return CreativePrompt.FEW_SHOT
+    try:
+        style = CreativePrompt(declared["style"])
+        version = int(declared["version"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CreativePromptMismatchError(f"model config {CREATIVE_PROMPT_ATTR} = {declared!r} is not "
+                                          "{'style': few_shot|tuned, 'version': int}") from exc
+    if version != creative_prompt_version(style):
+        raise CreativePromptMismatchError(
+            f"the model was fine-tuned on {style.value} creative prompts of version {version}; this code renders "
+            f"version {creative_prompt_version(style)}: fine-tune it again (adbatch refresh does when the version changes)")
+    return style
+
+
+def creative_prompt_text(ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS,
+                         style: CreativePrompt = CreativePrompt.FEW_SHOT) -> str:
     """All the text the creative prompt shows the model for one ad, without the chat template: the
-    instruction, the worked examples and the ad's fields. The prompt-copy metric
+    instruction, the worked examples (``few_shot``) and the ad's fields. The prompt-copy metric
     (:func:`adbatch.report.prompt_copy_share`) compares a headline against it, so copying an example's
     headline counts as copying too."""
+    if CreativePrompt(style) is CreativePrompt.TUNED:
+        return "\n".join([TUNED_CREATIVE_INSTRUCTION, render_ad_fields(ad, max_chars)])
     shots = [f"{render_ad_fields(ex)}\n{headline}" for ex, headline in CREATIVE_EXAMPLES]
     return "\n".join([CREATIVE_INSTRUCTION, *shots, render_ad_fields(ad, max_chars)])
 
 
-def encode_creative_prompt(tokenizer: Any, ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS) -> list[int]:
+def encode_creative_prompt(tokenizer: Any, ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS,
+                           style: CreativePrompt = CreativePrompt.FEW_SHOT) -> list[int]:
     """Token ids of the creative prompt for one ad/product record (fields in CREATIVE_FIELDS).
 
-    Rendering version :data:`CREATIVE_PROMPT_VERSION`: the instruction as the system turn, then each of
-    :data:`CREATIVE_EXAMPLES` as a user turn (its fields) answered by an assistant turn (its headline),
-    then the ad's fields (version 1 was the instruction and the fields in one user turn: the default
-    model echoed the prompt, "Advertiser: Clearfunds").
+    ``few_shot``, rendering version :data:`CREATIVE_PROMPT_VERSION`: the instruction as the system turn,
+    then each of :data:`CREATIVE_EXAMPLES` as a user turn (its fields) answered by an assistant turn (its
+    headline), then the ad's fields (version 1 was the instruction and the fields in one user turn: the
+    default model echoed the prompt, "Advertiser: Clearfunds").
+    ``tuned``, version :data:`TUNED_CREATIVE_PROMPT_VERSION`: :data:`TUNED_CREATIVE_INSTRUCTION` as the
+    system turn and the ad's fields as the user turn; the fine-tune's target follows it
+    (:func:`encode_creative_target`).
     """
+    if CreativePrompt(style) is CreativePrompt.TUNED:
+        return _chat_or_plain(tokenizer, render_ad_fields(ad, max_chars), "\nHeadline:",
+                              system=TUNED_CREATIVE_INSTRUCTION)
     examples = [(render_ad_fields(ex), headline) for ex, headline in CREATIVE_EXAMPLES]
     return _chat_or_plain(tokenizer, render_ad_fields(ad, max_chars), "\nHeadline:", system=CREATIVE_INSTRUCTION,
                           examples=examples)
+
+
+def encode_creative_target(tokenizer: Any, headline: str) -> list[int]:
+    """Token ids a creative fine-tune learns after :func:`encode_creative_prompt`: the headline as the
+    assistant turn writes it (after a chat template's ``assistant\\n``; after the plain frame's
+    ``Headline:`` with a leading space) and the tokenizer's EOS, which ends decoding. Empty headline:
+    ValueError."""
+    headline = " ".join(str(headline).split())
+    if not headline:
+        raise ValueError("empty headline")
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token: a fine-tuned headline could not end")
+    text = headline if getattr(tokenizer, "chat_template", None) else " " + headline
+    return [*tokenizer(text, add_special_tokens=False)["input_ids"], int(tokenizer.eos_token_id)]

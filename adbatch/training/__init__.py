@@ -107,6 +107,8 @@ def train_on_index(
     evaluate: Any = None,
     valid_qrels: Mapping[str, Mapping[Hashable, float]] | None = None,
     progress: bool = True,
+    creative_pairs: Any = None,
+    creative_config: Any = None,
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Train a causal LM on ``index`` and (rank 0, when ``out_dir``) save the model folder.
 
@@ -118,6 +120,9 @@ def train_on_index(
     the validation metric for model selection when ``config.eval_every > 0`` (see
     :func:`adbatch.training.trainer.train_loop`); or ``valid_qrels`` (query -> {ad_id: grade}) of
     the validation split, which builds that callback from ``config.valid_metric`` over this index.
+    ``creative_pairs`` (:class:`adbatch.training.creatives.HeadlinePairs`) with ``creative_config`` (its
+    ``CreativeTuneConfig``): the *shared* creative shape -- the pairs join the examples as creative
+    examples (``creative_config.repeat`` copies per epoch) and the saved model declares the tuned creative prompt.
     Returns ``(model, tokenizer, summary)``.
     """
     import torch
@@ -153,6 +158,16 @@ def train_on_index(
         creative, data_stats["creative_rehearsal"] = rehearsal_examples(
             model, tokenizer, index.ad_ids, ad_texts, config.creative_rehearsal)
         examples = TrainingExamples.concat([examples, creative])
+    if creative_pairs is not None:
+        from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape, creative_examples
+        from adbatch.training.data import TrainingExamples
+
+        creative_config = creative_config or CreativeTuneConfig(enabled=True, shape=CreativeTuneShape.SHARED)
+        pairs_ex = creative_examples(tokenizer, creative_pairs)
+        if creative_config.repeat > 1:
+            pairs_ex = pairs_ex.select(torch.arange(len(pairs_ex)).repeat(creative_config.repeat))
+        examples = TrainingExamples.concat([examples, pairs_ex])
+        data_stats["creative_pairs"] = {**creative_pairs.stats, "examples": len(pairs_ex)}
     prep_s = time.perf_counter() - t0
     if evaluate is None and valid_qrels and config.eval_every > 0:
         from adbatch.targeting_eval import validation_metric
@@ -175,6 +190,10 @@ def train_on_index(
                                  rank=rank, world_size=world_size, evaluate=evaluate, progress=progress,
                                  teacher=teacher)
     del teacher
+    if creative_pairs is not None:
+        from adbatch.prompts import declare_creative_prompt
+
+        declare_creative_prompt(model)  # in config.json: dense and compressed loads render the tuned prompt
     summary = {**info, "data": data_stats, "train": stats.summary(model, torch.device(device)),
                "prepare_seconds": round(prep_s, 3), "warm_started_from_index": warm_from,
                "index_hash": index.index_hash, "losses": stats.losses, "density": stats.density}
@@ -193,6 +212,10 @@ def train_on_index(
                   "sparsity": {k: v for k, v in (stats.sparsity or {}).items() if k != "patterns"},
                   "layer_patterns": (stats.sparsity or {}).get("patterns", {}),
                   "qat": stats.qat}
+        if creative_pairs is not None:
+            from adbatch.training.creatives import creative_record
+
+            record["creative"] = creative_record(creative_config, creative_pairs)
         save_trained(model, tokenizer, out_dir, record, masks=sparsity.masks if sparsity is not None else None)
         summary["model_dir"] = str(out_dir)
     return model, tokenizer, summary

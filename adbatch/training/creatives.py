@@ -1,0 +1,310 @@
+"""The creative fine-tune: teach the model to write an ad's headline from its fields (ad -> headline).
+
+The base model writes headlines only from a few-shot prompt, and on the example ads it mostly echoes
+the prompt (docs/generate.md: 29 % of its headlines copy half their words from it); training the ad
+index into it destroys the skill (slogan BLEU 1.61 -> 0.064). The corpus itself holds the supervision:
+each ad's human headline (the example corpus's ``title``; the slogan data's ``output``). This module
+turns those into (ad fields -> headline) training pairs and trains on them with the same loop as the
+targeting training (:func:`adbatch.training.trainer.train_loop`, examples of kind
+:attr:`~adbatch.training.data.ExampleKind.CREATIVE`):
+
+- **pairs** (:func:`read_headline_pairs`): the ad's fields present among
+  :data:`adbatch.prompts.CREATIVE_FIELDS` (except the headline column itself) -> its headline. Rows
+  without a headline or without any field, headlines longer than ``max_headline_words``, headlines that
+  copy ``>= max_copy_fraction`` of their words from the fields (the prompt-copy metric of
+  :mod:`adbatch.report`; 39 % of the slogan ``valid.csv`` headlines do), duplicates, and the ads a caller
+  holds out (requested creatives, test rows) are skipped and counted, never dropped silently.
+- **prompt**: :attr:`adbatch.prompts.CreativePrompt.TUNED` (instruction + fields, no worked examples),
+  the rendering serving uses for a model that declares it (:func:`adbatch.prompts.declare_creative_prompt`,
+  saved in config.json, so a compressed checkpoint of the model declares it too); target = the headline
+  + EOS (:func:`adbatch.prompts.encode_creative_target`).
+- **shapes** (:class:`CreativeTuneShape`, one knob): ``separate`` = a creative model of its own,
+  fine-tuned from the base model on the pairs only (:func:`tune_creatives`); ``shared`` = the pairs mixed
+  into the targeting training as creative examples (:func:`adbatch.training.train_on_index` with
+  ``creative_pairs``), so one served model answers both task prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from pathlib import Path
+from typing import Any, Hashable, Iterable
+
+from adbatch.config import ConfigBase, ConfigError
+from adbatch.training.trainer import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class CreativeTuneShape(str, enum.Enum):
+    """Which model learns the headline pairs."""
+
+    SEPARATE = "separate"  #: a creative model of its own, fine-tuned from the base model on the pairs only
+    SHARED = "shared"  #: the targeting model, with the pairs mixed into its training as creative examples
+
+
+def _default_creative_train() -> TrainConfig:
+    # a short fine-tune, not DSI: few passes, a lower peak lr than the index training (5e-4)
+    return TrainConfig(epochs=2.0, lr=1e-4, batch_tokens=8192, warmup_fraction=0.05, log_every=10)
+
+
+@dataclasses.dataclass
+class HeadlinePairsConfig(ConfigBase):
+    """Which corpus column is the human headline and which pairs are kept."""
+
+    ad_id: str = dataclasses.field(default="ad_id", metadata={"help": "corpus column holding the ad id"})
+    headline: str = dataclasses.field(default="title", metadata={
+        "help": "corpus column holding the ad's human headline (the example corpus: title)"})
+    max_pairs: int | None = dataclasses.field(default=None, metadata={
+        "help": "seeded sample of this many pairs (None = all)"})
+    max_headline_words: int = dataclasses.field(default=16, metadata={
+        "help": "longer 'headlines' are skipped (descriptions in the headline column)"})
+    max_copy_fraction: float = dataclasses.field(default=0.5, metadata={
+        "help": "skip pairs whose headline copies at least this share of its words verbatim from the fields "
+                "(the prompt-copy metric; 1.0 = keep all)"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "seed of the max_pairs sample"})
+
+    def validate(self) -> None:
+        if not self.ad_id or not self.headline:
+            raise ConfigError("HeadlinePairsConfig.ad_id and .headline must name columns")
+        if self.max_pairs is not None and self.max_pairs < 1:
+            raise ConfigError(f"HeadlinePairsConfig.max_pairs must be >= 1 or None, got {self.max_pairs}")
+        if self.max_headline_words < 1:
+            raise ConfigError(f"HeadlinePairsConfig.max_headline_words must be >= 1, got {self.max_headline_words}")
+        if not 0.0 < self.max_copy_fraction <= 1.0:
+            raise ConfigError(f"HeadlinePairsConfig.max_copy_fraction must be in (0, 1], got {self.max_copy_fraction}")
+
+
+@dataclasses.dataclass
+class CreativeTuneConfig(ConfigBase):
+    """The creative fine-tune (:mod:`adbatch.training.creatives`); stored in the model's training record."""
+
+    enabled: bool = dataclasses.field(default=False, metadata={"help": "fine-tune on the corpus's headlines"})
+    shape: CreativeTuneShape = dataclasses.field(default=CreativeTuneShape.SEPARATE, metadata={
+        "help": "separate (own creative model from the base model) | shared (mixed into the targeting training)"})
+    pairs: HeadlinePairsConfig = dataclasses.field(default_factory=HeadlinePairsConfig)
+    train: TrainConfig = dataclasses.field(default_factory=_default_creative_train, metadata={
+        "help": "training knobs of the separate shape (the shared shape trains with the targeting config)"})
+    train_layers: int | None = dataclasses.field(default=None, metadata={
+        "help": "separate shape: train only the top N decoder layers (embeddings frozen; backward stops "
+                "there, cheaper on a CPU); None = every weight"})
+    repeat: int = dataclasses.field(default=1, metadata={
+        "help": "shared shape: copies of each pair per epoch of the targeting training"})
+
+    def validate(self) -> None:
+        if self.train_layers is not None and self.train_layers < 1:
+            raise ConfigError(f"CreativeTuneConfig.train_layers must be >= 1 or None, got {self.train_layers}")
+        if self.repeat < 1:
+            raise ConfigError(f"CreativeTuneConfig.repeat must be >= 1, got {self.repeat}")
+        if self.train.sparsity.enabled or self.train.qat.enabled or self.train.distill.enabled:
+            raise ConfigError("CreativeTuneConfig.train: sparsity / QAT / distillation are not supported for the "
+                              "creative fine-tune (the compress stage compresses the result)")
+
+
+@dataclasses.dataclass
+class HeadlinePairs:
+    """(ad fields -> human headline) pairs: ``fields[i]`` maps CREATIVE_FIELDS names to text."""
+
+    ad_ids: list[Hashable]
+    fields: list[dict[str, str]]
+    headlines: list[str]
+    stats: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.headlines)
+
+    def content_hash(self) -> str:
+        """sha256 of the pairs themselves (what the fine-tune learns; not the file bytes)."""
+        from adbatch.artifacts import sha256_json
+
+        return sha256_json({"ad_ids": [str(a) for a in self.ad_ids], "fields": self.fields,
+                            "headlines": self.headlines})
+
+
+def _norm(text: Any) -> str:
+    return " ".join(str(text or "").lower().split())
+
+
+def headline_pairs(rows: Iterable[dict[str, Any]], config: HeadlinePairsConfig, *,
+                   exclude_ad_ids: Iterable[Hashable] = (), exclude_texts: Iterable[str] = ()) -> HeadlinePairs:
+    """Pairs from corpus rows (dicts with ``config.ad_id``, ``config.headline`` and any CREATIVE_FIELDS).
+
+    ``exclude_ad_ids``: ads never trained on (e.g. the ads a creatives request asks a headline for).
+    ``exclude_texts``: texts of held-out evaluation rows (``test-curated.csv`` descriptions and
+    headlines); a pair whose description or headline equals one (case and spacing ignored) is skipped.
+    Every skipped row is counted in ``stats['skipped']`` by reason.
+    """
+    from adbatch.prompts import CREATIVE_FIELDS, render_ad_fields
+    from adbatch.report import prompt_copy_fraction
+
+    held_ids = {str(a) for a in exclude_ad_ids}
+    held_texts = {_norm(t) for t in exclude_texts if _norm(t)}
+    keys = [k for k in CREATIVE_FIELDS if k != config.headline]
+    skipped: dict[str, int] = {}
+    seen: set[str] = set()
+    ad_ids, fields, heads = [], [], []
+    n = 0
+
+    def skip(reason: str) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    for row in rows:
+        n += 1
+        ad, head = row.get(config.ad_id), " ".join(str(row.get(config.headline) or "").split())
+        f = {k: str(row[k]).strip() for k in keys if row.get(k) is not None and str(row[k]).strip()}
+        if ad is None:
+            skip("null_ad_id")
+        elif not head:
+            skip("no_headline")
+        elif not f:
+            skip("no_fields")
+        elif str(ad) in seen:
+            skip("duplicate_ad_id")
+        elif str(ad) in held_ids:
+            skip("held_out_ad")
+        elif held_texts and (_norm(head) in held_texts or _norm(f.get("description")) in held_texts):
+            skip("held_out_text")
+        elif len(head.split()) > config.max_headline_words:
+            skip("headline_too_long")
+        elif config.max_copy_fraction < 1.0 and prompt_copy_fraction(head, render_ad_fields(f)) >= config.max_copy_fraction:
+            skip("headline_copies_fields")
+        else:
+            seen.add(str(ad))
+            ad_ids.append(ad)
+            fields.append(f)
+            heads.append(head)
+    if config.max_pairs is not None and len(heads) > config.max_pairs:
+        import torch
+
+        gen = torch.Generator().manual_seed(config.seed)
+        pick = torch.randperm(len(heads), generator=gen)[:config.max_pairs].sort().values.tolist()
+        skip_n = len(heads) - len(pick)
+        ad_ids, fields, heads = [ad_ids[i] for i in pick], [fields[i] for i in pick], [heads[i] for i in pick]
+        skipped["not_sampled"] = skip_n
+    stats = {"rows": n, "pairs": len(heads), "skipped": skipped, "fields": keys}
+    log.info("headline pairs: %s", stats)
+    return HeadlinePairs(ad_ids, fields, heads, stats)
+
+
+def read_headline_pairs(path: str | Path, config: HeadlinePairsConfig | None = None, *,
+                        exclude_ad_ids: Iterable[Hashable] = (), exclude_texts: Iterable[str] = ()) -> HeadlinePairs:
+    """:func:`headline_pairs` of an ad corpus (a Parquet file, folder of parts or glob, as
+    :func:`adbatch.corpus.resolve_corpus_paths` reads it). The headline and id columns must exist
+    (ConfigError naming the file otherwise); the CREATIVE_FIELDS columns present are the inputs."""
+    from adbatch.corpus import read_parquet_schema, read_parquet_table, resolve_corpus_paths
+    from adbatch.prompts import CREATIVE_FIELDS
+
+    config = config or HeadlinePairsConfig()
+    rows: list[dict[str, Any]] = []
+    for f in resolve_corpus_paths(path):
+        names = read_parquet_schema(f, error=ConfigError).names
+        missing = [c for c in (config.ad_id, config.headline) if c not in names]
+        if missing:
+            raise ConfigError(f"{f}: the creative fine-tune needs column(s) {missing} (ad id, human headline: "
+                              f"--pairs.ad-id / --pairs.headline); columns: {names}")
+        cols = [config.ad_id, config.headline, *[c for c in CREATIVE_FIELDS if c in names and c != config.headline]]
+        rows.extend(read_parquet_table(f, columns=list(dict.fromkeys(cols)), error=ConfigError).to_pylist())
+    return headline_pairs(rows, config, exclude_ad_ids=exclude_ad_ids, exclude_texts=exclude_texts)
+
+
+def creative_examples(tokenizer: Any, pairs: HeadlinePairs) -> Any:
+    """``TrainingExamples`` of kind CREATIVE: the tuned creative prompt of each pair's fields -> its
+    headline + EOS (``rows`` = the pair's position)."""
+    from adbatch.prompts import CreativePrompt, encode_creative_prompt, encode_creative_target
+    from adbatch.training.data import ExampleKind, build_prompted
+
+    if not len(pairs):
+        raise ValueError("no headline pairs to train on (see the pairs' skipped counts)")
+    prompts = [encode_creative_prompt(tokenizer, f, style=CreativePrompt.TUNED) for f in pairs.fields]
+    targets = [encode_creative_target(tokenizer, h) for h in pairs.headlines]
+    return build_prompted(prompts, targets, ExampleKind.CREATIVE, list(range(len(pairs))))
+
+
+def freeze_below(model: Any, train_layers: int | None) -> int:
+    """Freeze every weight but the top ``train_layers`` decoder layers and the final norm (embeddings
+    too, and so a tied LM head); returns the number of parameters left trainable. None: nothing frozen."""
+    if train_layers is None:
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"train_layers needs a decoder with .layers; {type(model).__name__} has none")
+    model.requires_grad_(False)
+    for layer in list(layers)[-train_layers:]:
+        layer.requires_grad_(True)
+    norm = getattr(decoder, "norm", None)
+    if norm is not None:
+        norm.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def creative_record(config: CreativeTuneConfig, pairs: HeadlinePairs) -> dict[str, Any]:
+    """What a training record says about the creative fine-tune (both shapes)."""
+    from adbatch.prompts import TUNED_CREATIVE_PROMPT_VERSION, CreativePrompt
+
+    return {"shape": config.shape.value, "prompt": CreativePrompt.TUNED.value,
+            "creative_prompt_version": TUNED_CREATIVE_PROMPT_VERSION, "pairs_hash": pairs.content_hash(),
+            "pairs": pairs.stats, "config": config.to_dict()}
+
+
+def tune_creatives(
+    pairs: HeadlinePairs,
+    out_dir: str | Path | None,
+    config: CreativeTuneConfig,
+    *,
+    init_model: str | Path | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    device: str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = True,
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The ``separate`` shape: fine-tune ``init_model`` (None = the default model) on ``pairs`` and (rank
+    0, when ``out_dir``) save it as a model folder declaring the tuned creative prompt. Its training
+    record says ``trained_on_index: None`` (it learned no index: targeting refuses it on a codes index)
+    and ``task: creatives``. ``model``/``tokenizer`` override loading (tests). Under torch.distributed
+    pass the rank and world size (the caller wraps nothing: DDP is applied here). Returns
+    ``(model, tokenizer, summary)``."""
+    import torch
+
+    from adbatch.prompts import declare_creative_prompt
+    from adbatch.training.checkpoint import save_trained
+    from adbatch.training.trainer import train_loop
+
+    t0 = time.perf_counter()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if model is None or tokenizer is None:
+        from adbatch.models import load_causal_lm
+
+        model, tokenizer = load_causal_lm(init_model, dtype=torch.float32, device="cpu")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    examples = creative_examples(tokenizer, pairs)
+    trainable = freeze_below(model, config.train_layers)
+    model.to(device)
+    prep_s = time.perf_counter() - t0
+    trained = model
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+    stats, _ = train_loop(trained, examples, config.train, pad_id=tokenizer.pad_token_id, device=device, rank=rank,
+                          world_size=world_size, progress=progress)
+    model.requires_grad_(True)
+    declare_creative_prompt(model)
+    data = {"creative": len(examples), "tokens": int(examples.offsets[-1]),
+            "target_tokens": examples.num_target_tokens(), "trainable_params": trainable}
+    summary = {"task": "creatives", "data": data, "train": stats.summary(model, torch.device(device)),
+               "prepare_seconds": round(prep_s, 3), "losses": stats.losses, "creative": creative_record(config, pairs)}
+    if out_dir is not None and rank == 0:
+        record = {"trained_on_index": None, "task": "creatives", "init_model": str(init_model) if init_model else "default",
+                  "config": config.train.to_dict(), "train": summary["train"], "data": data,
+                  "creative": summary["creative"]}
+        save_trained(model, tokenizer, out_dir, record)
+        summary["model_dir"] = str(out_dir)
+    return model, tokenizer, summary

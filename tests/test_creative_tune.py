@@ -1,0 +1,173 @@
+"""The creative fine-tune (adbatch/training/creatives.py): headline pairs, the tuned prompt, both shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from adbatch.config import ConfigError
+from adbatch.prompts import (CREATIVE_EXAMPLES, CreativePrompt, CreativePromptMismatchError, TUNED_CREATIVE_PROMPT_VERSION,
+                             creative_prompt_of, creative_prompt_text, declare_creative_prompt, encode_creative_prompt,
+                             encode_creative_target)
+from adbatch.training.creatives import (CreativeTuneConfig, CreativeTuneShape, HeadlinePairsConfig, creative_examples,
+                                        freeze_below, headline_pairs, read_headline_pairs, tune_creatives)
+from adbatch.training.trainer import TrainConfig
+from conftest import make_tiny_llama
+
+ROWS = [
+    {"ad_id": "a0", "advertiser": "Northbrook Dental", "title": "Smiles You Can Trust",
+     "description": "Family dentistry with evening hours.", "industry": "medical practice"},
+    {"ad_id": "a1", "advertiser": "Gridline", "title": "Payroll Done in Minutes",
+     "description": "Payroll and HR software for small teams.", "industry": "computer software"},
+    {"ad_id": "a2", "advertiser": "Copycat", "title": "Payroll and HR software",  # copies the description
+     "description": "Payroll and HR software for growing companies.", "industry": "computer software"},
+    {"ad_id": "a3", "advertiser": "Nohead", "title": "  ", "description": "No headline here.", "industry": "x"},
+    {"ad_id": "a1", "advertiser": "Gridline", "title": "Dup", "description": "dup", "industry": "y"},
+    {"ad_id": "a4", "advertiser": "Held", "title": "Requested Ad", "description": "Asked for a headline.",
+     "industry": "z"},
+    {"ad_id": "a5", "advertiser": "Testy", "title": "A Test Headline", "description": "A row of the test set.",
+     "industry": "z"},
+    {"ad_id": "a6", "advertiser": "Blue Fern", "title": "Fresh Flowers, Delivered Today",
+     "description": "Same-day bouquets across the city.", "industry": "retail"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(default_tokenizer):
+    return default_tokenizer
+
+
+def tiny(tok, seed=0):
+    return make_tiny_llama(vocab_size=len(tok), hidden=64, layers=2, seed=seed).float()
+
+
+def test_pairs_skip_reasons_are_counted_and_held_out_rows_never_train():
+    pairs = headline_pairs(ROWS, HeadlinePairsConfig(), exclude_ad_ids=["a4"],
+                           exclude_texts=["a ROW of the test  set."])
+    assert pairs.ad_ids == ["a0", "a1", "a6"]
+    assert pairs.headlines[1] == "Payroll Done in Minutes"
+    assert pairs.stats["skipped"] == {"headline_copies_fields": 1, "no_headline": 1, "duplicate_ad_id": 1,
+                                      "held_out_ad": 1, "held_out_text": 1}
+    assert pairs.stats["rows"] == len(ROWS) and pairs.stats["pairs"] == 3
+    # the headline column is never an input field
+    assert all("title" not in f for f in pairs.fields) and pairs.fields[0]["advertiser"] == "Northbrook Dental"
+    keep_all = headline_pairs(ROWS, HeadlinePairsConfig(max_copy_fraction=1.0))
+    assert "a2" in keep_all.ad_ids
+    sample = headline_pairs(ROWS, HeadlinePairsConfig(max_copy_fraction=1.0, max_pairs=2, seed=1))
+    assert len(sample) == 2 and sample.stats["skipped"]["not_sampled"] == len(keep_all) - 2
+    assert sample.content_hash() == headline_pairs(ROWS, HeadlinePairsConfig(max_copy_fraction=1.0, max_pairs=2,
+                                                                            seed=1)).content_hash()
+    assert sample.content_hash() != keep_all.content_hash()
+    with pytest.raises(ConfigError):
+        HeadlinePairsConfig(max_copy_fraction=0.0).validate()
+
+
+def test_read_pairs_from_a_corpus_file_names_a_missing_headline_column(tmp_path, example_ads):
+    path = tmp_path / "ads.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    assert read_headline_pairs(path).ad_ids == ["a0", "a1", "a4", "a5", "a6"]
+    with pytest.raises(ConfigError, match="headline"):
+        read_headline_pairs(path, HeadlinePairsConfig(headline="slogan"))
+    ex = read_headline_pairs(example_ads)  # the bundled corpus: title is the human headline
+    assert ex.stats["fields"] == ["advertiser", "description", "industry", "category", "keywords"]
+    assert 2500 < len(ex) < ex.stats["rows"] == 5346
+
+
+def test_tuned_prompt_has_no_worked_examples_and_target_ends_with_eos(tok):
+    ad = ROWS[0]
+    few = tok.decode(encode_creative_prompt(tok, ad))
+    tuned_ids = encode_creative_prompt(tok, ad, style=CreativePrompt.TUNED)
+    tuned = tok.decode(tuned_ids)
+    assert CREATIVE_EXAMPLES[0][1] in few and CREATIVE_EXAMPLES[0][1] not in tuned
+    assert "Advertiser: Northbrook Dental" in tuned and len(tuned_ids) < len(encode_creative_prompt(tok, ad)) / 2
+    target = encode_creative_target(tok, "Smiles  You Can Trust")
+    assert target[-1] == tok.eos_token_id
+    # prompt + target is exactly the chat rendering of the answered conversation (up to the template's newline)
+    answered = tok.apply_chat_template(
+        [{"role": "system", "content": creative_prompt_text(ad, style=CreativePrompt.TUNED).split("\n")[0]},
+         {"role": "user", "content": creative_prompt_text(ad, style=CreativePrompt.TUNED).split("\n", 1)[1]},
+         {"role": "assistant", "content": "Smiles You Can Trust"}], tokenize=False)
+    assert answered.startswith(tok.decode(tuned_ids + target))
+    with pytest.raises(ValueError):
+        encode_creative_target(tok, "   ")
+
+
+def test_model_declares_its_creative_prompt_and_another_version_is_refused(tmp_path):
+    model = make_tiny_llama()
+    assert creative_prompt_of(model) is CreativePrompt.FEW_SHOT
+    declare_creative_prompt(model)
+    model.save_pretrained(tmp_path / "m")
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert creative_prompt_of(again) is CreativePrompt.TUNED
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["adbatch_creative_prompt"]["version"] = TUNED_CREATIVE_PROMPT_VERSION + 1
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CreativePromptMismatchError, match="fine-tune it again"):
+        creative_prompt_of(AutoModelForCausalLM.from_pretrained(tmp_path / "m"))
+
+
+def test_separate_shape_trains_saves_and_serves_with_the_tuned_prompt(tok, tmp_path):
+    from adbatch.decoding import CreativeConfig
+    from adbatch.generation import CreativeGenerator, GenerateConfig, ModelSpec
+
+    pairs = headline_pairs(ROWS, HeadlinePairsConfig())
+    ex = creative_examples(tok, pairs)
+    assert set(ex.kinds.tolist()) == {3} and len(ex) == 5
+    plen = int(ex.prompt_lens[0])
+    assert ex.tokens[:plen].tolist() == encode_creative_prompt(tok, pairs.fields[0], style=CreativePrompt.TUNED)
+    cfg = CreativeTuneConfig(enabled=True, train=TrainConfig(epochs=30, lr=3e-3, batch_tokens=1024, log_every=1,
+                                                             warmup_fraction=0.0))
+    out = tmp_path / "creative_model"
+    _, _, summary = tune_creatives(pairs, out, cfg, model=tiny(tok), tokenizer=tok.__class__.from_pretrained(
+        tok.name_or_path), device="cpu", progress=False)
+    losses = [v for _, v in summary["losses"]]
+    assert losses[-1] < 0.5 * losses[0]
+    record = json.loads((out / "adbatch_training.json").read_text())
+    assert record["trained_on_index"] is None and record["task"] == "creatives"
+    assert record["creative"]["pairs_hash"] == pairs.content_hash() and record["creative"]["shape"] == "separate"
+    gen = CreativeGenerator(ModelSpec(model=str(out)), CreativeConfig(max_new_tokens=8),
+                            GenerateConfig(device="cpu", batch_size=4))
+    assert gen.prompt_style is CreativePrompt.TUNED
+    answers = gen(pa.Table.from_pylist([{"request_id": "r0", "ad_id": "a0", **pairs.fields[0]}]))
+    text = answers.column("headlines").to_pylist()[0][0]
+    # the generator fed the tuned prompt: the same text as decoding that prompt directly, and the tiny
+    # model's start of its first pair's headline
+    from adbatch.decoding import generate_creatives
+
+    direct = generate_creatives(gen.model, gen.tokenizer, [encode_creative_prompt(
+        gen.tokenizer, pairs.fields[0], style=CreativePrompt.TUNED)], CreativeConfig(max_new_tokens=8))
+    assert text == direct[0][0][0] and text.strip() and pairs.headlines[0].startswith(text.strip())
+
+
+def test_train_layers_freezes_all_but_the_top_layers(tok):
+    model = tiny(tok)
+    n = freeze_below(model, 1)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(name.startswith(("model.layers.1.", "model.norm")) for name in trainable)
+    assert n == sum(p.numel() for p in model.model.layers[1].parameters()) + model.model.norm.weight.numel()
+    with pytest.raises(ConfigError):
+        CreativeTuneConfig(train_layers=0).validate()
+
+
+def test_shared_shape_mixes_pairs_into_the_targeting_training(tok, tmp_path):
+    from test_training import TITLES, fake_index
+
+    from adbatch.training import train_on_index
+
+    idx = fake_index(tok, "text")
+    pairs = headline_pairs(ROWS, HeadlinePairsConfig())
+    cfg = CreativeTuneConfig(enabled=True, shape=CreativeTuneShape.SHARED, repeat=2)
+    model, _, summary = train_on_index(idx, tmp_path / "m", TrainConfig(epochs=1, lr=1e-3, batch_tokens=512),
+                                       ad_texts=dict(zip(idx.ad_ids, TITLES)), model=tiny(tok),
+                                       tokenizer=tok.__class__.from_pretrained(tok.name_or_path), device="cpu",
+                                       progress=False, creative_pairs=pairs, creative_config=cfg)
+    assert summary["data"]["creative_pairs"]["examples"] == 2 * len(pairs)
+    assert creative_prompt_of(model) is CreativePrompt.TUNED
+    record = json.loads((tmp_path / "m" / "adbatch_training.json").read_text())
+    assert record["trained_on_index"] == idx.index_hash and record["creative"]["shape"] == "shared"
