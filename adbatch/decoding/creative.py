@@ -145,7 +145,8 @@ def _sample_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]]
     done = row >= Q * n                          # padding rows are done from the start
     length = torch.full((R,), T, dtype=torch.long, device=dev)
     for t in range(T):
-        lg, ls = logits[logit_row], lse[logit_row]
+        # the first token reads each prompt's prefill row; later steps' outputs are already per row
+        lg, ls = (logits, lse) if logit_row is None else (logits[logit_row], lse[logit_row])
         if u is None:
             tok = lg.argmax(-1)
         else:
@@ -159,7 +160,7 @@ def _sample_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]]
         if t + 1 == T or ((t + 1) % SYNC_EVERY == 0 and bool(done.all())):
             break
         logits, lse = engine.step(torch.where(done, 0, tok), t, Qb)
-        logit_row = row
+        logit_row = None
     lens = torch.minimum(length, (out_tok >= 0).sum(1).clamp(min=1))
     h_tok, h_len = out_tok[: Q * n].tolist(), lens[: Q * n].tolist()
     seqs = [toks[:k] for toks, k in zip(h_tok, h_len)]
@@ -190,7 +191,8 @@ def _beam_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]], 
     logit_row = torch.arange(R, device=dev) // B
     rank = torch.arange(2 * B, device=dev)[None]
     for t in range(T):
-        logp = logits[logit_row].float() - lse[logit_row, None]              # [R, V]
+        lg, ls = (logits, lse) if logit_row is None else (logits[logit_row], lse[logit_row])
+        logp = lg.float() - ls[:, None]                                       # [R, V]
         cand = (beam_s.view(-1, 1) + logp).view(Qb, B * V)
         top_s, top_i = cand.topk(2 * B, dim=1)                                # [Qb, 2B]
         src = torch.arange(Qb, device=dev)[:, None] * B + top_i // V          # [Qb, 2B] rows
@@ -213,7 +215,7 @@ def _beam_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]], 
         rows = src.gather(1, pick).view(-1)
         seqs = new_seqs.gather(1, pick[..., None].expand(-1, -1, T)).view(R, T)
         logits, lse = engine.step(tok.gather(1, pick).view(-1), t, Qb, rows)
-        logit_row = torch.arange(R, device=dev)
+        logit_row = None
     h_s = pool_s[:Q].tolist()
     h_seq = pool_seq[:Q].tolist()
     out = []
