@@ -184,7 +184,8 @@ def headline_pairs(rows: Iterable[dict[str, Any]], config: HeadlinePairsConfig, 
         skip_n = len(heads) - len(pick)
         ad_ids, fields, heads = [ad_ids[i] for i in pick], [fields[i] for i in pick], [heads[i] for i in pick]
         skipped["not_sampled"] = skip_n
-    stats = {"rows": n, "pairs": len(heads), "skipped": skipped, "fields": keys}
+    stats = {"rows": n, "pairs": len(heads), "skipped": skipped,
+             "fields": [k for k in keys if any(k in f for f in fields)]}  # the inputs the pairs carry
     log.info("headline pairs: %s", stats)
     return HeadlinePairs(ad_ids, fields, heads, stats)
 
