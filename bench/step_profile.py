@@ -35,11 +35,10 @@ from adbatch.decoding.engine import engine_for  # noqa: E402
 from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 
 
-def kernel_check(model, beams: int, dev) -> dict:
+def attention_inputs(model, beams: int, dev, Qb: int, Lp: int = 48, S: int = 32) -> tuple:
     cfg = model.config
     kv, H = cfg.num_key_value_heads, cfg.num_attention_heads
     D = cfg.hidden_size // H
-    Qb, Lp, S, t = 64, 48, 32, 17
     R = Qb * beams
     g = torch.Generator(device=dev).manual_seed(0)
     rn = lambda *s: torch.randn(*s, device=dev, generator=g, dtype=torch.bfloat16)  # noqa: E731
@@ -49,7 +48,16 @@ def kernel_check(model, beams: int, dev) -> dict:
     valid = torch.arange(Lp, device=dev)[None] >= Lp - plen[:, None]
     pb = torch.where(valid, 0.0, float("-inf"))
     pp = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    anc = torch.randint(0, R, (R, S), device=dev, generator=g, dtype=torch.int32)
+    # a path's slots are its own query's beams (as beam search writes them)
+    own = (torch.arange(R, device=dev) // beams * beams)[:, None]
+    anc = (own + torch.randint(0, beams, (R, S), device=dev, generator=g)).to(torch.int32)
+    return q, kp, vp, pb, pp, plen, ks, vs, anc, D
+
+
+def kernel_check(model, beams: int, dev) -> dict:
+    t = 17
+    *args, D = attention_inputs(model, beams, dev, 64)
+    q, kp, vp, pb, pp, plen, ks, vs, anc = args
     out = {}
     for window in (0, 8):
         a = decode_attention(q, kp, vp, pb, pp, plen, ks, vs, anc, torch.tensor([t], device=dev), beams, D ** -0.5, window)
@@ -73,6 +81,73 @@ def roofline_ms(model, eng, rows: int, queries: int, t: int) -> float:
     return 1e3 * max(flops / PEAK_BF16_FLOPS, moved / PEAK_HBM_BYTES)
 
 
+def attention_sweep(model, beams: int, dev, queries: list[int], t: int) -> list[str]:
+    """Graph-replayed time of one layer's decode attention per launch configuration (block_j,
+    num_warps, num_stages) at each query batch: which configuration the kernel should default to."""
+    from kernels.sparse_gemv import time_graphed_ms
+
+    lines = ["| queries | rows | block_j | warps | stages | us | x default |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for qn in queries:
+        *args, D = attention_inputs(model, beams, dev, qn)
+        tt = torch.tensor([t], device=dev)
+        res = {}
+        for bj in (32, 64, 128):
+            for w in (2, 4, 8):
+                for st in (1, 2, 3):
+                    try:
+                        res[(bj, w, st)] = 1e3 * time_graphed_ms(
+                            lambda: decode_attention(*args, tt, beams, D ** -0.5, 0, block_j=bj, num_warps=w,
+                                                     num_stages=st), "warm")
+                    except Exception as exc:  # a config the compiler refuses (shared memory)
+                        print(f"config {(bj, w, st)}: {type(exc).__name__}", flush=True)
+        base = 1e3 * time_graphed_ms(lambda: decode_attention(*args, tt, beams, D ** -0.5, 0), "warm")
+        for (bj, w, st), us in sorted(res.items(), key=lambda kv: kv[1])[:6]:
+            lines.append(f"| {qn} | {qn * beams} | {bj} | {w} | {st} | {us:.1f} | {base / us:.2f} |")
+        lines.append(f"| {qn} | {qn * beams} | default | | | {base:.1f} | 1.00 |")
+        print("\n".join(lines[-7:]), flush=True)
+    return lines
+
+
+def tree_profile(eng, queries, args, dev) -> list[str]:
+    """Wall time (eager, as verification runs it) and top kernels of one tree pass: every beam of
+    ``q`` queries scores a chain of ``F`` tokens below its path at suffix position ``t``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = ["", "tree pass (eager): chains of F tokens below every beam at t = 8", "",
+             "| queries | beams | F | tree tokens | wall ms (median) | kernels | top kernels (ms) |", "|---:|---:|---:|---:|---:|---:|---|"]
+    t = 8
+    for qn in args.queries:
+        for Fn in args.tree:
+            eng.prefill(queries[:qn], args.beams, t + Fn + 4)
+            Qb = eng.bucket(qn)
+            R = Qb * args.beams
+            for s in range(t):
+                eng.step(torch.randint(100, 40000, (R,), device=dev), s, Qb)
+            rows = torch.arange(R, device=dev)
+            tokens = torch.randint(100, 40000, (R, Fn), device=dev)
+            pos = eng.prompt_len[rows // args.beams][:, None] + t + torch.arange(Fn, device=dev)[None]
+            vis = torch.ones(Fn, Fn, dtype=torch.bool, device=dev).tril()[None].expand(R, Fn, Fn)
+            ts = []
+            for _ in range(max(3, args.repeats // 4)):
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                eng.tree_forward(rows, t, tokens, pos, vis)
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t1)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+                eng.tree_forward(rows, t, tokens, pos, vis)
+                torch.cuda.synchronize()
+            ev = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            agg: dict[str, float] = {}
+            for e in ev:
+                agg[e.name[:40]] = agg.get(e.name[:40], 0.0) + e.device_time / 1e3
+            top = ", ".join(f"`{n}` {v:.2f}" for n, v in sorted(agg.items(), key=lambda kv: -kv[1])[:4])
+            row = f"| {qn} | {args.beams} | {Fn} | {R * Fn} | {1e3 * float(np.median(ts)):.2f} | {len(ev)} | {top} |"
+            lines.append(row)
+            print(row, flush=True)
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=list(SHAPES), default="default")
@@ -82,6 +157,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--attention-sweep", action="store_true", help="also time decode attention's launch configs")
+    ap.add_argument("--tree", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                    help="also profile eager tree passes of chains of these lengths")
     args = ap.parse_args()
     dev = torch.device("cuda")
     model = build_model(args.shape, dev, smoke=False)
@@ -90,6 +168,9 @@ def main() -> None:
     chk = kernel_check(model, args.beams, dev)
     lines += [f"kernel check (bf16, 64 queries x {args.beams} beams, t = 17): {json.dumps(chk)}", ""]
     print(lines[-2], flush=True)
+    if args.attention_sweep:
+        lines += ["decode attention, one layer, t = 28 (best six configurations per batch):", ""]
+        lines += attention_sweep(model, args.beams, dev, args.queries, 28) + [""]
     eng = engine_for(model)
     queries = random_prompts(max(args.queries), args.prompt_len, 100, 40000, seed=0)
     lines += ["| queries | beams | rows | t | step ms (graph) | roofline ms | of roofline | first call s |",
@@ -138,6 +219,8 @@ def main() -> None:
     lines += ["", f"kernel profile, one graph-replayed step at {R} rows, t = {t}: {len(ev)} kernels, "
                   f"{total:.2f} ms summed", "", "| kernel | calls | ms | share |", "|---|---:|---:|---:|"]
     lines += [f"| `{n}` | {len(v)} | {sum(v):.3f} | {100 * sum(v) / total:.1f} % |" for n, v in top]
+    if args.tree:
+        lines += tree_profile(eng, queries, args, dev)
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     if args.out:
