@@ -191,13 +191,23 @@ def repeat_kinds(examples: TrainingExamples, repeats: Mapping[ExampleKind, int])
 
 @dataclass
 class Batch:
-    """A padded micro-batch: ``input_ids`` / ``labels`` int64 ``[B, L]`` (labels -100 off-target),
-    ``attention_mask`` int64 ``[B, L]`` (right padding), ``target_index`` int64 ``[T]``: flat positions
-    into ``[B, L-1]`` whose next token is a target (row-major), and ``num_tokens`` (non-pad tokens).
+    """A micro-batch: ``input_ids`` / ``labels`` int64 ``[B, L]`` (labels -100 off-target),
+    ``attention_mask`` int64 ``[B, L]`` (1 = a real token, 0 = padding), ``target_index`` int64 ``[T]``:
+    flat positions into ``[B, L-1]`` whose next token is a target (row-major), and ``num_tokens``
+    (non-pad tokens; ``B * L`` slots were computed).
 
-    ``target_index`` and ``num_tokens`` are computed on the CPU by :func:`collate`, so the training
-    step needs no device -> host sync to select target positions or count tokens (a boolean-mask
-    gather or ``int(mask.sum())`` on the GPU would stall the host every micro-batch).
+    Padded (:func:`collate`): one example per row, right padding; ``position_ids``/``seq_ids`` None.
+    Packed (:func:`collate_packed`): several examples back to back per row; ``position_ids`` int64
+    ``[B, L]`` restart at 0 for every example, ``seq_ids`` int32 ``[B, L]`` number the examples of a
+    row (0, 1, ...; the padding tail of a row is one more id of its own), so attention is causal
+    within one id and never crosses ids (:func:`packed_attention_mask`). A packed row's last prompt
+    token predicts its first target token exactly as in a padded row, and an example's last token
+    "predicts" the next example's first token, which is a prompt token (label -100): the shifted
+    ``target_index`` never crosses examples.
+
+    ``target_index`` and ``num_tokens`` are computed on the CPU by the collate functions, so the
+    training step needs no device -> host sync to select target positions or count tokens (a
+    boolean-mask gather or ``int(mask.sum())`` on the GPU would stall the host every micro-batch).
     """
 
     input_ids: torch.Tensor
@@ -205,14 +215,26 @@ class Batch:
     labels: torch.Tensor
     target_index: torch.Tensor
     num_tokens: int
+    position_ids: torch.Tensor | None = None
+    seq_ids: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.seq_ids is not None
+
+    @property
+    def num_slots(self) -> int:
+        """Token positions computed, padding included (``B * L``)."""
+        return int(self.input_ids.numel())
 
     def to(self, device: Any) -> "Batch":
         device = torch.device(device)
         # pinned host memory makes the non_blocking copies asynchronous (pageable copies wait for the stream)
         move = ((lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda"
                 else (lambda t: t.to(device)))
+        opt = (lambda t: None if t is None else move(t))
         return Batch(move(self.input_ids), move(self.attention_mask), move(self.labels), move(self.target_index),
-                     self.num_tokens)
+                     self.num_tokens, opt(self.position_ids), opt(self.seq_ids))
 
 
 def collate(ex: TrainingExamples, index: torch.Tensor, pad_id: int) -> Batch:
@@ -253,3 +275,149 @@ def token_budget_batches(lengths: torch.Tensor, max_tokens: int, generator: torc
         bperm = torch.randperm(len(batches), generator=generator).tolist()
         batches = [batches[i] for i in bperm]
     return batches
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence packing (rows of a fixed length, several examples per row, no cross-example attention)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PackedMicroBatch:
+    """Which examples go where: ``index`` int64 ``[k]`` (examples, row by row, in row order) and
+    ``row_sizes`` int64 ``[rows]`` (examples per row; rows past ``len(row_sizes)`` of a batch are all padding)."""
+
+    index: torch.Tensor
+    row_sizes: torch.Tensor
+
+
+def _best_fit_rows(lens: list[int], row_len: int) -> tuple[list[int], int]:
+    """Best-fit decreasing: the row of each example (``lens`` sorted descending) and the number of rows.
+
+    Each example goes to the open row with the least room that still fits it (a new row when none
+    does). Rooms are bucketed by size and the non-empty buckets kept as bits of one int, so finding the
+    smallest room >= l is a shift and a lowest-set-bit, not a scan (~0.6 us an example in CPython:
+    1.4M examples in ~0.8 s, once an epoch, like :func:`token_budget_batches`' own per-example loop).
+    """
+    buckets: list[list[int]] = [[] for _ in range(row_len + 1)]
+    nonempty = 0  # bit c set <=> buckets[c] holds a row with exactly c free slots
+    row_of = [0] * len(lens)
+    n_rows = 0
+    min_len = lens[-1] if lens else 1  # later examples are never shorter: rooms below it are closed
+    for i, length in enumerate(lens):
+        m = nonempty >> length
+        if m:
+            room = length + ((m & -m).bit_length() - 1)
+            bucket = buckets[room]
+            r = bucket.pop()
+            if not bucket:
+                nonempty &= ~(1 << room)
+        else:
+            room, r = row_len, n_rows
+            n_rows += 1
+        row_of[i] = r
+        left = room - length
+        if left >= min_len:
+            bucket = buckets[left]
+            if not bucket:
+                nonempty |= 1 << left
+            bucket.append(r)
+    return row_of, n_rows
+
+
+def packed_batches(lengths: torch.Tensor, row_len: int, rows_per_batch: int,
+                   generator: torch.Generator | None = None, shuffle: bool = True) -> list[PackedMicroBatch]:
+    """Pack every example once into rows of ``row_len`` tokens, ``rows_per_batch`` rows per micro-batch.
+
+    ``lengths``: int64 ``[E]`` (each ``<= row_len``). The examples are shuffled, sorted by length
+    (longest first, ties in shuffled order) and placed best-fit decreasing; the rows are then shuffled
+    and cut into micro-batches (the last one may have fewer rows: its remaining rows are padding). An
+    epoch sees exactly the examples it sees unpacked; only which examples share a micro-batch changes.
+    """
+    E = lengths.numel()
+    if E and int(lengths.max()) > row_len:
+        raise ValueError(f"an example of {int(lengths.max())} tokens does not fit a packed row of {row_len}")
+    perm = torch.randperm(E, generator=generator) if shuffle else torch.arange(E)
+    order = perm[torch.argsort(lengths[perm], descending=True, stable=True)]
+    row_of, n_rows = _best_fit_rows(lengths[order].tolist(), row_len)
+    row_of_t = torch.tensor(row_of, dtype=torch.int64)
+    row_perm = torch.randperm(n_rows, generator=generator) if shuffle else torch.arange(n_rows)
+    rank = torch.empty_like(row_perm)
+    rank[row_perm] = torch.arange(n_rows)  # new position of each row
+    new_row = rank[row_of_t]
+    by_row = torch.argsort(new_row, stable=True)
+    index, new_row = order[by_row], new_row[by_row]
+    sizes = torch.bincount(new_row, minlength=n_rows)
+    starts = torch.zeros(n_rows + 1, dtype=torch.int64)
+    starts[1:] = torch.cumsum(sizes, 0)
+    out = []
+    for b in range(0, n_rows, rows_per_batch):
+        e = min(b + rows_per_batch, n_rows)
+        out.append(PackedMicroBatch(index[starts[b]:starts[e]], sizes[b:e]))
+    return out
+
+
+def collate_packed(ex: TrainingExamples, plan: PackedMicroBatch, rows: int, row_len: int, pad_id: int) -> Batch:
+    """Lay the examples of ``plan`` into a packed :class:`Batch` of ``[rows, row_len]`` (vectorised).
+
+    Every batch of a run has the same shape (a short last batch gets all-padding rows), so a compiled
+    step never recompiles. Padding sits at the end of each row, with positions continuing from 0 and a
+    ``seq_ids`` value of its own (it attends only to itself and never enters the loss).
+    """
+    index, sizes = plan.index, plan.row_sizes
+    k = index.numel()
+    assert sizes.numel() <= rows and int(sizes.sum()) == k, "plan does not match the batch shape"
+    lens = ex.lengths[index]
+    plen = ex.prompt_lens[index].long()
+    if k and int(plen.min()) < 1:
+        raise ValueError("packing needs a prompt of >= 1 token per example (its first token predicts nothing)")
+    row = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)  # [k] row of each example
+    first = torch.zeros(sizes.numel() + 1, dtype=torch.int64)
+    first[1:] = torch.cumsum(sizes, 0)
+    slot_in_row = torch.arange(k) - first[row]  # [k] 0, 1, ... within the row
+    # start column of each example = exclusive cumsum of lengths within its row
+    csum = torch.cumsum(lens, 0)
+    start = csum - lens - (csum - lens)[first[row]]
+    used = torch.zeros(rows, dtype=torch.int64)
+    used.index_add_(0, row, lens)
+    if k and int(used.max()) > row_len:
+        raise ValueError(f"a row holds {int(used.max())} tokens, more than its {row_len}")
+    # per token of the examples: (row, column, example, position within it)
+    ex_of_tok = torch.repeat_interleave(torch.arange(k), lens)
+    within = torch.arange(int(lens.sum())) - (csum - lens)[ex_of_tok]
+    col = start[ex_of_tok] + within
+    flat = row[ex_of_tok] * row_len + col
+    n = rows * row_len
+    ids = torch.full((n,), pad_id, dtype=torch.int64)
+    ids[flat] = ex.tokens[ex.offsets[index][ex_of_tok] + within].long()
+    labels = torch.full((n,), -100, dtype=torch.int64)
+    is_tgt = within >= plen[ex_of_tok]
+    labels[flat[is_tgt]] = ids[flat[is_tgt]]
+    real = torch.zeros(n, dtype=torch.int64)
+    real[flat] = 1
+    # padding tail: positions 0.. from the row's used length, its own id (one past the row's examples)
+    cols = torch.arange(row_len).expand(rows, row_len)
+    n_ex = torch.zeros(rows, dtype=torch.int64)
+    n_ex[: sizes.numel()] = sizes
+    pos = (cols - used[:, None]).reshape(-1).clone()
+    seq = n_ex[:, None].expand(rows, row_len).reshape(-1).clone()
+    pos[flat] = within
+    seq[flat] = slot_in_row[ex_of_tok]
+    ids, labels, real = ids.view(rows, row_len), labels.view(rows, row_len), real.view(rows, row_len)
+    target_index = (labels[:, 1:] != -100).reshape(-1).nonzero().squeeze(1)
+    return Batch(ids, real, labels, target_index, int(lens.sum()), pos.view(rows, row_len),
+                 seq.view(rows, row_len).to(torch.int32))
+
+
+def packed_attention_mask(seq_ids: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """Boolean ``[B, 1, L, L]`` (True = may attend): causal within one ``seq_ids`` value, nothing across.
+
+    ``seq_ids``: int ``[B, L]`` (:attr:`Batch.seq_ids`). ``sliding_window``: also keep only keys less
+    than that many positions back (HF's rule ``kv_idx > q_idx - sliding_window``; positions within
+    an example are the row's columns shifted, so the difference is the same).
+    """
+    L = seq_ids.shape[1]
+    i = torch.arange(L, device=seq_ids.device)
+    allowed = i[:, None] >= i[None, :]  # [L, L] causal
+    if sliding_window is not None:
+        allowed = allowed & (i[:, None] - i[None, :] < sliding_window)
+    same = seq_ids[:, :, None] == seq_ids[:, None, :]  # [B, L, L]
+    return (same & allowed)[:, None]

@@ -6,11 +6,18 @@ already initialised there):
 
 - AdamW (decoupled weight decay, no decay on norms/biases/embeddings), linear warmup then cosine
   decay to ``min_lr_ratio`` of the peak learning rate, gradient clipping, gradient accumulation;
-- micro-batches bounded by a token budget (``batch_tokens`` = padded batch × length), grouped by
-  length so padding stays small;
+- micro-batches of ``batch_tokens`` token slots: by default *packed* (``packing``: examples back
+  to back in rows of ``pack_length`` tokens, positions restarting at 0 for every example and a
+  block-diagonal causal mask, so no example attends to another and no slot is padding but a row's
+  tail; every batch has the same shape), else length-grouped padded batches;
+- ``torch.compile`` of each decoder layer on CUDA (``compile``; one compiled graph serves all
+  layers); CPU stays eager;
 - bf16 autocast on CUDA (weights and optimizer state stay fp32), fp32 on CPU;
 - the LM head is applied only at target positions (the loss is on target tokens only), which
-  avoids materialising ``[B, L, vocab]`` logits for prompt tokens — most of a batch;
+  avoids materialising ``[B, L, vocab]`` logits for prompt tokens — most of a batch — and there
+  fused with the cross-entropy in chunks of ``ce_chunk_tokens`` target positions
+  (:func:`linear_cross_entropy`: no ``[targets, vocab]`` fp32 logits kept for the backward);
+- MFU the standard way (:meth:`TrainStats.summary`): ``6·N·tokens`` over the H200's dense bf16 peak;
 - optional model selection on a validation metric (``eval_every`` epochs, a caller-supplied
   ``evaluate(model) -> float``, higher is better): the best weights seen are restored at the end
   (a DSI model over-fits its train pairs long before the loss stops falling, so the last step is
@@ -36,7 +43,8 @@ import torch
 from torch import nn
 
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.training.data import ExampleKind, TrainingExamples, collate, repeat_kinds, token_budget_batches
+from adbatch.training.data import (Batch, ExampleKind, TrainingExamples, collate, collate_packed, packed_attention_mask,
+                                   packed_batches, repeat_kinds, token_budget_batches)
 from adbatch.training.distill import DistillConfig, distill_loss
 from adbatch.training.pseudo_queries import PseudoQueryConfig
 from adbatch.training.rehearsal import CreativeRehearsalConfig
@@ -47,6 +55,8 @@ log = logging.getLogger(__name__)
 
 #: dense bf16 peak of one H200 (NVIDIA spec sheet, no sparsity), the MFU denominator on CUDA
 H200_BF16_PEAK_FLOPS = 989e12
+#: what the summary names as that peak (``mfu_peak``)
+MFU_PEAK_NAME = "H200 dense bf16"
 
 #: what ``valid_metric`` may name: the metrics :func:`adbatch.targeting_eval.validation_metric` reports
 #: (``evaluate_targeting`` at its default ks 1 and 10)
@@ -65,7 +75,24 @@ class TrainConfig(ConfigBase):
     min_lr_ratio: float = field(default=0.05, metadata={"help": "final LR as a share of the peak (cosine)"})
     warmup_fraction: float = field(default=0.05, metadata={"help": "share of steps of linear warmup"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW decoupled weight decay (matrices only)"})
-    batch_tokens: int = field(default=32768, metadata={"help": "padded tokens per micro-batch"})
+    batch_tokens: int = field(default=32768, metadata={
+        "help": "token slots per micro-batch, padding included (packed: batch_tokens // pack_length rows)"})
+    # packing / compile / ce_chunk_tokens change how a step is computed, not what it computes: an
+    # epoch sees the same examples (which examples share a micro-batch differs), each example's loss
+    # is its unpacked loss (tests/test_training_packing.py)
+    packing: bool = field(default=True, metadata={
+        "help": "pack examples into rows of pack_length tokens (positions restart per example, block-diagonal "
+                "causal attention, no cross-example attention); off = length-grouped padded batches. A model "
+                "whose attention cannot take the packed mask falls back to padded batches (logged, recorded)"})
+    pack_length: int = field(default=256, metadata={
+        "help": "tokens per packed row (a longer example widens every row to its length, rounded up to 8); "
+                "attention costs O(pack_length) per token, so rows stay a few examples long"})
+    compile: bool = field(default=True, metadata={
+        "help": "torch.compile each decoder layer on CUDA (CPU always eager; not with sparsity or QAT, whose "
+                "hooks and forward swaps change the layers mid-run)"})
+    ce_chunk_tokens: int = field(default=4096, metadata={
+        "help": "target positions per chunk of the fused LM head + cross-entropy (peak fp32 logits "
+                "ce_chunk_tokens x vocab; distillation and DDP use the plain head)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 = off)"})
     indexing: bool = field(default=True, metadata={"help": "train ad text -> target (every ad)"})
@@ -104,7 +131,8 @@ class TrainConfig(ConfigBase):
         positive = {"epochs": self.epochs, "lr": self.lr, "batch_tokens": self.batch_tokens,
                     "grad_accum": self.grad_accum, "indexing_repeat": self.indexing_repeat,
                     "retrieval_repeat": self.retrieval_repeat,
-                    "log_every": self.log_every, "max_query_tokens": self.max_query_tokens}
+                    "log_every": self.log_every, "max_query_tokens": self.max_query_tokens,
+                    "pack_length": self.pack_length, "ce_chunk_tokens": self.ce_chunk_tokens}
         for name, value in positive.items():
             if not value > 0 or not math.isfinite(value):  # NaN compares False both ways
                 raise ConfigError(f"TrainConfig.{name} must be finite and > 0, got {value}")
@@ -127,6 +155,9 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"TrainConfig.valid_max_queries must be >= 1 or None, got {self.valid_max_queries}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
+        if self.packing and self.batch_tokens < self.pack_length:
+            raise ConfigError(f"TrainConfig.batch_tokens ({self.batch_tokens}) must be >= pack_length "
+                              f"({self.pack_length}) when packing (a micro-batch holds whole rows)")
         if not (self.indexing or self.retrieval):
             raise ConfigError("TrainConfig: at least one of indexing / retrieval must be on")
         if self.qat.enabled and self.sparsity.enabled and self.qat.start_fraction < self.sparsity.end_fraction:
@@ -154,45 +185,259 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
 
 
-def target_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  labels: torch.Tensor, target_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 logits ``[n, V]`` at the ``n`` target positions and their targets (int64 ``[n]``).
+class PackingUnsupported(ValueError):
+    """The model's attention cannot take the packed block-diagonal mask (the loop then pads)."""
 
-    ``input_ids``/``attention_mask``/``labels``: int64 ``[B, L]`` (labels -100 where no loss).
-    ``target_index``: int64 ``[n]`` flat positions into ``[B, L-1]`` whose next token is a target
-    (:attr:`adbatch.training.data.Batch.target_index`, computed on the host: no device sync here);
-    derived from ``labels`` when None. Uses the decoder body + LM head at target positions only when
-    the model exposes them (``get_decoder()`` / ``get_output_embeddings()``), else a plain forward
-    (DDP must see the forward through its own wrapper so gradients are all-reduced).
+
+def packed_masks(core: nn.Module, seq_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The ``attention_mask`` argument that makes ``core``'s decoder attend block-diagonally.
+
+    ``seq_ids``: int32 ``[B, L]`` (:attr:`Batch.seq_ids`). Returns a prepared 4D mask ``[B, 1, L, L]``
+    (HF returns a 4D mask as-is), or, for a model with other layer types than full attention (Gemma3's
+    sliding layers, Qwen2 with ``use_sliding_window``), the dict layer type -> mask that those models
+    take instead of building their own (a 2D mask or positions alone would make them build it from
+    ``position_ids``, which costs a device -> host sync per forward). Masks are boolean for SDPA and
+    additive float32 (0 / finfo.min) for eager attention, as HF's own mask functions make them.
+    Raises :class:`PackingUnsupported` for other attention implementations or layer types.
+    """
+    cfg = core.config
+    impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
+    if impl not in ("sdpa", "eager"):
+        raise PackingUnsupported(f"attention implementation {impl!r} (packing supports sdpa and eager)")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise PackingUnsupported("bidirectional attention")
+    L = seq_ids.shape[1]
+    types = set(getattr(cfg, "layer_types", None) or ("full_attention",))
+    full = packed_attention_mask(seq_ids)
+    out: dict[str, torch.Tensor] = {}
+    for kind in types:
+        if kind == "full_attention":
+            out[kind] = full
+        elif kind == "sliding_attention":
+            window = getattr(cfg, "sliding_window", None)
+            # a window at least a row long never binds: the full mask is the sliding one
+            out[kind] = full if window is None or window >= L else packed_attention_mask(seq_ids, int(window))
+        else:
+            raise PackingUnsupported(f"layer type {kind!r}")
+    if impl == "eager":
+        out = {k: torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_fill_(~m, torch.finfo(torch.float32).min)
+               for k, m in out.items()}
+    return out["full_attention"] if types == {"full_attention"} else out
+
+
+def model_inputs(core: nn.Module, batch: Batch) -> dict[str, Any]:
+    """Keyword arguments of the decoder / model forward for ``batch`` (padded or packed)."""
+    if not batch.packed:
+        return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    return {"input_ids": batch.input_ids, "attention_mask": packed_masks(core, batch.seq_ids),
+            "position_ids": batch.position_ids}
+
+
+def check_packing(model: nn.Module, probe_len: int = 24) -> str | None:
+    """Whether ``model`` computes a packed row exactly as its examples one by one; None = yes, else why not.
+
+    Runs the decoder once on two short random examples packed into one row (plus a padding tail) and
+    once on each alone, in fp32 without autocast, and compares the hidden states (a mask the model
+    silently ignored or misread shows up here, whatever the transformers version). The examples are
+    longer than a short sliding window, so a window the packed mask got wrong shows too.
     """
     core = unwrap_ddp(model)
+    decoder = core.get_decoder() if hasattr(core, "get_decoder") else None
+    if decoder is None:
+        return "the model exposes no decoder body (get_decoder)"
+    device = next(core.parameters()).device
+    vocab = core.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    lens = (probe_len // 2 - 3, probe_len // 2 + 1)
+    seqs = [torch.randint(0, min(vocab, 1000), (n,), generator=g) for n in lens]
+    ids = torch.zeros(1, probe_len, dtype=torch.int64)
+    ids[0, : sum(lens)] = torch.cat(seqs)
+    pos = torch.cat([torch.arange(lens[0]), torch.arange(lens[1]), torch.arange(probe_len - sum(lens))])[None]
+    seq = torch.cat([torch.zeros(lens[0]), torch.ones(lens[1]), torch.full((probe_len - sum(lens),), 2.0)])
+    seq = seq.to(torch.int32)[None]
+    was_training = core.training
+    core.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):
+            mask = packed_masks(core, seq.to(device))
+            packed = decoder(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device),
+                             use_cache=False).last_hidden_state[0]
+            alone = torch.cat([decoder(input_ids=x[None].to(device), use_cache=False).last_hidden_state[0]
+                               for x in seqs])
+    except PackingUnsupported as exc:
+        return str(exc)
+    except (TypeError, ValueError, RuntimeError, AttributeError) as exc:  # a forward that refuses the mask
+        return f"the packed forward failed: {type(exc).__name__}: {exc}"
+    finally:
+        core.train(was_training)
+    diff = float((packed[: sum(lens)] - alone).abs().max())
+    scale = float(alone.abs().max())
+    if not diff <= 1e-4 * max(1.0, scale):
+        return f"packed hidden states differ from unpacked ones by {diff:.3g} (max |h| {scale:.3g})"
+    return None
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``h @ weight.T`` chunk by chunk, its gradients computed in the forward.
+
+    Per chunk of ``c`` rows: logits ``[c, V]`` in ``dtype`` (the autocast dtype on CUDA, as the plain
+    head computes them), then fp32 log-sum-exp and ``softmax - onehot``, which gives ``d loss / d h``
+    and ``d loss / d weight`` at once; the chunk's logits are then freed. Peak extra memory is one
+    chunk's fp32 logits instead of the whole ``[n, V]`` (plus its bf16 copy and their gradients) kept
+    until the backward. The backward only scales the stored gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk, dtype):  # noqa: D102 - see the class docstring
+        n = h.shape[0]
+        w = weight.to(dtype)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, n, chunk):
+            hc = h[s:s + chunk].to(dtype)  # [c, H]
+            t = targets[s:s + chunk, None]  # [c, 1]
+            logits = (hc @ w.t()).float()  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c, 1]
+            total += (lse - logits.gather(1, t)).sum()
+            g = logits.sub_(lse).exp_()  # softmax, in place of the logits
+            g.scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=g.dtype, device=g.device))  # - onehot
+            g = g.to(dtype)
+            grad_h[s:s + chunk] = (g @ w).to(h.dtype)
+            if grad_w is not None:
+                grad_w += (g.t() @ hc).float()
+        ctx.n, ctx.grad_h, ctx.grad_w, ctx.w_dtype = n, grad_h, grad_w, weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        scale = grad_out / ctx.n
+        gw = None if ctx.grad_w is None else (ctx.grad_w * scale).to(ctx.w_dtype)
+        return ctx.grad_h * scale.to(ctx.grad_h.dtype), gw, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Mean next-token cross-entropy of the LM head ``weight`` (``[V, H]``) at ``h`` (``[n, H]``).
+
+    ``targets``: int64 ``[n]``. Equal to ``cross_entropy((h @ weight.T).float(), targets)`` (the
+    matmul in the autocast dtype when autocast is on, like the plain head) without keeping the
+    ``[n, V]`` logits: see :class:`_LinearCrossEntropy`. Returns a float32 scalar.
+    """
+    assert h.ndim == 2 and weight.ndim == 2 and h.shape[1] == weight.shape[1], (h.shape, weight.shape)
+    assert targets.shape == (h.shape[0],) and h.shape[0] > 0, "one target per row of h, at least one"
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        return _LinearCrossEntropy.apply(h, weight, targets, int(chunk), dtype)
+
+
+def _fast_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(decoder body, LM head) when the head can be applied at target positions only, else None
+    (DDP must see the forward through its own wrapper so gradients are all-reduced)."""
+    core = unwrap_ddp(model)
+    decoder = core.get_decoder() if hasattr(core, "get_decoder") else None
+    head = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
+    if decoder is None or head is None or model is not core:
+        return None
+    return decoder, head
+
+
+def _as_batch(input_ids, attention_mask, labels, target_index, position_ids) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     shift_labels = labels[:, 1:]
     if target_index is None:
         target_index = (shift_labels != -100).reshape(-1).nonzero().squeeze(1)
     targets = shift_labels.reshape(-1).index_select(0, target_index)
-    decoder = core.get_decoder() if hasattr(core, "get_decoder") else None
-    head = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
-    if decoder is None or head is None or model is not core:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, L, V]
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    return kwargs, target_index, targets
+
+
+def target_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: Any, labels: torch.Tensor,
+                  target_index: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+    """Final hidden states ``[n, H]`` at the ``n`` target positions, their targets (int64 ``[n]``) and
+    the LM head (``model`` must expose ``get_decoder()`` / ``get_output_embeddings()`` and not be DDP)."""
+    parts = _fast_parts(model)
+    if parts is None:
+        raise ValueError("target_hidden needs a plain model with get_decoder() and get_output_embeddings()")
+    decoder, head = parts
+    kwargs, target_index, targets = _as_batch(input_ids, attention_mask, labels, target_index, position_ids)
+    hidden = decoder(**kwargs, use_cache=False).last_hidden_state  # [B, L, H]
+    return hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index), targets, head
+
+
+def target_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: Any,
+                  labels: torch.Tensor, target_index: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits ``[n, V]`` at the ``n`` target positions and their targets (int64 ``[n]``).
+
+    ``input_ids``/``labels``: int64 ``[B, L]`` (labels -100 where no loss). ``attention_mask``: int64
+    ``[B, L]`` padding mask, or for a packed batch the prepared mask of :func:`packed_masks` (with
+    ``position_ids`` int64 ``[B, L]``). ``target_index``: int64 ``[n]`` flat positions into
+    ``[B, L-1]`` whose next token is a target (:attr:`adbatch.training.data.Batch.target_index`,
+    computed on the host: no device sync here); derived from ``labels`` when None. Uses the decoder
+    body + LM head at target positions only when the model exposes them (``get_decoder()`` /
+    ``get_output_embeddings()``), else a plain forward (DDP must see the forward through its own
+    wrapper so gradients are all-reduced).
+    """
+    if _fast_parts(model) is None:
+        kwargs, target_index, targets = _as_batch(input_ids, attention_mask, labels, target_index, position_ids)
+        logits = model(**kwargs).logits  # [B, L, V]
         return logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, target_index).float(), targets
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, H]
-    h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index)  # [n, H]
+    h, targets, head = target_hidden(model, input_ids, attention_mask, labels, target_index, position_ids)
     return head(h).float(), targets
 
 
-def count_params(model: nn.Module) -> tuple[int, int]:
-    """(non-embedding parameters, embedding rows × width) — the MFU model's two terms."""
+def batch_loss(model: nn.Module, batch: Batch, config: TrainConfig, teacher: nn.Module | None = None
+               ) -> tuple[torch.Tensor, int]:
+    """The micro-batch's loss (float32 scalar) and its number of target tokens.
+
+    Plain model, no teacher, bias-free head: the fused chunked LM head + cross-entropy
+    (:func:`linear_cross_entropy`); otherwise the head's logits and ``cross_entropy`` /
+    :func:`adbatch.training.distill.distill_loss`.
+    """
     core = unwrap_ddp(model)
-    emb = core.get_input_embeddings().weight.numel() if hasattr(core, "get_input_embeddings") else 0
-    total = sum(p.numel() for p in core.parameters())
-    return total - emb, emb
+    kw = model_inputs(core, batch)
+    args = (kw["input_ids"], kw["attention_mask"], batch.labels, batch.target_index, kw.get("position_ids"))
+    parts = _fast_parts(model)
+    n_tgt = int(batch.target_index.numel())
+    if teacher is None and parts is not None and getattr(parts[1], "bias", None) is None:
+        h, targets, head = target_hidden(model, *args)
+        return linear_cross_entropy(h, head.weight, targets, config.ce_chunk_tokens), n_tgt
+    logits, targets = target_logits(model, *args)
+    if teacher is None:
+        return nn.functional.cross_entropy(logits, targets), n_tgt
+    with torch.no_grad():
+        t_kw = model_inputs(unwrap_ddp(teacher), batch)
+        t_logits, _ = target_logits(teacher, t_kw["input_ids"], t_kw["attention_mask"], batch.labels,
+                                    batch.target_index, t_kw.get("position_ids"))
+    return distill_loss(logits, t_logits, targets, config.distill), n_tgt
+
+
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(body parameters, LM-head parameters) — the MFU model's two terms.
+
+    Body = every parameter but the input embedding table (a lookup, no matmul) and the LM head; it
+    does ``2·N`` FLOPs forward per real token. The LM head (``V × H``, the same tensor as the input
+    embeddings when they are tied) is counted as it is executed: only at target positions.
+    """
+    core = unwrap_ddp(model)
+    total = sum(p.numel() for p in core.parameters())  # a tied weight is listed once
+    emb = core.get_input_embeddings().weight if hasattr(core, "get_input_embeddings") else None
+    out = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
+    head = out.weight if out is not None else emb
+    if emb is None or head is None:
+        return total, 0
+    body = total - emb.numel() - (0 if head is emb else head.numel())
+    return body, head.numel()
 
 
 @dataclass
 class TrainStats:
     steps: int = 0
     micro_batches: int = 0
-    tokens: int = 0
+    tokens: int = 0  # real (non-pad) tokens
+    padded_tokens: int = 0  # token slots computed, padding included
     target_tokens: int = 0
     seconds: float = 0.0
     losses: list[tuple[int, float]] = field(default_factory=list)
@@ -204,20 +449,35 @@ class TrainStats:
     best: dict[str, Any] = field(default_factory=dict)
     eval_seconds: float = 0.0  # validation time, excluded from ``seconds`` (and so from tokens/s)
     qat: dict[str, Any] | None = None  # QuantAwareTraining.summary() when QAT ran
+    packing: dict[str, Any] = field(default_factory=dict)  # enabled, row_tokens, rows, fallback reason
+    compiled: bool = False
 
     def summary(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
-        nonemb, emb = count_params(model)
+        """The run's numbers. MFU = model FLOPs / seconds / peak with model FLOPs
+        ``6 · body · tokens + 6 · head · target_tokens`` (:func:`count_params`: the body's matmuls at
+        every real token, the LM head's only at target positions where it runs; real tokens only, so
+        padding is not credited; attention's ``L²`` terms are not counted, as in the usual 6·N·D) and
+        peak = one H200's dense bf16 989 TFLOP/s (``mfu_peak_tflops``), reported on CUDA only."""
+        body, head = count_params(model)
         tok_s = self.tokens / self.seconds if self.seconds > 0 else 0.0
-        flops = 6.0 * nonemb * self.tokens + 6.0 * emb * self.target_tokens
+        flops = 6.0 * body * self.tokens + 6.0 * head * self.target_tokens
+        slots = max(self.padded_tokens, self.tokens)
         out = {"steps": self.steps, "micro_batches": self.micro_batches, "tokens": self.tokens,
+               "padded_tokens": slots, "padded_share": round(1.0 - self.tokens / slots, 4) if slots else 0.0,
                "target_tokens": self.target_tokens, "seconds": round(self.seconds, 3),
-               "tokens_per_s": round(tok_s, 1), "stopped_early": self.stopped_early,
+               "tokens_per_s": round(tok_s, 1),
+               "padded_tokens_per_s": round(slots / self.seconds, 1) if self.seconds > 0 else 0.0,
+               "packing": self.packing, "compiled": self.compiled,
+               "mfu_params": {"body": body, "lm_head": head}, "model_flops": flops,
+               "stopped_early": self.stopped_early,
                "epochs_done": round(self.micro_batches / max(1, self.micro_batches_per_epoch), 4),
                "seconds_per_epoch": round(self.seconds * self.micro_batches_per_epoch / max(1, self.micro_batches), 3),
                "first_loss": self.losses[0][1] if self.losses else None,
                "final_loss": self.losses[-1][1] if self.losses else None}
         if device.type == "cuda" and self.seconds > 0:
             out["mfu"] = round(flops / self.seconds / H200_BF16_PEAK_FLOPS, 4)
+            out["mfu_peak"] = MFU_PEAK_NAME
+            out["mfu_peak_tflops"] = H200_BF16_PEAK_FLOPS / 1e12
         if self.sparsity:
             out["sparsity_density"] = self.sparsity.get("density")
         if self.evals:
@@ -225,6 +485,47 @@ class TrainStats:
             out["best"] = self.best
             out["eval_seconds"] = round(self.eval_seconds, 3)
         return out
+
+
+class RegionalCompile:
+    """``torch.compile`` of each decoder layer (the model's ``decoder.layers``; the whole decoder when
+    it has none), switchable off and on.
+
+    The layers share their code and dynamo lifts their parameters to graph inputs, so one compiled
+    graph (forward + backward) serves all of them: compile time is one layer's, not the model's. The
+    embedding, final norm, masks and the fused head + loss stay eager (the loss has a data-dependent
+    number of target rows). ``off()`` restores the eager layers (evaluation decodes other shapes;
+    the caller saves / decodes the model after training), ``on()`` the compiled ones. Uses
+    ``nn.Module.compile``, which keeps the compiled callable in the module's ``_compiled_call_impl``.
+    """
+
+    def __init__(self, model: nn.Module, dynamic: bool | None) -> None:
+        core = unwrap_ddp(model)
+        decoder = core.get_decoder() if hasattr(core, "get_decoder") else core
+        layers = getattr(decoder, "layers", None)
+        self.modules: list[nn.Module] = list(layers) if isinstance(layers, nn.ModuleList) else [decoder]
+        for m in self.modules:
+            m.compile(dynamic=dynamic)
+        self._compiled = [m._compiled_call_impl for m in self.modules]
+
+    def off(self) -> None:
+        for m in self.modules:
+            m._compiled_call_impl = None
+
+    def on(self) -> None:
+        for m, c in zip(self.modules, self._compiled):
+            m._compiled_call_impl = c
+
+
+def pack_shape(lengths: torch.Tensor, config: TrainConfig) -> tuple[int, int]:
+    """(rows, row_len) of every packed micro-batch: rows of ``pack_length`` tokens, widened to the
+    longest example (rounded up to 8) when one is longer, and ``batch_tokens // row_len`` of them."""
+    longest = int(lengths.max()) if lengths.numel() else 1
+    row_len = max(config.pack_length, -(-longest // 8) * 8)
+    if row_len > config.pack_length:
+        log.warning("an example of %d tokens is longer than pack_length %d: packed rows of %d tokens",
+                    longest, config.pack_length, row_len)
+    return max(1, config.batch_tokens // row_len), row_len
 
 
 class BestWeights:
@@ -296,7 +597,27 @@ def train_loop(
                                        ExampleKind.RETRIEVAL: config.retrieval_repeat,
                                        ExampleKind.CREATIVE: config.creative_rehearsal.repeat})
     lengths = examples.lengths
-    per_epoch = len(token_budget_batches(lengths, config.batch_tokens, gen, shuffle=False)) // world_size
+    packing: dict[str, Any] = {"enabled": False}
+    if config.packing:
+        why_not = check_packing(model)
+        if why_not is None:
+            rows, row_len = pack_shape(lengths, config)
+            packing = {"enabled": True, "rows": rows, "row_tokens": row_len}
+        else:  # explicit: the model trains on padded batches, and the record says why
+            log.warning("sequence packing is off for this model (%s): length-grouped padded batches", why_not)
+            packing = {"enabled": False, "fallback": why_not}
+
+    def epoch_batches(shuffle: bool) -> list[Any]:
+        if packing["enabled"]:
+            return packed_batches(lengths, packing["row_tokens"], packing["rows"], gen, shuffle=shuffle)
+        return token_budget_batches(lengths, config.batch_tokens, gen, shuffle=shuffle)
+
+    def to_batch(plan: Any) -> Batch:
+        if packing["enabled"]:
+            return collate_packed(examples, plan, packing["rows"], packing["row_tokens"], pad_id)
+        return collate(examples, plan, pad_id)
+
+    per_epoch = len(epoch_batches(shuffle=False)) // world_size
     if per_epoch == 0:
         raise ValueError(f"{len(examples)} examples give no micro-batch per rank for world_size={world_size}")
     total_micro = max(1, round(per_epoch * config.epochs))
@@ -320,15 +641,25 @@ def train_loop(
                          else "a teacher model was given but TrainConfig.distill is not enabled")
     if teacher is not None:
         teacher.eval().requires_grad_(False)
-    stats = TrainStats(micro_batches_per_epoch=per_epoch)
+    stats = TrainStats(micro_batches_per_epoch=per_epoch, packing=packing)
+    compiled = None
+    if config.compile and device.type == "cuda":
+        if sparsity is not None or qat is not None:
+            log.info("torch.compile off: progressive sparsity / QAT change the layers mid-run")
+        else:  # packed batches all have one shape; padded ones vary (dynamic shapes then)
+            compiled = RegionalCompile(model, dynamic=False if packing["enabled"] else None)
+            stats.compiled = True
+            log.info("torch.compile: %d decoder layers (%s shapes)", len(compiled.modules),
+                     "static" if packing["enabled"] else "dynamic")
     selector = BestWeights(evaluate, config.early_stop_patience) if evaluate is not None and config.eval_every > 0 else None
     eval_steps = max(1, round(config.eval_every * per_epoch / config.grad_accum)) if selector is not None else 0
 
     def micro_batches():
         while True:
-            batches = token_budget_batches(lengths, config.batch_tokens, gen, shuffle=True)
+            batches = epoch_batches(shuffle=True)
             usable = len(batches) // world_size * world_size
-            yield from batches[rank:usable:world_size]
+            for plan in batches[rank:usable:world_size]:
+                yield to_batch(plan)
 
     batch_iter = micro_batches()
     bar = None
@@ -348,23 +679,14 @@ def train_loop(
             sparsity.start_stats()
         loss_acc.zero_()
         for _ in range(config.grad_accum):
-            idx = next(batch_iter)
-            batch = collate(examples, idx, pad_id).to(device)
+            batch = next(batch_iter).to(device)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                logits, targets = target_logits(model, batch.input_ids, batch.attention_mask, batch.labels,
-                                                batch.target_index)
-                if teacher is not None:
-                    with torch.no_grad():
-                        t_logits, _ = target_logits(teacher, batch.input_ids, batch.attention_mask, batch.labels,
-                                                    batch.target_index)
-                    loss = distill_loss(logits, t_logits, targets, config.distill)
-                else:
-                    loss = nn.functional.cross_entropy(logits, targets)
-                n_tgt = int(targets.numel())
+                loss, n_tgt = batch_loss(model, batch, config, teacher)
             (loss / config.grad_accum).backward()
             loss_acc += loss.detach() / config.grad_accum
             stats.micro_batches += 1
             stats.tokens += batch.num_tokens
+            stats.padded_tokens += batch.num_slots
             stats.target_tokens += n_tgt
         if sparsity is not None:
             sparsity.before_optimizer_step(step)
@@ -393,7 +715,11 @@ def train_loop(
             # only weights trained under the final masks / the INT4 grid compete (both when on)
             eligible = (sparsity is None or sparsity.frozen) and (qat is None or qat.active)
             t_eval = time.perf_counter()
+            if compiled is not None:  # decoding shapes would recompile the layers
+                compiled.off()
             metric = selector(model, step, eligible, autocast, device)
+            if compiled is not None:
+                compiled.on()
             stats.eval_seconds += time.perf_counter() - t_eval
             stats.evals.append((step, round(stats.micro_batches / per_epoch, 3), metric))
             log.info("step %d (epoch %.2f): validation %.4f%s", step, stats.micro_batches / per_epoch, metric,
@@ -410,6 +736,8 @@ def train_loop(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats.seconds = time.perf_counter() - t0 - stats.eval_seconds
+    if compiled is not None:  # the caller evaluates / saves / decodes an eager model
+        compiled.off()
     if bar is not None:
         bar.close()
     if selector is not None and selector.state is not None:
