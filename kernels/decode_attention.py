@@ -131,15 +131,19 @@ def _tile_rows(pairs: int) -> int:
 def decode_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
                      p_pos: torch.Tensor, p_len: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                      anc: torch.Tensor, t: torch.Tensor, beams: int, scaling: float, window: int = 0,
-                     out: torch.Tensor | None = None, block_j: int = 64, num_warps: int = 4,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, block_j: int = 128, num_warps: int | None = None,
+                     num_stages: int = 2) -> torch.Tensor:
     """Attention of ``R = Qb * beams`` one-token rows (see the module docstring for the tensors).
 
     ``kp/vp/p_bias/p_pos/p_len`` are read for queries ``0..Qb-1``; ``ks/vs/anc`` for rows
     ``0..R-1`` (and the slots their ancestry names). ``window > 0``: keys at distance ``>= window``
     from the new token are masked (sliding-window layers). Returns ``out [R, H, D]`` in q's dtype.
     Graph-safe: no host reads of device tensors. ``block_j`` (gathered (beam, position) keys per
-    suffix iteration), ``num_warps``, ``num_stages``: launch configuration (bench/attention_sweep.py).
+    suffix iteration), ``num_warps`` (None: 2 when there are >= 512 programs, else 4), ``num_stages``:
+    the launch configuration. Defaults from ``bench/step_profile.py --attention-sweep`` on the H200
+    (bench/results/step_profile_*_engine3*.md): 128 / 2 / 2 took 113 us per layer at 10,240 rows of
+    the default model vs 179 us for the first kernel's 64 / 4 / default; 128 / 4 / 2 best at 640
+    rows (13.8 vs 18.0 us) and on the 8B shape at 8-128 rows.
     """
     R, H, D = q.shape
     kv = kp.shape[1]
@@ -159,6 +163,8 @@ def decode_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias
     b_pad = triton.next_power_of_2(beams)
     block_s = max(1, block_j // b_pad)    # a [>= block_j, D] tile of (beam, position) keys per iteration
     grid = (Qb, kv, triton.cdiv(beams * g, block_m))
+    if num_warps is None:
+        num_warps = 2 if Qb * kv >= 512 else 4
     _decode_attention_kernel[grid](
         q, kp, vp, p_bias, p_pos, p_len, ks, vs, anc, t, out,
         q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), p_bias.stride(0),
@@ -168,8 +174,7 @@ def decode_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias
         BLOCK_S=block_s, BLOCK_J=block_s * b_pad,
         # fp32 models get fp32 products (Triton's default for fp32 dots is TF32: ~1e-3 relative,
         # which measured as 5e-3 score differences against HF's fp32 forward on the H200)
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
