@@ -91,6 +91,20 @@ def prepare_model_for_index(model: Any, tokenizer: Any, index: Any, ad_texts: Ma
     return info
 
 
+def index_examples(tokenizer: Any, index: Any, config: Any, ad_texts: Mapping[Hashable, str],
+                   labelled: Iterable[tuple[str, Hashable]] = ()) -> tuple[Any, dict[str, Any]]:
+    """The training examples of ``index`` as ``config`` (a :class:`TrainConfig`) asks: indexing, retrieval
+    (``labelled`` train-split pairs) and span pseudo-queries (:func:`adbatch.training.data.build_examples`).
+    Returns ``(TrainingExamples, data stats)``; what :func:`train_on_index` trains on (creative rehearsal,
+    which needs the model, is added there)."""
+    from adbatch.training.data import build_examples
+
+    return build_examples(
+        tokenizer, index.ad_ids, _index_targets(index), ad_texts, labelled if config.retrieval else (),
+        indexing=config.indexing, append_eos=config.append_eos, max_query_tokens=config.max_query_tokens,
+        pseudo_queries=config.pseudo_queries)
+
+
 def train_on_index(
     index: Any,
     out_dir: str | Path | None,
@@ -127,7 +141,6 @@ def train_on_index(
     """
     import torch
 
-    from adbatch.training.data import build_examples
     from adbatch.training.trainer import train_loop
 
     t0 = time.perf_counter()
@@ -147,10 +160,7 @@ def train_on_index(
     ad_texts = dict(ad_texts) if ad_texts is not None else default_ad_texts(index)
     info = prepare_model_for_index(model, tokenizer, index, ad_texts)
     model.to(device)
-    examples, data_stats = build_examples(
-        tokenizer, index.ad_ids, _index_targets(index), ad_texts, labelled if config.retrieval else (),
-        indexing=config.indexing, append_eos=config.append_eos, max_query_tokens=config.max_query_tokens,
-        pseudo_queries=config.pseudo_queries)
+    examples, data_stats = index_examples(tokenizer, index, config, ad_texts, labelled)
     if config.creative_rehearsal.enabled:
         from adbatch.training.data import TrainingExamples
         from adbatch.training.rehearsal import rehearsal_examples

@@ -1,0 +1,264 @@
+"""Training throughput of the product's train loop (``adbatch.training.trainer.train_loop``), per variant.
+
+Runs on the device (no Ray, no network) and on CPU with ``--smoke``. Builds the training examples the
+way ``adbatch train`` does (:func:`adbatch.training.index_examples` with :class:`TrainConfig`'s
+defaults: indexing + labelled retrieval + span pseudo-queries) from a bundle made by
+``bench/train_eval.py prepare`` (``--bundle``, first ``--max-ads`` ads of ``index_<catalogue>_<scheme>``)
+or from synthetic product titles, then for each variant trains a fresh copy of the model for
+``--warmup`` + ``--steps`` optimizer steps and reports medians over the timed steps:
+
+- tokens/s (token slots, padding included), real tokens/s, padded share;
+- MFU = ``6·N·real tokens`` (the LM head counted at target positions only, as it runs) per second over
+  the H200's dense bf16 peak (989 TFLOP/s), the training summary's own formula;
+- step ms, first step s (compile included), peak GPU memory.
+
+Variants: ``default`` (TrainConfig defaults) then each ``--variant`` (comma-separated TrainConfig
+overrides, ``on``/``off`` for booleans), e.g. ``--variant packing=off,compile=off --variant pack_length=128``.
+Every step ends with a loss read (``log_every=1``: one sync per step, so step times are measurable);
+the loop's own summary (whole run, warm-up and compile included) is in the JSON too.
+
+Device::
+
+    python bench/train_throughput.py --model /tmp/adbatch_files/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --bundle .carry/bundle --variant packing=off,compile=off --variant compile=off --out $OUT/tp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+log = logging.getLogger("train_throughput")
+
+WORDS = ("behr deck stain cedar outdoor wood gallon semi transparent pine oak white gloss interior paint "
+         "steel hammer claw drill cordless lithium brushless impact driver kit toilet elongated bowl seat "
+         "porcelain faucet kitchen pull down chrome nickel led bulb dimmable soft daylight watt pack "
+         "vinyl plank flooring waterproof grey tile ceramic shower wall mirror frame black bronze copper").split()
+
+
+def parse_variant(spec: str) -> dict[str, Any]:
+    """``"packing=off,pack_length=128"`` -> ``{"packing": False, "pack_length": 128}``."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, raw = part.partition("=")
+        if not sep:
+            raise SystemExit(f"--variant {spec!r}: {part!r} is not key=value")
+        low = raw.lower()
+        if low in ("on", "true", "yes"):
+            value: Any = True
+        elif low in ("off", "false", "no"):
+            value = False
+        elif low == "none":
+            value = None
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out[key.strip()] = value
+    return out
+
+
+def synthetic_index(tok: Any, n_ads: int, seed: int) -> tuple[Any, dict[int, str]]:
+    """An index-shaped namespace of ``n_ads`` product titles (3-9 words), ``text`` ids = the title's tokens
+    (at most 32), as ``prepare_model_for_index`` / ``index_examples`` read it."""
+    import random
+
+    import pyarrow as pa
+
+    rng = random.Random(seed)
+    titles = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))) for _ in range(n_ads)]
+    ids = list(range(n_ads))
+    targets = [tok(t, add_special_tokens=False)["input_ids"][:32] or [0] for t in titles]
+    table = pa.table({"ad_id": ids, "token_ids": targets, "title": titles})
+    index = SimpleNamespace(ad_ids=ids, ad_codes=table, manifest={"scheme": "text"}, scheme="text",
+                            index_hash="synthetic")
+    return index, dict(zip(ids, titles))
+
+
+def bundle_index(bundle: Path, catalogue: str, scheme: str, max_ads: int | None) -> tuple[Any, dict, list]:
+    """The bundle's index (its first ``max_ads`` ads), ad titles and the labelled pairs of those ads."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_eval import load_bundle  # bench/train_eval.py: the bundle's reader
+
+    data = load_bundle(bundle, catalogue)
+    if scheme not in data["indexes"]:
+        raise SystemExit(f"bundle {bundle} has no {scheme} index for catalogue {catalogue}")
+    index = data["indexes"][scheme]
+    if max_ads is not None and max_ads < len(index.ad_ids):
+        keep = index.ad_ids[:max_ads]
+        kept = set(keep)
+        index = SimpleNamespace(ad_ids=keep, ad_codes=index.ad_codes.slice(0, max_ads), manifest=index.manifest,
+                                scheme=getattr(index, "scheme", None), index_hash=index.index_hash)
+        labelled = [(q, a) for q, a in data["labelled"] if a in kept]
+    else:
+        labelled = data["labelled"]
+    return index, data["ad_texts"], labelled
+
+
+def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if args.smoke or args.random_model:
+        from adbatch.models import resolve_model
+
+        cfg_dir = args.config_dir or resolve_model()
+        tok = AutoTokenizer.from_pretrained(cfg_dir, local_files_only=True)
+        cfg = AutoConfig.from_pretrained(cfg_dir, local_files_only=True)
+        if args.smoke:  # a tiny model of the same architecture and vocabulary: the plumbing, on CPU
+            cfg.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "head_dim": 16})
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        what = f"random-init {cfg.model_type} from {cfg_dir}" + (" (smoke: tiny)" if args.smoke else "")
+    else:
+        from adbatch.models import load_causal_lm
+
+        model, tok = load_causal_lm(args.model, dtype=torch.float32, device="cpu")
+        what = str(args.model)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.float(), tok, what
+
+
+def run_variant(name: str, base: Any, tok: Any, examples: Any, cfg: Any, device: Any, warmup: int, steps: int) -> dict:
+    import torch
+
+    from adbatch.training.trainer import H200_BF16_PEAK_FLOPS, train_loop
+
+    model = copy.deepcopy(base).to(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    stamps: list[float] = []
+    t_start = time.perf_counter()
+    # on_step runs after the step's loss is read back (log_every=1): consecutive stamps = step times
+    stats, _ = train_loop(model, examples, cfg, pad_id=tok.pad_token_id, device=device, progress=False,
+                          on_step=lambda s, v: stamps.append(time.perf_counter()))
+    summary = stats.summary(model, device)
+    step_s = [b - a for a, b in zip([t_start] + stamps[:-1], stamps)]
+    timed = step_s[warmup:] or step_s
+    med = statistics.median(timed)
+    n = max(1, stats.steps)
+    slots, real = stats.padded_tokens / n, stats.tokens / n  # per step (batches have near-equal sizes)
+    out = {
+        "name": name, "steps": stats.steps, "steps_timed": len(timed), "step_ms": round(1e3 * med, 2),
+        "first_step_s": round(step_s[0], 3) if step_s else None,
+        "tokens_per_s": round(slots / med, 1), "real_tokens_per_s": round(real / med, 1),
+        "padded_share": summary["padded_share"], "target_tokens_per_step": round(stats.target_tokens / n, 1),
+        "mfu": round(summary["model_flops"] / n / med / H200_BF16_PEAK_FLOPS, 4) if device.type == "cuda" else None,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "packing": stats.packing, "compiled": stats.compiled,
+        "first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
+        "config": {k: v for k, v in cfg.to_dict().items() if k in ("packing", "pack_length", "compile",
+                                                                    "ce_chunk_tokens", "batch_tokens", "bf16")},
+        "loop_summary": {k: v for k, v in summary.items() if k not in ("evals",)},
+    }
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_table(results: dict) -> None:
+    head = ("variant", "tokens/s", "real tokens/s", "padded", "MFU", "step ms", "1st step s", "peak GiB", "loss")
+    rows = []
+    for v in results["variants"]:
+        rows.append((v["name"], f"{v['tokens_per_s']:,.0f}", f"{v['real_tokens_per_s']:,.0f}",
+                     f"{100 * v['padded_share']:.1f}%", "-" if v["mfu"] is None else f"{100 * v['mfu']:.1f}%",
+                     f"{v['step_ms']:.1f}", f"{v['first_step_s']:.2f}",
+                     "-" if v["peak_mem_gib"] is None else f"{v['peak_mem_gib']:.1f}",
+                     f"{v['first_loss']:.3f}->{v['final_loss']:.3f}"))
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    print(f"{results['device']} | {results['model']} | {results['data']}")
+    print(f"MFU = 6*N*real tokens / s / {results['mfu_peak_tflops']:.0f} TFLOP/s ({results['mfu_peak']}); "
+          f"medians of {results['steps']} steps after {results['warmup']} warm-up steps")
+    for r in [head, *rows]:
+        print("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def main(args: argparse.Namespace) -> dict:
+    import torch
+
+    from adbatch.training import TrainConfig, index_examples, prepare_model_for_index
+    from adbatch.training.trainer import H200_BF16_PEAK_FLOPS, MFU_PEAK_NAME
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    if args.smoke:
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+        args.max_ads = min(args.max_ads or 40, 40)
+    t0 = time.perf_counter()
+    base, tok, what = load_model(args)
+    if args.bundle:
+        index, ad_texts, labelled = bundle_index(Path(args.bundle), args.catalogue, args.scheme, args.max_ads)
+        data = f"bundle {args.catalogue}/{args.scheme}, {len(index.ad_ids)} ads"
+    else:
+        index, ad_texts = synthetic_index(tok, args.max_ads or 1000, args.seed)
+        labelled, data = [], f"synthetic titles, {len(index.ad_ids)} ads"
+    default = TrainConfig()
+    if args.smoke:  # small batches so that a handful of steps fit the tiny data
+        default = default.replace(batch_tokens=1024, pseudo_queries=default.pseudo_queries.replace(per_ad=4))
+    info = prepare_model_for_index(base, tok, index, ad_texts)
+    examples, data_stats = index_examples(tok, index, default, ad_texts, labelled)
+    log.info("model %s, %s: %s (%.1f s)", what, data, data_stats, time.perf_counter() - t0)
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "model": what, "data": data, "data_stats": data_stats, "scheme": info["scheme"],
+        "steps": args.steps, "warmup": args.warmup, "mfu_peak": MFU_PEAK_NAME,
+        "mfu_peak_tflops": H200_BF16_PEAK_FLOPS / 1e12, "variants": []}
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    specs = ([] if args.no_default else [("default", {})]) + [(v, parse_variant(v)) for v in args.variant]
+    for name, overrides in specs:
+        cfg = default.replace(**overrides, max_steps=args.warmup + args.steps, log_every=1, eval_every=0.0)
+        cfg.validate()
+        log.info("variant %s: %s", name, overrides)
+        results["variants"].append(run_variant(name, base, tok, examples, cfg, device, args.warmup, args.steps))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print_table(results)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the default model)")
+    p.add_argument("--random-model", action="store_true", help="random-init model of --config-dir's config.json")
+    p.add_argument("--config-dir", default=None, help="folder with config.json + tokenizer (default: the default model's)")
+    p.add_argument("--bundle", default=None, help="bundle folder of bench/train_eval.py prepare (else synthetic titles)")
+    p.add_argument("--catalogue", default="5000", help="bundle catalogue name (5000 / full)")
+    p.add_argument("--scheme", default="text", choices=("text", "codes"))
+    p.add_argument("--max-ads", type=int, default=1000, help="first N ads of the index (0 = all)")
+    p.add_argument("--variant", action="append", default=[], help="TrainConfig overrides, e.g. packing=off,compile=off")
+    p.add_argument("--no-default", action="store_true", help="skip the defaults variant")
+    p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
+    p.add_argument("--warmup", type=int, default=5, help="untimed first steps (compile) per variant")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
+    p.add_argument("--smoke", action="store_true", help="tiny random model, 40 ads, 1+3 steps (CPU)")
+    p.add_argument("--out", default=None, help="JSON results file")
+    return p
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    a = build_parser().parse_args()
+    if a.max_ads == 0:
+        a.max_ads = None
+    main(a)
