@@ -33,6 +33,7 @@ from adbatch.compress import CalibrationConfig, CompressConfig
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
 from adbatch.index import IndexConfig
 from adbatch.training import TrainConfig
+from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape
 from adbatch.training.warm_start import WarmStartConfig
 from pipelines.evaluate import EvalJobConfig
 from pipelines.generate import Executor
@@ -47,6 +48,7 @@ STAMP_DIR = "_refresh"
 class Stage(str, enum.Enum):
     INDEX = "index"
     TRAIN = "train"
+    TRAIN_CREATIVES = "train_creatives"
     COMPRESS = "compress"
     GENERATE_TARGETS = "generate_targets"
     GENERATE_CREATIVES = "generate_creatives"
@@ -63,10 +65,14 @@ class GenerateWith(str, enum.Enum):
 class CreativesModel(str, enum.Enum):
     """Which model writes creatives. Training a small model on the ad index overwrites its
     instruction following (measured on the example: the trained SmolLM2-135M starts every headline
-    with cluster labels such as "care therapy > ..."), so creatives default to the base model."""
+    with cluster labels such as "care therapy > ..."), so without the creative fine-tune creatives
+    default to the base model (few-shot prompt)."""
 
     BASE = "base"  #: the base model the refresh started from (dense)
     SERVED = "served"  #: the same model as targets (trained, compressed if `use = compressed`)
+    #: the creative fine-tune's model (``train.creatives``): the separate creative model (dense), or with
+    #: ``shape = shared`` the served model (compressed if ``use = compressed``)
+    TUNED = "tuned"
 
 
 @dataclasses.dataclass
@@ -86,9 +92,17 @@ class TrainStage(ConfigBase):
     config: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
     num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
+    creatives: CreativeTuneConfig = dataclasses.field(default_factory=CreativeTuneConfig, metadata={
+        "help": "creative fine-tune on the corpus's own headlines (stage train_creatives for shape separate; "
+                "mixed into this stage's training for shape shared)"})
+    creatives_hold_out_requested: bool = dataclasses.field(default=True, metadata={
+        "help": "never train on the ads generate.creatives_requests asks headlines for"})
 
     def validate(self) -> None:
         # checked when the file is read, not when the stage's job is built after the earlier stages ran
+        if self.creatives.enabled and self.creatives.shape is CreativeTuneShape.SHARED and not self.enabled:
+            raise ConfigError("train.creatives.shape = shared mixes the headline pairs into the targeting training: "
+                              "it needs train.enabled (or shape = separate)")
         if self.num_workers < 1:
             raise ConfigError(f"TrainStage.num_workers must be >= 1, got {self.num_workers}")
 
@@ -158,6 +172,8 @@ class RefreshConfig(ConfigBase):
     def validate(self) -> None:
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"RefreshConfig.num_cpus must be >= 1, got {self.num_cpus}")
+        if self.generate.creatives_model is CreativesModel.TUNED and not self.train.creatives.enabled:
+            raise ConfigError("generate.creatives_model = tuned needs train.creatives.enabled (the creative fine-tune)")
         known = {s.value for s in Stage} | {"all"}
         bad = [s for s in self.force if s not in known]
         if bad:
@@ -241,6 +257,34 @@ def _train_warm_or_cold(job: Any, warm: WarmStartConfig, previous_index: Any, sa
     if plan.init_model is not None:
         job = job.replace(init_model=plan.init_model, train=job.train.replace(epochs=plan.epochs))
     return {**run_train(job), "warm_start": plan.to_dict()}
+
+
+def _creative_pairs(config: RefreshConfig, ads: Path, req_files: dict[GenerateTask, list[Path]],
+                    work: Path) -> tuple[Path, str]:
+    """The creative fine-tune's (fields -> headline) pairs from the ad corpus, written to
+    ``<work>/creative_pairs.parquet``: never the ads the creatives requests ask for
+    (``train.creatives_hold_out_requested``) nor a row of the creatives evaluation file (by description
+    or headline). Returns the file and the pairs' content hash (the fine-tune's input key)."""
+    import pyarrow.parquet as pq
+
+    from adbatch.training.creatives import read_headline_pairs, write_headline_pairs
+
+    held_ids: list[Any] = []
+    if config.train.creatives_hold_out_requested:
+        for f in req_files.get(GenerateTask.CREATIVES, []):
+            held_ids += pq.read_table(f, columns=["ad_id"]).column("ad_id").to_pylist()
+    held_texts: list[str] = []
+    test_csv = _abs(config.eval.config.creatives.csv)
+    if test_csv is not None and Path(test_csv).is_file():
+        from adbatch.datasets import load_slogan_test
+
+        test = load_slogan_test(test_csv)
+        held_texts = test.column("description").to_pylist() + test.column("reference").to_pylist()
+    pairs = read_headline_pairs(ads, config.train.creatives.pairs, exclude_ad_ids=held_ids, exclude_texts=held_texts)
+    if not len(pairs):
+        raise ConfigError(f"train.creatives: no headline pairs in {ads} ({pairs.stats}): check train.creatives.pairs.headline")
+    path = write_headline_pairs(pairs, work / "creative_pairs.parquet")
+    return path, pairs.content_hash()
 
 
 def _outputs_intact(output: Path) -> bool:
@@ -350,6 +394,13 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
                index_dir / "manifest.json", lambda: run_index(index_job))
     index_in = sha256_file(index_dir / "manifest.json")
 
+    # --- headline pairs of the creative fine-tune (both shapes): chosen here, once, as a file the stages read
+    tune = config.train.creatives
+    pairs_file, pairs_hash = None, None
+    if tune.enabled:
+        pairs_file, pairs_hash = _creative_pairs(config, ads, req_files, work)
+    shared = tune.enabled and tune.shape is CreativeTuneShape.SHARED
+
     # --- train
     base_hash = _model_hash(config.model)
     model_dir: str | None = config.model
@@ -361,11 +412,17 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
         train_job = TrainJobConfig(index=index_dir, out=model_out, init_model=config.model,
                                    train=config.train.config, ads=ads,
                                    queries=_abs(config.train.queries), num_workers=config.train.num_workers,
-                                   num_cpus=config.num_cpus)
+                                   num_cpus=config.num_cpus,
+                                   creatives=tune if shared else CreativeTuneConfig(),
+                                   creative_pairs=pairs_file if shared else None)
         from adbatch.prompts import TARGETING_PROMPT_VERSION
 
         # a new prompt rendering invalidates the trained model even when nothing else changed
         inputs = {"index": index_in, "base_model": base_hash, "targeting_prompt_version": str(TARGETING_PROMPT_VERSION)}
+        if shared:  # the headline pairs by content, and the tuned creative prompt's rendering
+            from adbatch.prompts import TUNED_CREATIVE_PROMPT_VERSION
+
+            inputs.update({"creative_pairs": pairs_hash, "creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)})
         if train_job.queries:
             inputs["queries"] = sha256_file(train_job.queries)
         # the stamp hashes the configured job; a warm start (decided only when the stage runs) changes
@@ -376,6 +433,23 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
                                                (previous_stamp.get("inputs") or {}).get("base_model") == base_hash))
         model_dir = str(model_out)
         model_in = sha256_file(model_out / "adbatch_training.json")
+
+    # --- train_creatives: the separate creative model (base model + headline pairs), retrained only when
+    # the pairs, the base model, its config or the tuned prompt's rendering change
+    creative_dir: Path | None = None
+    creative_in: str | None = None
+    if tune.enabled and not shared:
+        from adbatch.prompts import TUNED_CREATIVE_PROMPT_VERSION
+        from pipelines.train import CreativeTrainJobConfig, run_train_creatives
+
+        creative_dir = work / "creative_model"
+        cjob = CreativeTrainJobConfig(out=creative_dir, pairs=pairs_file, init_model=config.model, creatives=tune,
+                                      num_workers=1, num_cpus=config.num_cpus)
+        inputs = {"creative_pairs": pairs_hash, "base_model": base_hash,
+                  "creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)}
+        runner.run(Stage.TRAIN_CREATIVES, cjob, inputs, creative_dir / "adbatch_training.json",
+                   lambda: run_train_creatives(cjob))
+        creative_in = sha256_file(creative_dir / "adbatch_training.json")
 
     # --- compress
     compressed_dir: Path | None = None
@@ -416,25 +490,32 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
 
     outputs: dict[str, str] = {}
     gen_results: dict[str, Any] = {}
+    # the creatives are written by a model that learned the tuned creative prompt
+    tuned_prompt = tune.enabled and (gen.creatives_model is CreativesModel.TUNED
+                                     or (gen.creatives_model is CreativesModel.SERVED and shared))
     for task, stage, path in ((GenerateTask.TARGETS, Stage.GENERATE_TARGETS, gen.targets_requests),
                               (GenerateTask.CREATIVES, Stage.GENERATE_CREATIVES, gen.creatives_requests)):
         if path is None:
             continue
         out = work / "generate" / task.value
-        from_base = task is GenerateTask.CREATIVES and gen.creatives_model is CreativesModel.BASE
+        creatives = task is GenerateTask.CREATIVES
+        from_base = creatives and gen.creatives_model is CreativesModel.BASE
+        from_creative = creatives and gen.creatives_model is CreativesModel.TUNED and creative_dir is not None
         job = GenerateJobConfig(
             task=task, requests=_abs(path), index=index_dir, out=out,
-            model=config.model if from_base else (None if use_compressed else model_dir),
-            compressed=compressed_dir if (use_compressed and not from_base) else None,
+            model=(config.model if from_base else str(creative_dir) if from_creative
+                   else (None if use_compressed else model_dir)),
+            compressed=compressed_dir if (use_compressed and not from_base and not from_creative) else None,
             targets=gen.targets, creatives=gen.creatives, validation=gen.validation,
             concurrency=gen.concurrency, batch_size=gen.batch_size, partition_size=gen.partition_size,
             executor=gen.executor, num_cpus=config.num_cpus, overwrite=True, progress=False)
-        inputs = {"requests": sha256_paths(req_files[task]), "model": base_hash if from_base else serve_in,
-                  "index": index_in}
+        inputs = {"requests": sha256_paths(req_files[task]),
+                  "model": base_hash if from_base else creative_in if from_creative else serve_in, "index": index_in}
         if task is GenerateTask.CREATIVES:  # a new creative prompt rendering rewrites the headlines
-            from adbatch.prompts import CREATIVE_PROMPT_VERSION
+            from adbatch.prompts import CREATIVE_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
 
-            inputs["creative_prompt_version"] = str(CREATIVE_PROMPT_VERSION)
+            inputs["creative_prompt_version"] = (f"tuned{TUNED_CREATIVE_PROMPT_VERSION}" if tuned_prompt
+                                                 else str(CREATIVE_PROMPT_VERSION))
         gen_results[task.value] = runner.run(stage, job, inputs, out / "manifest.json",
                                              lambda job=job: run_generate(job))
         outputs[task.value] = str(out / task.value)
@@ -451,7 +532,16 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
         eval_job = base.replace(
             out=eval_dir, model=base.model or config.model, compressed=base.compressed or compressed_dir,
             creatives=base.creatives.replace(model=base.creatives.model or model_dir))
+        if creative_dir is not None and gen.creatives_model is CreativesModel.TUNED:
+            # creatives: the separate creative model (dense; the compressed checkpoint is the targeting model's)
+            eval_job = eval_job.replace(
+                compressed=None, targeting=base.targeting.replace(compressed=base.targeting.compressed or base.compressed
+                                                                  or compressed_dir),
+                creatives=base.creatives.replace(model=base.creatives.model or str(creative_dir),
+                                                 compressed=base.creatives.compressed))
         inputs = {"model": base_hash, "served_model": model_in, "read": _eval_inputs(base)}
+        if creative_in is not None:
+            inputs["creative_model"] = creative_in
         if compressed_dir is not None:
             inputs["compressed"] = sha256_file(compressed_dir / "manifest.json")
         runner.run(Stage.EVAL, eval_job, inputs, eval_dir / "manifest.json", lambda: run_eval(eval_job))
@@ -460,6 +550,8 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
     summary = runner.summary
     summary.update({
         "index": str(index_dir), "model": model_dir, "compressed": str(compressed_dir) if compressed_dir else None,
+        "creative_model": str(creative_dir) if creative_dir else None,
+        "creatives_prompt": "tuned" if tuned_prompt else "few_shot",
         "outputs": outputs, "report": report,
         "generate": {k: {"counts": v.get("counts"), "throughput": v.get("throughput")}
                      for k, v in gen_results.items()},
@@ -529,7 +621,8 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
         known = [r for r in made if r["ad_id"] in ad_of]
         if known:
             heads = [r["headline"] for r in known]
-            share = prompt_copy_share(heads, [creative_prompt_text(ad_of[r["ad_id"]]) for r in known])
+            style = result.get("creatives_prompt") or "few_shot"
+            share = prompt_copy_share(heads, [creative_prompt_text(ad_of[r["ad_id"]], style=style) for r in known])
             lines.append(f"  {len(heads)} headlines: {share:.0%} copy >= half of their words from the prompt, "
                          f"{empty_share(heads):.0%} empty")
     record = _read(Path(result["model"]) / "adbatch_training.json") if result.get("model") else None
@@ -541,6 +634,11 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
         if tops and tops.count(common) * 3 > len(tops):
             line += f"; too little for the model to tell the queries apart ({common} tops {tops.count(common)} of {len(tops)})"
         lines.append(line)
+    creative = _read(Path(result["creative_model"]) / "adbatch_training.json") if result.get("creative_model") else None
+    if creative:
+        ct, pairs = creative.get("train") or {}, (creative.get("creative") or {}).get("pairs") or {}
+        lines.append(f"creative fine-tune: {ct.get('steps')} optimizer steps on {pairs.get('pairs')} headline pairs "
+                     f"({ct.get('epochs_done', 0):.1%} of an epoch, {ct.get('seconds', 0):.0f} s; the requested ads held out)")
     return lines
 
 

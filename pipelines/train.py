@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape
 from adbatch.training.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainJobConfig", "run_train", "read_labelled_queries", "read_validation_qrels", "read_ad_texts"]
+__all__ = ["TrainJobConfig", "run_train", "CreativeTrainJobConfig", "run_train_creatives", "read_labelled_queries",
+           "read_validation_qrels", "read_ad_texts", "read_creative_pairs"]
 
 
 @dataclasses.dataclass
@@ -48,11 +50,20 @@ class TrainJobConfig(ConfigBase):
         "help": "Parquet of labelled train-split pairs (query, ad_id); None = indexing examples only"})
     valid_queries: Path | None = dataclasses.field(default=None, metadata={
         "help": "Parquet of validation pairs (query, ad_id[, grade]) for model selection (train.eval_every)"})
+    creatives: CreativeTuneConfig = dataclasses.field(default_factory=CreativeTuneConfig, metadata={
+        "help": "the shared creative shape: headline pairs mixed into this training (shape = shared)"})
+    creative_pairs: Path | None = dataclasses.field(default=None, metadata={
+        "help": "headline pairs (write_headline_pairs) for creatives.enabled; None = read them from ads"})
     num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
     use_gpu: bool = dataclasses.field(default=False, metadata={"help": "one GPU per worker"})
     num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
 
     def validate(self) -> None:
+        if self.creatives.enabled and self.creatives.shape is not CreativeTuneShape.SHARED:
+            raise ConfigError("TrainJobConfig.creatives: the train job mixes headline pairs in (shape = shared); "
+                              "a separate creative model is trained by run_train_creatives (adbatch refresh does)")
+        if self.creatives.enabled and self.creative_pairs is None and self.ads is None:
+            raise ConfigError("TrainJobConfig.creatives.enabled needs the headline pairs: ads (the corpus) or creative_pairs")
         if self.num_workers < 1:
             raise ConfigError(f"TrainJobConfig.num_workers must be >= 1, got {self.num_workers}")
         if self.num_cpus is not None and self.num_cpus < 1:
@@ -99,6 +110,14 @@ def read_ad_texts(path: str | Path, columns: dict[str, Any] | None = None) -> di
     return dict(zip(table.column("ad_id").to_pylist(), table.column("text").to_pylist()))
 
 
+def read_creative_pairs(pairs: str | Path | None, ads: str | Path | None, config: CreativeTuneConfig) -> Any:
+    """Headline pairs for a creative fine-tune: a pairs file (``write_headline_pairs``) when given, else the
+    corpus ``ads`` read with ``config.pairs`` (:func:`adbatch.training.creatives.read_headline_pairs`)."""
+    from adbatch.training.creatives import load_headline_pairs, read_headline_pairs
+
+    return load_headline_pairs(pairs) if pairs is not None else read_headline_pairs(ads, config.pairs)
+
+
 def read_validation_qrels(path: str | Path) -> dict[str, dict[Any, float]]:
     """query -> {ad_id: grade} from a Parquet of validation pairs; without a ``grade`` column every
     listed pair counts as relevant (grade 3, the top of the Home Depot scale)."""
@@ -129,9 +148,11 @@ def _worker(job_dict: dict[str, Any]) -> None:
     ad_texts = read_ad_texts(job.ads, columns) if job.ads is not None else None
     labelled = read_labelled_queries(job.queries) if job.queries is not None else []
     valid = read_validation_qrels(job.valid_queries) if job.valid_queries is not None else None
+    pairs = read_creative_pairs(job.creative_pairs, job.ads, job.creatives) if job.creatives.enabled else None
     _, _, summary = train_on_index(index, job.out, job.train, ad_texts=ad_texts, labelled=labelled,
                                    valid_qrels=valid, init_model=job.init_model, device=str(device), rank=rank,
-                                   world_size=world, progress=rank == 0)
+                                   world_size=world, progress=rank == 0, creative_pairs=pairs,
+                                   creative_config=job.creatives if pairs is not None else None)
     flat = {f"train_{k}": v for k, v in summary["train"].items() if v is not None}
     flat.update({"scheme": summary["scheme"], "index_hash": summary["index_hash"],
                  "examples_indexing": summary["data"].get("indexing", 0),
@@ -151,7 +172,7 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
     # inputs checked before Ray starts
     if not Path(config.index).is_dir():
         raise FileNotFoundError(f"index folder not found: {config.index}")
-    for name in ("ads", "queries", "valid_queries"):
+    for name in ("ads", "queries", "valid_queries", "creative_pairs"):
         path = getattr(config, name)
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"TrainJobConfig.{name}: {path} not found")
@@ -194,7 +215,8 @@ def _train_into(config: TrainJobConfig) -> dict[str, Any]:
     job = config.replace(index=Path(config.index).resolve(), out=Path(config.out).resolve(), init_model=init_model,
                          ads=Path(config.ads).resolve() if config.ads else None,
                          queries=Path(config.queries).resolve() if config.queries else None,
-                         valid_queries=Path(config.valid_queries).resolve() if config.valid_queries else None)
+                         valid_queries=Path(config.valid_queries).resolve() if config.valid_queries else None,
+                         creative_pairs=Path(config.creative_pairs).resolve() if config.creative_pairs else None)
     # Ray Train's run storage (its own checkpoints / metrics; the model folder is written by rank 0)
     storage = Path(tempfile.mkdtemp(prefix="adbatch-train-"))
     trainer = TorchTrainer(
@@ -227,3 +249,91 @@ def _train_into(config: TrainJobConfig) -> dict[str, Any]:
     out["wall_seconds"] = round(time.perf_counter() - t0, 3)
     out["num_workers"] = config.num_workers
     return out
+
+
+@dataclasses.dataclass
+class CreativeTrainJobConfig(ConfigBase):
+    """The separate creative model: the base model fine-tuned on headline pairs only
+    (:func:`adbatch.training.creatives.tune_creatives` inside Ray Train, like the train job)."""
+
+    out: Path = dataclasses.field(default=Path("creative_model"), metadata={"help": "output model folder"})
+    ads: Path | None = dataclasses.field(default=None, metadata={"help": "ad corpus with a headline column"})
+    pairs: Path | None = dataclasses.field(default=None, metadata={
+        "help": "headline pairs file (write_headline_pairs); None = read them from ads with creatives.pairs"})
+    init_model: str | None = dataclasses.field(default=None, metadata={"help": "base model; None = the default"})
+    creatives: CreativeTuneConfig = dataclasses.field(default_factory=lambda: CreativeTuneConfig(enabled=True))
+    num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
+    use_gpu: bool = dataclasses.field(default=False, metadata={"help": "one GPU per worker"})
+    num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
+
+    def validate(self) -> None:
+        if (self.ads is None) == (self.pairs is None):
+            raise ConfigError("CreativeTrainJobConfig: give exactly one of ads (a corpus) and pairs (a pairs file)")
+        if self.num_workers < 1:
+            raise ConfigError(f"CreativeTrainJobConfig.num_workers must be >= 1, got {self.num_workers}")
+
+
+def _creative_worker(job_dict: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+
+    from adbatch.training.creatives import tune_creatives
+
+    job = CreativeTrainJobConfig.from_dict(job_dict)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    pairs = read_creative_pairs(job.pairs, job.ads, job.creatives)
+    _, _, summary = tune_creatives(pairs, job.out, job.creatives, init_model=job.init_model,
+                                   device=str(ray.train.torch.get_device()), rank=rank, world_size=world,
+                                   progress=rank == 0)
+    ray.train.report({f"train_{k}": v for k, v in summary["train"].items() if isinstance(v, (int, float, bool))})
+
+
+def run_train_creatives(config: CreativeTrainJobConfig) -> dict[str, Any]:
+    """Fine-tune the separate creative model into ``config.out`` (replaced atomically); returns its summary."""
+    from adbatch.artifacts import ArtifactKind, claim_output, mark_output
+    from adbatch.models import DEFAULT_MODEL
+    from adbatch.training.checkpoint import read_training_record, recover_interrupted_save
+
+    for name in ("ads", "pairs"):
+        path = getattr(config, name)
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"CreativeTrainJobConfig.{name}: {path} not found")
+    init_model = config.init_model
+    if init_model not in (None, DEFAULT_MODEL) and Path(init_model).exists():
+        init_model = str(Path(init_model).resolve())
+    job = config.replace(out=Path(config.out).resolve(), init_model=init_model,
+                         ads=Path(config.ads).resolve() if config.ads else None,
+                         pairs=Path(config.pairs).resolve() if config.pairs else None)
+    t0 = time.perf_counter()
+    with claim_output(job.out, ArtifactKind.TRAIN, mark=False):
+        recover_interrupted_save(job.out)
+        _fit(_creative_worker, job.to_dict(), config.num_workers, config.use_gpu, config.num_cpus, "adbatch-creatives")
+        record = read_training_record(job.out)
+        if record is None:
+            raise RuntimeError(f"creative fine-tune finished but {job.out} has no training record")
+        mark_output(job.out, ArtifactKind.TRAIN)
+    out = {f"train_{k}": v for k, v in record["train"].items() if isinstance(v, (int, float, bool, str))}
+    out.update({"model_dir": str(job.out), "pairs": record["creative"]["pairs"]["pairs"],
+                "wall_seconds": round(time.perf_counter() - t0, 3)})
+    return out
+
+
+def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool, num_cpus: int | None, name: str) -> None:
+    """Run ``worker(job_dict)`` on ``num_workers`` Ray Train workers; raise if it failed."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipelines.ray_runtime import init_ray
+
+    init_ray(num_cpus=num_cpus)
+    storage = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    trainer = TorchTrainer(worker, train_loop_config=job_dict,
+                           scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+                           run_config=RunConfig(name=name, storage_path=str(storage)))
+    try:
+        result = trainer.fit()
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    if result.error is not None:
+        raise RuntimeError(f"training failed: {result.error}") from result.error

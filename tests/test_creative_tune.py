@@ -171,3 +171,42 @@ def test_shared_shape_mixes_pairs_into_the_targeting_training(tok, tmp_path):
     assert creative_prompt_of(model) is CreativePrompt.TUNED
     record = json.loads((tmp_path / "m" / "adbatch_training.json").read_text())
     assert record["trained_on_index"] == idx.index_hash and record["creative"]["shape"] == "shared"
+
+
+def test_refresh_pairs_hold_out_requested_ads_and_eval_rows(tmp_path, example_ads):
+    from adbatch.requests import GenerateTask
+    from adbatch.training.creatives import load_headline_pairs
+    from jobs.nightly_refresh import RefreshConfig, _creative_pairs
+
+    requests = tmp_path / "req.parquet"
+    pq.write_table(pa.table({"request_id": ["c0", "c1"], "ad_id": ["slogan-00000", "slogan-00001"],
+                             "advertiser": ["x", "y"]}), requests)
+    test_csv = tmp_path / "test.csv"
+    test_csv.write_text("desc,output,company,industry,url,alias\n"
+                        "\"Powerful lead generation software that converts abandoning visitors into subscribers with "
+                        "our dynamic marketing tools and Exit Intent® technology.\",Other,c,i,u,a\n")
+    cfg = RefreshConfig(work=tmp_path / "work")
+    cfg = cfg.replace(train=cfg.train.replace(creatives=CreativeTuneConfig(enabled=True)),
+                      eval=cfg.eval.replace(config=cfg.eval.config.replace(
+                          creatives=cfg.eval.config.creatives.replace(csv=test_csv))))
+    path, digest = _creative_pairs(cfg, example_ads, {GenerateTask.CREATIVES: [requests]}, tmp_path)
+    pairs = load_headline_pairs(path)
+    assert pairs.stats["skipped"]["held_out_ad"] == 2 and pairs.stats["skipped"]["held_out_text"] == 1
+    assert "slogan-00000" not in pairs.ad_ids and "slogan-00002" not in pairs.ad_ids  # the test row's description
+    assert digest == pairs.content_hash() and pairs.fields[0] == {k: v for k, v in pairs.fields[0].items() if v}
+    again, digest2 = _creative_pairs(cfg.replace(train=cfg.train.replace(creatives_hold_out_requested=False)),
+                                     example_ads, {GenerateTask.CREATIVES: [requests]}, tmp_path / "b")
+    assert digest2 != digest and "slogan-00000" in load_headline_pairs(again).ad_ids
+
+
+def test_refresh_config_rules_for_the_creative_fine_tune():
+    from jobs.nightly_refresh import RefreshConfig
+
+    cfg = RefreshConfig()
+    with pytest.raises(ConfigError, match="creatives_model = tuned"):
+        cfg.replace(generate=cfg.generate.replace(creatives_model="tuned")).validate()
+    shared = CreativeTuneConfig(enabled=True, shape=CreativeTuneShape.SHARED)
+    with pytest.raises(ConfigError, match="shared"):
+        cfg.replace(train=cfg.train.replace(enabled=False, creatives=shared)).validate()
+    cfg.replace(train=cfg.train.replace(creatives=CreativeTuneConfig(enabled=True)),
+                generate=cfg.generate.replace(creatives_model="tuned")).validate()

@@ -211,6 +211,44 @@ def read_headline_pairs(path: str | Path, config: HeadlinePairsConfig | None = N
     return headline_pairs(rows, config, exclude_ad_ids=exclude_ad_ids, exclude_texts=exclude_texts)
 
 
+PAIRS_STATS_KEY = b"adbatch_headline_pairs"
+
+
+def write_headline_pairs(pairs: HeadlinePairs, path: str | Path) -> Path:
+    """Write ``pairs`` as Parquet (``ad_id`` string, ``headline``, one string column per field; the
+    pairs' stats in the schema metadata), atomically; :func:`load_headline_pairs` reads it back exactly."""
+    import json
+
+    import pyarrow as pa
+
+    from adbatch.artifacts import write_parquet_atomic
+    from adbatch.prompts import CREATIVE_FIELDS
+
+    keys = [k for k in CREATIVE_FIELDS if any(k in f for f in pairs.fields)]
+    cols = {"ad_id": pa.array([str(a) for a in pairs.ad_ids], pa.string()),
+            "headline": pa.array(pairs.headlines, pa.string()),
+            **{k: pa.array([f.get(k) for f in pairs.fields], pa.string()) for k in keys}}
+    table = pa.table(cols).replace_schema_metadata({PAIRS_STATS_KEY: json.dumps(pairs.stats).encode()})
+    write_parquet_atomic(table, Path(path))
+    return Path(path)
+
+
+def load_headline_pairs(path: str | Path) -> HeadlinePairs:
+    """The pairs :func:`write_headline_pairs` wrote (no filtering: they were chosen when written)."""
+    import json
+
+    from adbatch.corpus import read_parquet_table
+
+    table = read_parquet_table(Path(path), error=ConfigError)
+    meta = (table.schema.metadata or {}).get(PAIRS_STATS_KEY)
+    if meta is None or "headline" not in table.column_names:
+        raise ConfigError(f"{path}: not a headline-pairs file (write_headline_pairs writes one)")
+    keys = [c for c in table.column_names if c not in ("ad_id", "headline")]
+    rows = table.to_pylist()
+    return HeadlinePairs([r["ad_id"] for r in rows], [{k: r[k] for k in keys if r[k]} for r in rows],
+                         [r["headline"] for r in rows], json.loads(meta))
+
+
 def creative_examples(tokenizer: Any, pairs: HeadlinePairs) -> Any:
     """``TrainingExamples`` of kind CREATIVE: the tuned creative prompt of each pair's fields -> its
     headline + EOS (``rows`` = the pair's position)."""
