@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,7 +17,9 @@ from adbatch.prompts import (CREATIVE_EXAMPLES, CreativePrompt, CreativePromptMi
 from adbatch.training.creatives import (CreativeTuneConfig, CreativeTuneShape, HeadlinePairsConfig, creative_examples,
                                         freeze_below, headline_pairs, read_headline_pairs, tune_creatives)
 from adbatch.training.trainer import TrainConfig
-from conftest import make_tiny_llama
+from conftest import REPO, make_tiny_llama
+
+REPO_EXAMPLES = REPO / "examples"
 
 ROWS = [
     {"ad_id": "a0", "advertiser": "Northbrook Dental", "title": "Smiles You Can Trust",
@@ -210,3 +213,53 @@ def test_refresh_config_rules_for_the_creative_fine_tune():
         cfg.replace(train=cfg.train.replace(enabled=False, creatives=shared)).validate()
     cfg.replace(train=cfg.train.replace(creatives=CreativeTuneConfig(enabled=True)),
                 generate=cfg.generate.replace(creatives_model="tuned")).validate()
+
+
+def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path, monkeypatch):
+    """Stage logic without Ray: train_creatives runs, generate-creatives is served by its folder, a second run
+    skips both; another creative train config or another tuned prompt version retrains."""
+    import pipelines.generate
+    import pipelines.train
+    from adbatch.artifacts import write_json_atomic
+    from test_jobs import _refresh_without_ray
+
+    import adbatch.prompts
+
+    trained, generated = [], []
+
+    def fake_tune(job):
+        trained.append(job)
+        write_json_atomic(Path(job.out) / "adbatch_training.json",
+                          {"trained_on_index": None, "task": "creatives", "train": {"steps": 1},
+                           "creative": {"pairs": {"pairs": 1}}})
+        return {}
+
+    def fake_generate(job):
+        generated.append(job)
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "generate"})
+        return {}
+
+    nr = _refresh_without_ray(monkeypatch)
+    monkeypatch.setattr(pipelines.train, "run_train_creatives", fake_tune)
+    monkeypatch.setattr(pipelines.generate, "run_generate", fake_generate)
+    cfg = nr.RefreshConfig.from_dict({
+        "work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
+        "train": {"enabled": False, "creatives": {"enabled": True}}, "compress": {"enabled": False},
+        "eval": {"enabled": False},
+        "generate": {"targets_requests": None, "creatives_model": "tuned"}})
+    first = nr.run_refresh(cfg)
+    assert first["stages"]["train_creatives"]["status"] == "ran" and first["creatives_prompt"] == "tuned"
+    assert Path(generated[-1].model) == Path(first["creative_model"]) and generated[-1].compressed is None
+    pairs = pq.read_table(trained[-1].pairs).column("ad_id").to_pylist()
+    requested = pq.read_table(REPO_EXAMPLES / "requests_creatives.parquet").column("ad_id").to_pylist()
+    assert not set(pairs) & set(requested)
+    second = nr.run_refresh(cfg)
+    assert second["stages"]["train_creatives"]["status"] == "skipped"
+    assert second["stages"]["generate_creatives"]["status"] == "skipped"
+    lr = cfg.replace(train=cfg.train.replace(creatives=cfg.train.creatives.replace(
+        train=cfg.train.creatives.train.replace(lr=3e-4))))
+    assert nr.run_refresh(lr)["stages"]["train_creatives"]["status"] == "ran"
+    monkeypatch.setattr(adbatch.prompts, "TUNED_CREATIVE_PROMPT_VERSION", adbatch.prompts.TUNED_CREATIVE_PROMPT_VERSION + 1)
+    again = nr.run_refresh(lr)
+    assert again["stages"]["train_creatives"]["status"] == "ran" and again["stages"]["generate_creatives"]["status"] == "ran"
+    assert len(trained) == 3
