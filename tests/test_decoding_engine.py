@@ -83,6 +83,11 @@ def test_tree_forward_sees_prompt_suffix_and_ancestors_only(family, fused):
     assert torch.allclose(lp[0], _ref_logprobs(model, prompt + [20, 30]), atol=2e-5)
     assert torch.allclose(lp[1], _ref_logprobs(model, prompt + [20, 30, 31]), atol=2e-5)
     assert torch.allclose(lp[2], _ref_logprobs(model, prompt + [20, 30, 32]), atol=2e-5)
+    # the graph-safe form (CUDA): t on the device, every reserved suffix position gathered and
+    # those at or past t masked, must score the same
+    with torch.no_grad():
+        g_logits, g_lse = engine._tree_body(torch.tensor([0]), torch.tensor([1]), tokens, pos, vis)
+    assert torch.allclose(g_logits.float() - g_lse[:, None], lp, atol=2e-5)
 
 
 def test_engine_is_rebuilt_when_weights_change():

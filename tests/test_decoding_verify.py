@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from adbatch.decoding import CostModel, load_or_calibrate
+from adbatch.decoding.cost_model import CALIBRATION_VERSION
 from adbatch.decoding.engine import engine_for
 from adbatch.decoding.tree_verify import TrieAux, verify_trees
 from adbatch.trie import Trie
@@ -72,7 +73,7 @@ def test_cost_model_interpolation_and_json(tmp_path):
     path = tmp_path / "c.json"
     cm.save(path)
     assert CostModel.load(path) == cm
-    assert json.loads(path.read_text())["version"] == 3
+    assert json.loads(path.read_text())["version"] == CALIBRATION_VERSION
     with pytest.raises(ValueError, match="ascending"):
         CostModel([4, 2], [1.0, 1.0], [1], [1.0])
 

@@ -30,7 +30,7 @@ from adbatch.decoding.engine import engine_for, model_device, model_dtype
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 3  # 3: steps and tree passes timed on the static-cache engine (graphs on CUDA)
+CALIBRATION_VERSION = 4  # 4: tree passes graph-replayed on CUDA too (3: steps only)
 
 
 @dataclasses.dataclass

@@ -148,6 +148,7 @@ class _Graph:
     graph: Any
     logits: torch.Tensor
     lse: torch.Tensor
+    inputs: dict[str, torch.Tensor] | None = None  # a tree pass's static inputs (steps use the engine's)
 
 
 class DecodeEngine:
@@ -185,6 +186,7 @@ class DecodeEngine:
         self._use_dense: set[int] = set()
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
+        self._tree_pool = None
         self.graphs_enabled = self.device.type == "cuda"
         self.ops = _Ops(self.device.type == "cuda" if fused is None else fused)
         # rotary + K/V cache write as one kernel needs the projections' raw outputs: models with
@@ -226,7 +228,7 @@ class DecodeEngine:
             # grow to cover both: shapes seen before keep fitting (fewer reallocations / captures)
             Q, Lp, S = max(Q, self.Qmax), max(Lp, self.Lp), max(S, self.S)
         self._graphs.clear()
-        self._pool = None
+        self._pool = self._tree_pool = None
         self.kp = self.vp = []
         self.ks = self.vs = self.anc = None
         if self.device.type == "cuda":
@@ -621,6 +623,11 @@ class DecodeEngine:
         self._routed_rows = rows if planned else None
 
     # -------------------------------------------------------------- tree pass
+    def tree_width(self, fed: int) -> int:
+        """Tree tokens per beam a pass runs at: a power of two (>= 4) where passes are graph-captured
+        (few shapes), ``fed`` itself in eager mode. Callers pad their trees to it."""
+        return max(4, 1 << max(fed - 1, 0).bit_length()) if self.graphs_enabled else fed
+
     @torch.no_grad()
     def tree_forward(self, rows: torch.Tensor, t: int, tokens: torch.Tensor, pos: torch.Tensor,
                      tree_vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -633,24 +640,76 @@ class DecodeEngine:
             tree_vis: ``Bool[V, F, F]`` which tree tokens each tree token sees (ancestor-or-self).
         Returns:
             ``(logits [V*F, vocab], lse Float32[V*F])`` at every tree token.
+
+        On CUDA each shape (``V`` rounded up to a power of two, ``F``, ``Lp``) is captured once as a
+        CUDA graph and replayed (``t`` read on the device; the suffix keys past it masked): an eager
+        pass of the 8B shape launched ~1,240 kernels and took 53-67 ms of host time even for 32 tree
+        tokens (bench/results/step_profile_8b_engine3_sweep.md), which priced verification out at
+        small batches. Padding rows score a one-token tree below slot 0 and are dropped.
         """
         V, Fn = tokens.shape
+        if not self.graphs_enabled:
+            return self._tree_body(rows, t, tokens, pos, tree_vis)
+        Vb = bucket_queries(V)
+        key = ("tree", Vb, Fn, self.Lp)
+        g = self._graphs.get(key)
+        if g is None:
+            inputs = {"rows": torch.zeros(Vb, dtype=torch.long, device=self.device),
+                      "tokens": torch.zeros(Vb, Fn, dtype=torch.long, device=self.device),
+                      "pos": torch.zeros(Vb, Fn, dtype=torch.long, device=self.device),
+                      "vis": torch.eye(Fn, dtype=torch.bool, device=self.device)[None].repeat(Vb, 1, 1),
+                      "t": torch.zeros(1, dtype=torch.long, device=self.device)}
+        else:
+            inputs = g.inputs
+        inputs["rows"][:V].copy_(rows)
+        inputs["tokens"][:V].copy_(tokens)
+        inputs["pos"][:V].copy_(pos)
+        inputs["vis"][:V].copy_(tree_vis)
+        inputs["t"].fill_(t)
+        n = V * Fn
+        if g is not None:
+            g.graph.replay()
+            return g.logits[:n], g.lse[:n]
+        self._plan_linears(bucket_queries(Vb * Fn))
+        body = lambda: self._tree_body(inputs["rows"], inputs["t"], inputs["tokens"], inputs["pos"], inputs["vis"])  # noqa: E731
+        out = body()  # the first pass of this shape runs eagerly, then is captured for the next
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        # tree graphs share their own pool: a tree pass must not overwrite the step's outputs
+        with torch.cuda.graph(graph, pool=self._tree_pool):
+            logits, lse = body()
+        if self._tree_pool is None:
+            self._tree_pool = graph.pool()
+        self._graphs[key] = _Graph(graph, logits, lse, inputs)
+        self.capture_seconds += time.perf_counter() - t0
+        return out[0][:n], out[1][:n]
+
+    def _tree_body(self, rows: torch.Tensor, t: int | torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
+                   tree_vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree pass over ``[V, F]`` tree tokens. ``t``: a host int (eager: the suffix keys
+        ``[0, t)`` are gathered), or ``Long[1]`` on the device (graph-safe: all ``S`` suffix
+        positions are gathered and those at or past ``t`` masked)."""
+        V, Fn = tokens.shape
         q_of = rows // self.B
-        Lp = self.Lp
-        if self.graphs_enabled:
-            self._plan_linears(bucket_queries(V * Fn))
+        Lp, dev = self.Lp, self.device
+        if isinstance(t, torch.Tensor):
+            n_suf = self.S
+            s_vis = (torch.arange(n_suf, device=dev) < t)[None, None, :].expand(V, Fn, n_suf)
+        else:
+            n_suf = t
+            s_vis = torch.ones(V, Fn, t, dtype=torch.bool, device=dev)
         p_vis = (self.prompt_bias[q_of] == 0)[:, None, :].expand(V, Fn, Lp)
-        s_vis = torch.ones(V, Fn, t, dtype=torch.bool, device=self.device)
-        vis = torch.cat([p_vis, s_vis, tree_vis], -1)[:, None]                # [V, 1, F, Lp+t+F]
+        vis = torch.cat([p_vis, s_vis, tree_vis], -1)[:, None]                # [V, 1, F, Lp+S+F]
         key_pos = torch.cat([self.prompt_pos[q_of],
-                             self.prompt_len[q_of][:, None] + torch.arange(t, device=self.device), pos], 1)
+                             self.prompt_len[q_of][:, None] + torch.arange(n_suf, device=dev), pos], 1)
         h = self._embed(tokens)
         rope = self._rope_all(h, pos)
 
         def attend(li: int, layer: Any, x: torch.Tensor) -> torch.Tensor:
             q, k, v = self._qkv(layer, x, rope, li)
-            kk = torch.cat([self.kp[li].index_select(0, q_of), gather_suffix(self.ks[li], self.anc, rows, t), k], 2)
-            vv = torch.cat([self.vp[li].index_select(0, q_of), gather_suffix(self.vs[li], self.anc, rows, t), v], 2)
+            kk = torch.cat([self.kp[li].index_select(0, q_of), gather_suffix(self.ks[li], self.anc, rows, n_suf), k], 2)
+            vv = torch.cat([self.vp[li].index_select(0, q_of), gather_suffix(self.vs[li], self.anc, rows, n_suf), v], 2)
             m = vis
             if self.window[li]:
                 m = vis & ((pos[:, None, :, None] - key_pos[:, None, None, :]) < self.window[li])

@@ -89,6 +89,7 @@ def verify_trees(engine: DecodeEngine, parent_rows: torch.Tensor, t: int, nodes:
     """
     dev = nodes.device
     V = nodes.shape[0]
+    fed_max = engine.tree_width(fed_max)  # padded columns are unused tree slots (fed_node -1)
     j = torch.arange(sub_max, device=dev)
     sub = aux.sub[nodes]                                                  # [V]
     in_tree = j[None, :] < sub[:, None]                                   # [V, S]
