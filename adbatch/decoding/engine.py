@@ -187,6 +187,7 @@ class DecodeEngine:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._tree_pool = None
+        self._eager_trees: set[tuple] = set()  # tree shapes whose capture failed
         self.graphs_enabled = self.device.type == "cuda"
         self.ops = _Ops(self.device.type == "cuda" if fused is None else fused)
         # rotary + K/V cache write as one kernel needs the projections' raw outputs: models with
@@ -673,12 +674,20 @@ class DecodeEngine:
         self._plan_linears(bucket_queries(Vb * Fn))
         body = lambda: self._tree_body(inputs["rows"], inputs["t"], inputs["tokens"], inputs["pos"], inputs["vis"])  # noqa: E731
         out = body()  # the first pass of this shape runs eagerly, then is captured for the next
+        if key in self._eager_trees:
+            return out[0][:n], out[1][:n]
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        # tree graphs share their own pool: a tree pass must not overwrite the step's outputs
-        with torch.cuda.graph(graph, pool=self._tree_pool):
-            logits, lse = body()
+        try:
+            # tree graphs share their own pool: a tree pass must not overwrite the step's outputs
+            with torch.cuda.graph(graph, pool=self._tree_pool):
+                logits, lse = body()
+        except RuntimeError as exc:  # e.g. an attention backend that cannot be captured: stay eager
+            log.warning("tree pass %s not captured (%s); it runs eagerly", key[1:], exc)
+            self._eager_trees.add(key)
+            torch.cuda.synchronize(self.device)
+            return out[0][:n], out[1][:n]
         if self._tree_pool is None:
             self._tree_pool = graph.pool()
         self._graphs[key] = _Graph(graph, logits, lse, inputs)
