@@ -263,3 +263,23 @@ def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path,
     again = nr.run_refresh(lr)
     assert again["stages"]["train_creatives"]["status"] == "ran" and again["stages"]["generate_creatives"]["status"] == "ran"
     assert len(trained) == 3
+
+
+def test_run_train_creatives_on_ray_train_writes_a_marked_creative_model(tmp_path, ray_local):
+    from test_generate_support import tiny_model_dir
+
+    from adbatch.artifacts import artifact_kind
+    from adbatch.training.creatives import write_headline_pairs
+    from pipelines.train import CreativeTrainJobConfig, run_train_creatives
+
+    pairs = write_headline_pairs(headline_pairs(ROWS, HeadlinePairsConfig()), tmp_path / "pairs.parquet")
+    cfg = CreativeTuneConfig(enabled=True, train=TrainConfig(epochs=1, batch_tokens=512))
+    out = run_train_creatives(CreativeTrainJobConfig(out=tmp_path / "creative", pairs=pairs,
+                                                     init_model=str(tiny_model_dir(tmp_path)), creatives=cfg))
+    assert out["pairs"] == 5 and out["train_steps"] >= 1
+    assert artifact_kind(tmp_path / "creative") == "train"
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(tmp_path / "creative").adbatch_creative_prompt["style"] == "tuned"
+    with pytest.raises(ConfigError):
+        CreativeTrainJobConfig(out=tmp_path / "x").validate()
