@@ -14,7 +14,8 @@ from adbatch.config import ConfigError
 from adbatch.prompts import (CREATIVE_EXAMPLES, CreativePrompt, CreativePromptMismatchError, TUNED_CREATIVE_PROMPT_VERSION,
                              creative_prompt_of, creative_prompt_text, declare_creative_prompt, encode_creative_prompt,
                              encode_creative_target)
-from adbatch.training.creatives import (CreativeTuneConfig, CreativeTuneShape, HeadlinePairsConfig, creative_examples,
+from adbatch.training.creatives import (CreativeTrainConfig, CreativeTuneConfig, CreativeTuneShape, HeadlinePairsConfig,
+                                        creative_examples,
                                         freeze_below, headline_pairs, read_headline_pairs, tune_creatives)
 from adbatch.training.trainer import TrainConfig
 from conftest import REPO, make_tiny_llama
@@ -124,7 +125,7 @@ def test_separate_shape_trains_saves_and_serves_with_the_tuned_prompt(tok, tmp_p
     assert set(ex.kinds.tolist()) == {3} and len(ex) == 5
     plen = int(ex.prompt_lens[0])
     assert ex.tokens[:plen].tolist() == encode_creative_prompt(tok, pairs.fields[0], style=CreativePrompt.TUNED)
-    cfg = CreativeTuneConfig(enabled=True, train=TrainConfig(epochs=30, lr=3e-3, batch_tokens=1024, log_every=1,
+    cfg = CreativeTuneConfig(enabled=True, train=CreativeTrainConfig(epochs=30, lr=3e-3, batch_tokens=1024, log_every=1,
                                                              warmup_fraction=0.0))
     out = tmp_path / "creative_model"
     _, _, summary = tune_creatives(pairs, out, cfg, model=tiny(tok), tokenizer=tok.__class__.from_pretrained(
@@ -273,7 +274,7 @@ def test_run_train_creatives_on_ray_train_writes_a_marked_creative_model(tmp_pat
     from pipelines.train import CreativeTrainJobConfig, run_train_creatives
 
     pairs = write_headline_pairs(headline_pairs(ROWS, HeadlinePairsConfig()), tmp_path / "pairs.parquet")
-    cfg = CreativeTuneConfig(enabled=True, train=TrainConfig(epochs=1, batch_tokens=512))
+    cfg = CreativeTuneConfig(enabled=True, train=CreativeTrainConfig(epochs=1, batch_tokens=512))
     out = run_train_creatives(CreativeTrainJobConfig(out=tmp_path / "creative", pairs=pairs,
                                                      init_model=str(tiny_model_dir(tmp_path)), creatives=cfg))
     assert out["pairs"] == 5 and out["train_steps"] >= 1

@@ -46,9 +46,20 @@ class CreativeTuneShape(str, enum.Enum):
     SHARED = "shared"  #: the targeting model, with the pairs mixed into its training as creative examples
 
 
-def _default_creative_train() -> TrainConfig:
-    # a short fine-tune, not DSI: few passes, a lower peak lr than the index training (5e-4)
-    return TrainConfig(epochs=2.0, lr=1e-4, batch_tokens=8192, warmup_fraction=0.05, log_every=10)
+@dataclasses.dataclass
+class CreativeTrainConfig(TrainConfig):
+    """:class:`TrainConfig` with the creative fine-tune's defaults: a short fine-tune, not DSI -- few passes,
+    a lower peak lr than the index training (5e-4). Its own class, so a config file that sets one key of
+    ``[train.creatives.train]`` keeps these defaults for the others."""
+
+    epochs: float = dataclasses.field(default=2.0, metadata={"help": "passes over the headline pairs"})
+    lr: float = dataclasses.field(default=1e-4, metadata={"help": "peak learning rate"})
+    batch_tokens: int = dataclasses.field(default=8192, metadata={"help": "padded tokens per micro-batch"})
+    log_every: int = dataclasses.field(default=10, metadata={"help": "log every this many steps"})
+
+
+def _default_creative_train() -> CreativeTrainConfig:
+    return CreativeTrainConfig()
 
 
 @dataclasses.dataclass
@@ -86,7 +97,7 @@ class CreativeTuneConfig(ConfigBase):
     shape: CreativeTuneShape = dataclasses.field(default=CreativeTuneShape.SEPARATE, metadata={
         "help": "separate (own creative model from the base model) | shared (mixed into the targeting training)"})
     pairs: HeadlinePairsConfig = dataclasses.field(default_factory=HeadlinePairsConfig)
-    train: TrainConfig = dataclasses.field(default_factory=_default_creative_train, metadata={
+    train: CreativeTrainConfig = dataclasses.field(default_factory=_default_creative_train, metadata={
         "help": "training knobs of the separate shape (the shared shape trains with the targeting config)"})
     train_layers: int | None = dataclasses.field(default=None, metadata={
         "help": "separate shape: train only the top N decoder layers (embeddings frozen; backward stops "
