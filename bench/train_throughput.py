@@ -135,7 +135,8 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
     return model.float(), tok, what
 
 
-def run_variant(name: str, base: Any, tok: Any, examples: Any, cfg: Any, device: Any, warmup: int, steps: int) -> dict:
+def run_variant(name: str, base: Any, tok: Any, examples: Any, cfg: Any, device: Any, warmup: int,
+                profile: Path | None = None) -> dict:
     import torch
 
     from adbatch.training.trainer import H200_BF16_PEAK_FLOPS, train_loop
@@ -144,20 +145,37 @@ def run_variant(name: str, base: Any, tok: Any, examples: Any, cfg: Any, device:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    stamps: list[float] = []
+    stamps: list[tuple[int, float]] = []
     t_start = time.perf_counter()
-    # on_step runs after the step's loss is read back (log_every=1): consecutive stamps = step times
+    # on_step runs after the loss of every log_every-th step is read back (the loop's only sync): the
+    # host runs ahead inside a block as in production, and block time / block steps = step time
+    on_step = lambda s, v: stamps.append((s, time.perf_counter()))  # noqa: E731
+    prof = None
+    if profile is not None:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        prof = torch_profile(activities=acts)
+        prof.__enter__()
     stats, _ = train_loop(model, examples, cfg, pad_id=tok.pad_token_id, device=device, progress=False,
-                          on_step=lambda s, v: stamps.append(time.perf_counter()))
+                          on_step=on_step)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        profile.write_text(prof.key_averages().table(sort_by=key, row_limit=40))
     summary = stats.summary(model, device)
-    step_s = [b - a for a, b in zip([t_start] + stamps[:-1], stamps)]
-    timed = step_s[warmup:] or step_s
+    first_step_s = stamps[0][1] - t_start
+    blocks = [((t1 - t0) / (s1 - s0), s0) for (s0, t0), (s1, t1) in zip(stamps, stamps[1:]) if s1 > s0]
+    timed = [b for b, s0 in blocks if s0 >= warmup] or [b for b, _ in blocks] or [first_step_s]
+    step_s = [first_step_s]
     med = statistics.median(timed)
     n = max(1, stats.steps)
     slots, real = stats.padded_tokens / n, stats.tokens / n  # per step (batches have near-equal sizes)
     out = {
-        "name": name, "steps": stats.steps, "steps_timed": len(timed), "step_ms": round(1e3 * med, 2),
-        "first_step_s": round(step_s[0], 3) if step_s else None,
+        "name": name, "steps": stats.steps, "blocks_timed": len(timed), "step_ms": round(1e3 * med, 2),
+        "block_step_ms": [round(1e3 * b, 2) for b, _ in blocks],
+        "steps_timed": sum(s1 - s0 for (s0, _), (s1, _) in zip(stamps, stamps[1:]) if s0 >= warmup),
+        "first_step_s": round(step_s[0], 3),
         "tokens_per_s": round(slots / med, 1), "real_tokens_per_s": round(real / med, 1),
         "padded_share": summary["padded_share"], "target_tokens_per_step": round(stats.target_tokens / n, 1),
         "mfu": round(summary["model_flops"] / n / med / H200_BF16_PEAK_FLOPS, 4) if device.type == "cuda" else None,
@@ -186,9 +204,12 @@ def print_table(results: dict) -> None:
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     print(f"{results['device']} | {results['model']} | {results['data']}")
     print(f"MFU = 6*N*real tokens / s / {results['mfu_peak_tflops']:.0f} TFLOP/s ({results['mfu_peak']}); "
-          f"medians of {results['steps']} steps after {results['warmup']} warm-up steps")
+          f"step ms = median over blocks of {results['sync_every']} steps, {results['steps']} steps after "
+          f"{results['warmup']} warm-up steps")
     for r in [head, *rows]:
         print("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    for f in results.get("failed", []):
+        print(f"FAILED {f['name']}: {f['error']}")
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -199,7 +220,7 @@ def main(args: argparse.Namespace) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     if args.smoke:
-        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+        args.steps, args.warmup, args.sync_every, args.settle_s = min(args.steps, 4), min(args.warmup, 1), 1, 0.0
         args.max_ads = min(args.max_ads or 40, 40)
     t0 = time.perf_counter()
     base, tok, what = load_model(args)
@@ -218,17 +239,36 @@ def main(args: argparse.Namespace) -> dict:
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "model": what, "data": data, "data_stats": data_stats, "scheme": info["scheme"],
-        "steps": args.steps, "warmup": args.warmup, "mfu_peak": MFU_PEAK_NAME,
+        "steps": args.steps, "warmup": args.warmup, "sync_every": args.sync_every, "mfu_peak": MFU_PEAK_NAME,
         "mfu_peak_tflops": H200_BF16_PEAK_FLOPS / 1e12, "variants": []}
     import transformers
 
     results["transformers"] = transformers.__version__
     specs = ([] if args.no_default else [("default", {})]) + [(v, parse_variant(v)) for v in args.variant]
+    if args.settle_s > 0 and specs:
+        # Untimed: the process's first compiled run is slow for its first ~20 s on the H200 (measured:
+        # ~215 ms/step, then ~85 ms with nothing recompiled; inductor's compile workers starting up
+        # beside a host-bound loop, most likely), which a few warm-up steps do not cover
+        cfg = default.replace(**specs[0][1], max_steps=10**6, time_budget_s=args.settle_s, log_every=50, eval_every=0.0)
+        log.info("settling for %.0f s on %s (untimed)", args.settle_s, specs[0][0])
+        settle = run_variant("settle", base, tok, examples, cfg, device, 0)
+        results["settle"] = {"steps": settle["steps"], "block_step_ms": settle["block_step_ms"]}
     for name, overrides in specs:
-        cfg = default.replace(**overrides, max_steps=args.warmup + args.steps, log_every=1, eval_every=0.0)
+        cfg = default.replace(**overrides, max_steps=args.warmup + args.steps, log_every=args.sync_every,
+                              eval_every=0.0)
         cfg.validate()
         log.info("variant %s: %s", name, overrides)
-        results["variants"].append(run_variant(name, base, tok, examples, cfg, device, args.warmup, args.steps))
+        prof = Path(f"{args.out}.{len(results['variants'])}.profile.txt") if args.profile and args.out else None
+        try:
+            results["variants"].append(run_variant(name, base, tok, examples, cfg, device, args.warmup, prof))
+        except Exception as exc:  # a bench: record the variant that broke (e.g. a compile failure), run the rest
+            import traceback
+
+            log.exception("variant %s failed", name)
+            results.setdefault("failed", []).append({"name": name, "error": repr(exc),
+                                                     "traceback": traceback.format_exc()[-4000:]})
+            if args.smoke:
+                raise
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))
@@ -249,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-default", action="store_true", help="skip the defaults variant")
     p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed first steps (compile) per variant")
+    p.add_argument("--sync-every", type=int, default=5,
+                   help="loss read-back (the loop's log_every) every this many steps; step ms = block time / steps")
+    p.add_argument("--settle-s", type=float, default=30.0,
+                   help="untimed run of the first variant for this many seconds first (0 = none; --smoke: 0)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table per variant beside --out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even with a GPU")
     p.add_argument("--smoke", action="store_true", help="tiny random model, 40 ads, 1+3 steps (CPU)")

@@ -33,6 +33,7 @@ already initialised there):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -90,7 +91,7 @@ class TrainConfig(ConfigBase):
     compile: bool = field(default=True, metadata={
         "help": "torch.compile each decoder layer on CUDA (CPU always eager; not with sparsity or QAT, whose "
                 "hooks and forward swaps change the layers mid-run)"})
-    ce_chunk_tokens: int = field(default=4096, metadata={
+    ce_chunk_tokens: int = field(default=8192, metadata={
         "help": "target positions per chunk of the fused LM head + cross-entropy (peak fp32 logits "
                 "ce_chunk_tokens x vocab; distillation and DDP use the plain head)"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
@@ -277,18 +278,40 @@ def check_packing(model: nn.Module, probe_len: int = 24) -> str | None:
     return None
 
 
+def _ce_chunk(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of one chunk and its gradient w.r.t. the logits (``softmax - onehot``).
+
+    ``logits``: ``[c, V]`` (bf16 under autocast), math in fp32; ``targets``: int64 ``[c]``. Returns a
+    float32 scalar and the gradient ``[c, V]`` in the logits' dtype. Written as plain elementwise ops
+    and reductions so that ``torch.compile`` fuses it into two passes over the logits (eager
+    ``logsumexp`` + ``exp`` + casts took ~3.5 ms per 4096 x 49,152 chunk on the H200, ~18 % of a step).
+    """
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [c, 1]
+    loss = (lse.squeeze(1) - x.gather(1, targets[:, None]).squeeze(1)).sum()
+    hit = torch.arange(x.shape[1], device=x.device)[None, :] == targets[:, None]  # [c, V] one-hot, fused
+    grad = (x - lse).exp() - hit.to(x.dtype)
+    return loss, grad.to(logits.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_ce_chunk() -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    # dynamic: the last chunk of every step has another row count
+    return torch.compile(_ce_chunk, dynamic=True)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``h @ weight.T`` chunk by chunk, its gradients computed in the forward.
 
     Per chunk of ``c`` rows: logits ``[c, V]`` in ``dtype`` (the autocast dtype on CUDA, as the plain
-    head computes them), then fp32 log-sum-exp and ``softmax - onehot``, which gives ``d loss / d h``
-    and ``d loss / d weight`` at once; the chunk's logits are then freed. Peak extra memory is one
-    chunk's fp32 logits instead of the whole ``[n, V]`` (plus its bf16 copy and their gradients) kept
-    until the backward. The backward only scales the stored gradients.
+    head computes them), then the fp32 ``softmax - onehot`` (:func:`_ce_chunk`), which gives
+    ``d loss / d h`` and ``d loss / d weight`` at once; the chunk's logits are then freed. Peak extra
+    memory is one chunk's logits and gradient instead of the whole ``[n, V]`` (plus fp32 copies and
+    their gradients) kept until the backward. The backward only scales the stored gradients.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, dtype):  # noqa: D102 - see the class docstring
+    def forward(ctx, h, weight, targets, chunk, dtype, ce_fn):  # noqa: D102 - see the class docstring
         n = h.shape[0]
         w = weight.to(dtype)
         grad_h = torch.empty_like(h)
@@ -296,13 +319,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, n, chunk):
             hc = h[s:s + chunk].to(dtype)  # [c, H]
-            t = targets[s:s + chunk, None]  # [c, 1]
-            logits = (hc @ w.t()).float()  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c, 1]
-            total += (lse - logits.gather(1, t)).sum()
-            g = logits.sub_(lse).exp_()  # softmax, in place of the logits
-            g.scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=g.dtype, device=g.device))  # - onehot
-            g = g.to(dtype)
+            loss, g = ce_fn(hc @ w.t(), targets[s:s + chunk])  # [c, V] logits -> their gradient
+            total += loss
             grad_h[s:s + chunk] = (g @ w).to(h.dtype)
             if grad_w is not None:
                 grad_w += (g.t() @ hc).float()
@@ -313,21 +331,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):  # noqa: D102
         scale = grad_out / ctx.n
         gw = None if ctx.grad_w is None else (ctx.grad_w * scale).to(ctx.w_dtype)
-        return ctx.grad_h * scale.to(ctx.grad_h.dtype), gw, None, None, None
+        return ctx.grad_h * scale.to(ctx.grad_h.dtype), gw, None, None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 8192,
+                         compiled: bool = False) -> torch.Tensor:
     """Mean next-token cross-entropy of the LM head ``weight`` (``[V, H]``) at ``h`` (``[n, H]``).
 
     ``targets``: int64 ``[n]``. Equal to ``cross_entropy((h @ weight.T).float(), targets)`` (the
     matmul in the autocast dtype when autocast is on, like the plain head) without keeping the
-    ``[n, V]`` logits: see :class:`_LinearCrossEntropy`. Returns a float32 scalar.
+    ``[n, V]`` logits: see :class:`_LinearCrossEntropy`. ``compiled``: the per-chunk softmax math
+    through ``torch.compile`` (CUDA). Returns a float32 scalar.
     """
     assert h.ndim == 2 and weight.ndim == 2 and h.shape[1] == weight.shape[1], (h.shape, weight.shape)
     assert targets.shape == (h.shape[0],) and h.shape[0] > 0, "one target per row of h, at least one"
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    ce_fn = _compiled_ce_chunk() if compiled else _ce_chunk
     with torch.autocast(device_type=h.device.type, enabled=False):
-        return _LinearCrossEntropy.apply(h, weight, targets, int(chunk), dtype)
+        return _LinearCrossEntropy.apply(h, weight, targets, int(chunk), dtype, ce_fn)
 
 
 def _fast_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
@@ -388,13 +409,13 @@ def target_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: Any
     return head(h).float(), targets
 
 
-def batch_loss(model: nn.Module, batch: Batch, config: TrainConfig, teacher: nn.Module | None = None
-               ) -> tuple[torch.Tensor, int]:
+def batch_loss(model: nn.Module, batch: Batch, config: TrainConfig, teacher: nn.Module | None = None,
+               compiled: bool = False) -> tuple[torch.Tensor, int]:
     """The micro-batch's loss (float32 scalar) and its number of target tokens.
 
     Plain model, no teacher, bias-free head: the fused chunked LM head + cross-entropy
-    (:func:`linear_cross_entropy`); otherwise the head's logits and ``cross_entropy`` /
-    :func:`adbatch.training.distill.distill_loss`.
+    (:func:`linear_cross_entropy`, its softmax math compiled when ``compiled``); otherwise the head's
+    logits and ``cross_entropy`` / :func:`adbatch.training.distill.distill_loss`.
     """
     core = unwrap_ddp(model)
     kw = model_inputs(core, batch)
@@ -403,7 +424,7 @@ def batch_loss(model: nn.Module, batch: Batch, config: TrainConfig, teacher: nn.
     n_tgt = int(batch.target_index.numel())
     if teacher is None and parts is not None and getattr(parts[1], "bias", None) is None:
         h, targets, head = target_hidden(model, *args)
-        return linear_cross_entropy(h, head.weight, targets, config.ce_chunk_tokens), n_tgt
+        return linear_cross_entropy(h, head.weight, targets, config.ce_chunk_tokens, compiled=compiled), n_tgt
     logits, targets = target_logits(model, *args)
     if teacher is None:
         return nn.functional.cross_entropy(logits, targets), n_tgt
@@ -681,7 +702,7 @@ def train_loop(
         for _ in range(config.grad_accum):
             batch = next(batch_iter).to(device)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss, n_tgt = batch_loss(model, batch, config, teacher)
+                loss, n_tgt = batch_loss(model, batch, config, teacher, compiled=compiled is not None)
             (loss / config.grad_accum).backward()
             loss_acc += loss.detach() / config.grad_accum
             stats.micro_batches += 1
