@@ -30,7 +30,10 @@ dot products).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -226,4 +229,108 @@ def decode_attention_reference(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tens
     return o.reshape(n, H, D).to(q.dtype)
 
 
-__all__ = ["decode_attention", "decode_attention_reference", "gather_suffix"]
+# ---------------------------------------------------------------------------------- CPU row steps
+# On the CPU a decode step runs only the rows still decoded on, and its time is the op count as much
+# as the math: the reference above is ~35 small ops per layer (scatter / permute / gather copies, two
+# products per part, a concatenated softmax), which cost a 135M model more per step than the old
+# engine's whole attention (one SDPA over a per-row cache) on the 2-core VM. The function below does
+# the same math in 5-12 ops per layer, with every index computed once per step (RowGather).
+
+# Prompt attention on the per-query grid from this many rows on, if they fill at least a quarter of
+# the grid (Qb * beams rows; empty slots cost compute there): below, copying each row's prompt K/V
+# is cheaper than the grid's fixed cost (measured, one-layer attention on the 2-core VM, 1-2 threads:
+# 4 rows of 1 query 0.31 vs 0.49 ms; 16 of 16 queries x 8 beams 1.2 vs 2.4 ms; 32 of 64 grid rows
+# 2.0 vs 2.6 ms the other way; 128 of 128: 6-10 vs 15-26 ms).
+GRID_MIN_ROWS = 16
+GRID_MIN_FILL = 0.25
+
+
+@dataclass
+class RowGather:
+    """Per-step indices of :func:`decode_attention_rows`, shared by every layer of one step.
+
+    ``rows Long[n]`` the slot rows (distinct), ``q_of / b_of Long[n]`` their query row and beam,
+    ``suffix Long[n * (t + 1)]`` the flat index ``s * Rmax + anc[row, s]`` of each row's path K/V
+    in one layer's ``ks.view(S * Rmax, kv, D)``, ``t`` the suffix position being written, ``grid``
+    the prompt-attention layout (see :data:`GRID_MIN_ROWS`), ``masks`` the additive masks of the
+    per-row layout by sliding window, built on first use.
+    """
+
+    rows: torch.Tensor
+    q_of: torch.Tensor
+    b_of: torch.Tensor
+    suffix: torch.Tensor
+    t: int
+    queries: int
+    beams: int
+    grid: bool
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def row_gather(anc: torch.Tensor, rows: torch.Tensor, t: int, beams: int, queries: int) -> RowGather:
+    """Indices for a step of slot ``rows: Long[n]`` at suffix position ``t`` over ``queries`` query
+    rows of ``beams`` slots (``anc Int[Rmax, S]``, its rows' entries ``0..t`` already set)."""
+    n, rmax = rows.shape[0], anc.shape[0]
+    pos = torch.arange(t + 1, device=rows.device) * rmax
+    suffix = (pos[None, :] + anc[rows, : t + 1]).reshape(-1)              # int32 + long -> long
+    grid = (rows.device.type == "cpu" and n >= GRID_MIN_ROWS and n >= GRID_MIN_FILL * queries * beams
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+    return RowGather(rows, rows // beams, rows % beams, suffix, t, queries, beams, grid)
+
+
+def decode_attention_rows(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p_bias: torch.Tensor,
+                          p_pos: torch.Tensor, p_len: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                          idx: RowGather, scaling: float, window: int = 0) -> torch.Tensor:
+    """:func:`decode_attention_reference` for rows ``idx.rows`` (``q [n, H, D]``), on the CPU.
+
+    ``kp, vp [Qb, kv, Lp, D]`` (``Qb = idx.queries``), ``ks, vs [S, Rmax, kv, D]`` contiguous (one
+    layer's suffix region). Scores and softmax in float32, returns ``[n, H, D]`` in q's dtype.
+    Two layouts, the same math:
+
+    - per row: the row's prompt K/V (a copy) and path K/V concatenated, one SDPA with an additive
+      mask (padding, sliding window);
+    - grid (many rows, no window): the prompt part as one SDPA per query whose beams are extra query
+      rows (the prompt read once per query, no copy), the path part as one SDPA per row, merged by
+      their log-sum-exps (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` returns
+      them). A fully masked prompt would come back with a log-sum-exp of 0 there, so sliding-window
+      layers always take the per-row layout (its keys include the new token: never fully masked).
+    """
+    n, H, D = q.shape
+    Qb, kv = kp.shape[0], kp.shape[1]
+    g, t, B = H // kv, idx.t, idx.beams
+    if Qb != idx.queries:
+        raise ValueError(f"prompt region holds {Qb} query rows, the step's indices {idx.queries}")
+    S, rmax = ks.shape[0], ks.shape[1]
+    qf = q.float().view(n, kv, g, D)
+    ksuf = ks.view(S * rmax, kv, D).index_select(0, idx.suffix).view(n, t + 1, kv, D).transpose(1, 2)
+    vsuf = vs.view(S * rmax, kv, D).index_select(0, idx.suffix).view(n, t + 1, kv, D).transpose(1, 2)
+    ksuf, vsuf = ksuf.float(), vsuf.float()
+    if idx.grid and window == 0:
+        grid = qf.new_zeros(Qb, kv, B, g, D)
+        grid[idx.q_of, :, idx.b_of] = qf
+        op, lp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            grid.view(Qb, kv, B * g, D), kp.float(), vp.float(), attn_mask=p_bias[:, None, None, :],
+            scale=scaling)
+        op = op.view(Qb, kv, B, g, D)[idx.q_of, :, idx.b_of]                    # [n, kv, g, D]
+        lp = lp.view(Qb, kv, B, g)[idx.q_of, :, idx.b_of]                       # [n, kv, g]
+        os_, ls = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, ksuf, vsuf, scale=scaling)
+        w = torch.stack([lp, ls]).softmax(0)[..., None]                         # [2, n, kv, g, 1]
+        return torch.addcmul(op * w[0], os_, w[1]).view(n, H, D).to(q.dtype)
+    mask = idx.masks.get(window)
+    if mask is None:
+        p_mask = p_bias
+        if window > 0:
+            p_mask = torch.where((p_len + t)[:, None] - p_pos >= window, float("-inf"), p_bias)
+        s_mask = torch.zeros(t + 1, device=q.device)
+        if window > 0:
+            s_mask = s_mask.masked_fill(t - torch.arange(t + 1, device=q.device) >= window, float("-inf"))
+        mask = torch.cat([p_mask[idx.q_of], s_mask.expand(n, t + 1)], 1)[:, None, None, :]
+        idx.masks[window] = mask
+    kk = torch.cat([kp.index_select(0, idx.q_of).float(), ksuf], 2)             # [n, kv, Lp + t + 1, D]
+    vv = torch.cat([vp.index_select(0, idx.q_of).float(), vsuf], 2)
+    o = F.scaled_dot_product_attention(qf, kk, vv, attn_mask=mask, scale=scaling)
+    return o.reshape(n, H, D).to(q.dtype)
+
+
+__all__ = ["decode_attention", "decode_attention_reference", "decode_attention_rows", "gather_suffix",
+           "row_gather", "RowGather"]

@@ -106,3 +106,24 @@ def test_reference_over_a_subset_of_rows_equals_those_rows_of_the_whole():
     part = da.decode_attention_reference(q[rows], kp, vp, p_bias, p_pos, plen, ks, vs, anc, 4, 4, 0.25,
                                          window=3, rows=rows)
     torch.testing.assert_close(part, whole[rows])
+
+
+@pytest.mark.parametrize("Qb,B,kv,g,D,Lp,S,t,window", [
+    (2, 10, 3, 3, 64, 32, 8, 5, 0),    # the default model's heads
+    (3, 4, 2, 2, 16, 20, 6, 0, 0),     # first step
+    (2, 8, 2, 4, 32, 40, 8, 7, 3),     # sliding window (always the per-row layout)
+    (4, 8, 3, 3, 64, 48, 12, 9, 0),
+])
+@pytest.mark.parametrize("layout", ["chosen", "grid", "per_row"])
+def test_cpu_row_attention_equals_the_reference(Qb, B, kv, g, D, Lp, S, t, window, layout):
+    q, kp, vp, p_bias, p_pos, plen, ks, vs, anc = _inputs(Qb, B, kv, g, D, Lp, S, torch.float32, seed=7)
+    gen = torch.Generator().manual_seed(t)
+    for rows in (torch.arange(Qb * B), torch.randperm(Qb * B, generator=gen)[: Qb * B // 2].sort().values,
+                 torch.tensor([Qb * B - 1])):
+        idx = da.row_gather(anc, rows, t, B, Qb)
+        if layout != "chosen":
+            idx.grid = layout == "grid"
+        prompt = (kp[:Qb], vp[:Qb], p_bias[:Qb], p_pos[:Qb], plen[:Qb])
+        ref = da.decode_attention_reference(q[rows], *prompt, ks, vs, anc, t, B, 0.125, window, rows=rows)
+        got = da.decode_attention_rows(q[rows], *prompt, ks, vs, idx, 0.125, window)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import fused_ops as fo
-from kernels.decode_attention import decode_attention, decode_attention_reference, gather_suffix
+from kernels.decode_attention import (RowGather, decode_attention, decode_attention_reference,
+                                      decode_attention_rows, gather_suffix, row_gather)
 
 log = logging.getLogger(__name__)
 
@@ -475,17 +476,21 @@ class DecodeEngine:
         return Qb
 
     # -------------------------------------------------------------- decode step
-    def _attend(self, li: int, q: torch.Tensor, Qb: int, t: int | None, rows: torch.Tensor | None
+    def _attend(self, li: int, q: torch.Tensor, Qb: int, t: int | None, rows: RowGather | None
                 ) -> torch.Tensor:
         """Layer ``li``'s one-token attention of slot rows (``rows``: a subset, eager CPU steps;
         None: all ``Qb * B``): ``q [n, H, D]`` -> ``[n, H, D]`` over the query's prompt row and the
         row's path ``[0, t]`` (K/V at ``t`` already written). ``t``: host int, None = ``in_t``."""
+        if rows is not None:  # CPU row steps: the step's indices are shared by every layer
+            return decode_attention_rows(q, self.kp[li][:Qb], self.vp[li][:Qb], self.prompt_bias[:Qb],
+                                         self.prompt_pos[:Qb], self.prompt_len[:Qb], self.ks[li],
+                                         self.vs[li], rows, self.scaling[li], self.window[li])
         args = (q, self.kp[li][:Qb], self.vp[li][:Qb], self.prompt_bias[:Qb], self.prompt_pos[:Qb],
                 self.prompt_len[:Qb], self.ks[li], self.vs[li], self.anc)
-        if self.device.type == "cuda" and rows is None:
+        if self.device.type == "cuda":
             return decode_attention(*args, self.in_t, self.B, self.scaling[li], self.window[li])
         t = int(self.in_t) if t is None else t
-        return decode_attention_reference(*args, t, self.B, self.scaling[li], self.window[li], rows=rows)
+        return decode_attention_reference(*args, t, self.B, self.scaling[li], self.window[li])
 
     def _one_token_forward(self, tokens: torch.Tensor, pos: torch.Tensor, Qb: int, t: int | None,
                            rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -495,6 +500,8 @@ class DecodeEngine:
         n, H, D = tokens.shape[0], self.n_heads, self.head_dim
         h = self._embed(tokens[:, None])                                       # [n, 1, hidden]
         rope = self._rope_all(h, pos)
+        # CPU row steps: the rows' gather indices, once for all layers (K/V at t written per layer)
+        gather = None if rows is None else row_gather(self.anc, rows, t, self.B, Qb)
 
         def attend(li: int, layer: Any, x: torch.Tensor) -> torch.Tensor:
             if rows is None and self.store_fused:  # rotary + K/V write at in_t: one kernel
@@ -508,7 +515,7 @@ class DecodeEngine:
                 else:
                     self.ks[li, t, rows] = k[:, :, 0]
                     self.vs[li, t, rows] = v[:, :, 0]
-            return self._attend(li, q.reshape(n, H, D), Qb, t, rows).reshape(n, 1, H * D)
+            return self._attend(li, q.reshape(n, H, D), Qb, t, gather).reshape(n, 1, H * D)
 
         return self.head_lse(self._layer_stack(h, attend)[:, 0])
 
