@@ -198,7 +198,8 @@ def served_calibration_texts(index_dir: str | Path, tokenizer: Any, config: Cali
     index = load_index(index_dir)
     manifest = index.manifest
     columns = (manifest.get("config") or {}).get("columns")
-    col_cfg = CorpusConfig.from_dict(columns) if columns else None
+    # the texts only: a corpus copy without the precomputed embedding column reads too
+    col_cfg = CorpusConfig.from_dict({**columns, "embedding": None, "embedding_dim": None}) if columns else None
     sources = [Path(ads)] if ads is not None else [Path(p) for p in manifest.get("input_files") or []]
     if not sources:
         raise ConfigError(f"{index_dir}: the index manifest lists no input_files; pass the ad corpus (ads=)")
