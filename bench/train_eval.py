@@ -387,6 +387,111 @@ def run(args: argparse.Namespace) -> None:
     finish(results, out)
 
 
+def check(args: argparse.Namespace) -> None:
+    """The product's own recipe on a trained model, end to end (one device call, no Ray):
+
+    1. ``train_on_index`` with ``TrainConfig()`` (the ``adbatch train`` defaults) on the 5,000-title
+       ``text`` index and the train-split labelled queries; tokens/s and MFU from its summary;
+    2. test-query quality and speed, bf16, 10 beams, top 10: the new engine ``off`` and ``auto``
+       and the engine before issue 16 (``.carry/baseline_decoding``, ``off``), each at query batch
+       64, plus new ``off`` at the GPU default batch (1,024) for speed;
+    3. the compress stage (``run_compress`` with its defaults, ``use_ray=False`` on the GPU:
+       calibrated on what the served model reads, ``--index`` + the labelled queries), the
+       checkpoint loaded as ``adbatch generate`` loads it, then test quality/speed off and auto.
+    Writes ``results.json`` and ``table.md`` under ``--out``.
+    """
+    import torch
+
+    from adbatch.generation import ModelSpec, load_model
+    from adbatch.prompts import encode_targeting_prompt
+    from adbatch.targeting_eval import evaluate_targeting
+    from adbatch.training import TrainConfig, train_on_index
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                               "args": vars(args), "rows": {}}
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    bundle = Path(args.bundle)
+    if (bundle / "prepare.json").is_file():
+        results["prepare"] = json.loads((bundle / "prepare.json").read_text())  # MiniLM + FAISS there
+    data = load_bundle(bundle, "5000")
+    index = data["indexes"]["text"]
+    model, tok = load_base(args.model, args.smoke, device)
+    cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048)
+    if args.train_budget_s:
+        cfg = cfg.replace(time_budget_s=args.train_budget_s)
+    t0 = time.perf_counter()
+    model_dir = Path(args.work) / "trained"  # saved by the library, as ``adbatch train`` saves it
+    model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
+                                         model=model, tokenizer=tok, device=device, progress=False)
+    results["train"] = {"dense-text": summary["train"] | {"data": summary["data"],
+                                                          "wall_s": round(time.perf_counter() - t0, 1)}}
+    log.info("trained: %s", results["train"])
+    save()
+    old = None
+    base_dir = Path(__file__).resolve().parent.parent / ".carry" / "baseline_decoding"
+    if (base_dir / "adbatch_baseline_decoding" / "__init__.py").is_file():
+        sys.path.insert(0, str(base_dir))
+        import adbatch_baseline_decoding as old
+
+    def ranker(mod: Any, m: Any, verify: str, batch: int) -> Any:
+        tcfg = mod.TargetSearchConfig(num_beams=args.beams, top_k=10, verify=verify, batch_size=batch)
+
+        def rank(qs: list[str]) -> list[list[Any]]:
+            prompts = [encode_targeting_prompt(tok, q) for q in qs]
+            with torch.inference_mode():
+                res = mod.search_targets(m, prompts, index.trie, tcfg)
+            return [[index.ad_ids[r] for r in row if r >= 0] for row in res.rows.tolist()]
+        return rank
+
+    def eval_rows(tag: str, m: Any, methods: list[tuple[str, Any, str, int]]) -> None:
+        m.eval()
+        for name, mod, verify, batch in methods:
+            if mod is None:
+                continue
+            rank = ranker(mod, m, verify, batch)
+            rank(sorted(data["qrels"])[:min(batch, args.max_queries or batch)])  # warm-up: graphs, kernels, cost model
+            r = evaluate_targeting(rank, data["qrels"], batch_size=batch, max_queries=args.max_queries)
+            results["rows"][f"{tag} {name}"] = r
+            log.info("%s %s: %s", tag, name, {k: round(v, 4) for k, v in r.items()})
+            save()
+
+    import adbatch.decoding as new
+    dense = model.to(device)
+    if device == "cuda":
+        dense = dense.to(torch.bfloat16)
+    big = [] if args.smoke else [("new off @1024", new, "off", 1024)]  # the GPU default batch
+    eval_rows("dense", dense, [("new off @64", new, "off", 64), ("new auto @64", new, "auto", 64),
+                               ("old off @64", old, "off", 64)] + big)
+    del dense, model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    # 3. the compress stage with its defaults, calibrated on the served index and queries
+    from pipelines.compress import CompressJobConfig, run_compress
+
+    queries = bundle / "train_5000.parquet"  # the train-split (query, ad_id) pairs
+    t0 = time.perf_counter()
+    comp_dir = Path(args.work) / "compressed"
+    csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / "index_5000_text", queries=queries,
+                                          ads=bundle / "titles_5000.parquet", out=comp_dir, use_ray=False,
+                                          layer_device=device if device == "cuda" else None))
+    results["compress"] = {"wall_s": round(time.perf_counter() - t0, 1),
+                           **{k: v for k, v in csum.items() if isinstance(v, (int, float, str))}}
+    save()
+    cm, _ = load_model(ModelSpec(compressed=str(comp_dir)), device)
+    eval_rows("compressed", cm, [("new off @64", new, "off", 64), ("new auto @64", new, "auto", 64)] + big)
+    save()
+    table = render_table(results)
+    (out / "table.md").write_text(table)
+    print(table)
+    print(json.dumps({"train": results["train"], "compress": results.get("compress")}, default=str)[:3000])
+
+
 def sweep(args: argparse.Namespace) -> None:
     """Train a list of configurations with validation-based model selection; test each selected model.
 
@@ -632,6 +737,16 @@ def main(argv: list[str] | None = None) -> None:
     sw.add_argument("--max-queries", type=int, default=None)
     sw.add_argument("--slogans", default=None, help="slogan test-curated.csv, for configs with 'creatives'")
     sw.add_argument("--creatives-n", type=int, default=200, help="slogan test ads scored per model")
+    ck = sub.add_parser("check", help="product defaults on a trained model: train, old/new engines, compress")
+    ck.add_argument("--bundle", required=True)
+    ck.add_argument("--out", required=True)
+    ck.add_argument("--work", default="/tmp/adbatch_check")
+    ck.add_argument("--model", default=None)
+    ck.add_argument("--smoke", action="store_true")
+    ck.add_argument("--beams", type=int, default=10)
+    ck.add_argument("--max-queries", type=int, default=None)
+    ck.add_argument("--train-budget-s", type=float, default=None,
+                    help="stop training after this long (recorded; the recipe's schedule is not shortened)")
     pr = sub.add_parser("run")
     pr.add_argument("--bundle", required=True)
     pr.add_argument("--out", required=True)
@@ -651,7 +766,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    {"prepare": prepare, "baseline": baseline, "run": run, "sweep": sweep}[args.cmd](args)
+    {"prepare": prepare, "baseline": baseline, "run": run, "sweep": sweep, "check": check}[args.cmd](args)
 
 
 if __name__ == "__main__":
