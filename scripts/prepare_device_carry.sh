@@ -16,12 +16,21 @@
 #   .carry/wheels/        the other wheels                                               [two-call plan]
 #   --with-gguf: .carry/gguf_a/ .carry/gguf_b/  the default model's GGUF, xz'd and split so that
 #                call 1 = site + gguf_a and call 2 = gguf_b fit 64 MiB each (real-model plan)
+#   --trained-check: the trained-model plan without Ray (bench/train_eval.py check, bench/creatives_tune.py,
+#                bench/train_throughput.py): .carry/gguf_a2/ (56 MiB) + .carry/gguf_b2/ (the rest) of the
+#                xz'd GGUF, .carry/pywhl/ (gguf + the creative metrics' wheels: rouge-score, sacrebleu, nltk
+#                and their needs), .carry/slogan/ (the slogan CSVs, eval only, never committed) and
+#                .carry/bundle/ (bench/train_eval.py prepare --no-full, MiniLM computed here). Calls, back
+#                to back (a machine keeps /tmp 30 s): A = gguf_a2 (+ any random-model work), B = gguf_b2 +
+#                pywhl + bundle + baseline_decoding (train_eval.py check), C = pywhl + slogan (creatives).
 # scripts/device_ray_setup.sh consumes them on the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 WITH_GGUF=0
+TRAINED_CHECK=0
 [ "${1:-}" = "--with-gguf" ] && WITH_GGUF=1
+[ "${1:-}" = "--trained-check" ] && { WITH_GGUF=1; TRAINED_CHECK=1; }
 MiB=$((1024 * 1024))
 
 mkdir -p .git/info
@@ -137,9 +146,28 @@ if [ "$WITH_GGUF" = 1 ]; then
   rm -rf "$tmp"
 fi
 
+if [ "$TRAINED_CHECK" = 1 ]; then
+  GX=".whl/$(basename "$("$PY" -c 'from adbatch.models import default_gguf_path; print(default_gguf_path())')").xz"
+  rm -rf .carry/gguf_a2 .carry/gguf_b2 .carry/pywhl && mkdir -p .carry/gguf_a2 .carry/gguf_b2 .carry/pywhl .carry/slogan
+  gname="$(basename "$GX")"
+  head -c $((56 * MiB)) "$GX" > ".carry/gguf_a2/$gname.part-aa"
+  tail -c +$((56 * MiB + 1)) "$GX" > ".carry/gguf_b2/$gname.part-ab"
+  "$PY" scripts/device_carry.py manifest --file "$GX" --dest adbatch_files --stage adbatch_parts --unxz \
+    --parts .carry/gguf_a2/*.part-* .carry/gguf_b2/*.part-* --out .carry/gguf_a2/PARTS.json .carry/gguf_b2/PARTS.json
+  cp .whl/gguf-*.whl .carry/pywhl/
+  METRIC_PKGS=(absl-py nltk regex joblib click sacrebleu portalocker tabulate colorama lxml six)
+  pins=(); for p in "${METRIC_PKGS[@]}"; do pins+=("$p==$(ver "$p")"); done
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLAT[@]}" \
+    -d .carry/pywhl "${pins[@]}"
+  "$PY" -m pip wheel -q --no-deps -w .carry/pywhl "rouge-score==$(ver rouge-score)"   # sdist only: built here
+  cp ../shared/data/slogan_gen/*.csv .carry/slogan/
+  [ -f .carry/bundle/prepare.json ] || "$PY" bench/train_eval.py prepare --no-full --bundle .carry/bundle
+fi
+
 tree=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s}')
 echo "[carry] sizes (MiB): working tree $(awk "BEGIN {printf \"%.2f\", $tree / $MiB}")"
-for d in .carry/site .carry/assets .carry/ray_a .carry/ray_b .carry/wheels .carry/gguf_a .carry/gguf_b; do
+for d in .carry/site .carry/assets .carry/ray_a .carry/ray_b .carry/wheels .carry/gguf_a .carry/gguf_b \
+         .carry/gguf_a2 .carry/gguf_b2 .carry/pywhl .carry/slogan .carry/bundle; do
   [ -d "$d" ] || continue
   b=$(du -sb "$d" | cut -f1)
   printf '  %-16s %7.2f\n' "$d" "$(awk "BEGIN {print $b / $MiB}")"
