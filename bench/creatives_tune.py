@@ -55,9 +55,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-# run as a script, sys.path[0] is bench/, whose kernels.py would shadow the kernels package
+# run as a script, sys.path[0] is bench/, whose kernels.py would shadow the kernels package (imported by a
+# test, sys.path is left as it is but for the repository)
 REPO = Path(__file__).resolve().parent.parent
-sys.path[0] = str(REPO)
+if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == REPO / "bench":
+    sys.path[0] = str(REPO)
+elif str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 log = logging.getLogger("creatives_tune")
 
