@@ -212,9 +212,7 @@ def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path
     requests = pa.table({"request_id": table.column("ad_id"), "ad_id": table.column("ad_id"),
                          "advertiser": table.column("advertiser"),
                          "description": table.column("description"), "industry": table.column("industry")})
-    # the text each headline is written from: what the prompt-copy share compares against
-    prompt_texts = [creative_prompt_text(r) for r in requests.select(["advertiser", "description", "industry"])
-                    .to_pylist()]
+    fields = requests.select(["advertiser", "description", "industry"]).to_pylist()
     model = cfg.model or model
     compressed = cfg.compressed or compressed
     variants = [("dense", ModelSpec(model=model))]
@@ -237,6 +235,8 @@ def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path
         ans = pa.concat_tables(answers)
         hyps = [(h[0] if h else "") for h in ans.column("headlines").to_pylist()]
         outputs[name] = hyps
+        # the text each headline was written from (the prompt this model reads): what the copy share compares against
+        prompt_texts = [creative_prompt_text(r, style=gen.prompt_style) for r in fields]
         rows.append({"variant": name, **creative_quality(hyps, refs, prompt_texts), "examples": len(hyps),
                      "requests_per_s": len(hyps) / secs, "ms_per_request": 1000.0 * secs / len(hyps),
                      "note": f"{cfg.creative.strategy.value}, max {cfg.creative.max_new_tokens} tokens"})
