@@ -197,14 +197,9 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
 
 def _train_into(config: TrainJobConfig) -> dict[str, Any]:
     """The part of :func:`run_train` that starts Ray and writes: under the folder's claim."""
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     from adbatch.artifacts import ArtifactKind, mark_output
-    from pipelines.ray_runtime import init_ray
 
     t0 = time.perf_counter()
-    init_ray(num_cpus=config.num_cpus)
     # Ray Train workers do not run in the driver's working directory: every local path is made
     # absolute here, the starting model too (None / "default" name the bundled model, not a path)
     init_model = config.init_model
@@ -217,19 +212,8 @@ def _train_into(config: TrainJobConfig) -> dict[str, Any]:
                          queries=Path(config.queries).resolve() if config.queries else None,
                          valid_queries=Path(config.valid_queries).resolve() if config.valid_queries else None,
                          creative_pairs=Path(config.creative_pairs).resolve() if config.creative_pairs else None)
-    # Ray Train's run storage (its own checkpoints / metrics; the model folder is written by rank 0)
-    storage = Path(tempfile.mkdtemp(prefix="adbatch-train-"))
-    trainer = TorchTrainer(
-        _worker, train_loop_config=job.to_dict(),
-        scaling_config=ScalingConfig(num_workers=config.num_workers, use_gpu=config.use_gpu),
-        run_config=RunConfig(name="adbatch-train", storage_path=str(storage)),
-    )
-    try:
-        result = trainer.fit()
-    finally:
-        shutil.rmtree(storage, ignore_errors=True)
-    if result.error is not None:
-        raise RuntimeError(f"training failed: {result.error}") from result.error
+    # Ray Train's run storage is temporary (the model folder is written by rank 0)
+    _fit(_worker, job.to_dict(), config.num_workers, config.use_gpu, config.num_cpus, "adbatch-train")
     # rank 0's record in the model folder is the source of truth (Ray's reported metrics are a
     # convenience whose retention differs across Ray Train versions)
     from adbatch.training.checkpoint import read_training_record
