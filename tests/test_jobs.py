@@ -111,10 +111,28 @@ def test_batch_generate_main_in_process(ray_local, assets, tmp_path):
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["executor"] == "ray"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports.
+
+    The sockets stay bound until all ``n`` are picked: a port released right away may be handed out
+    again by the next bind, and Ray refuses a head whose components share a port ("is trying to use a
+    port number ... that is used by other components", seen in CI). Ports inside Ray's worker range
+    (10002-19999) are skipped for the same reason.
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if not 10002 <= port <= 19999:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 @pytest.fixture
@@ -126,7 +144,7 @@ def ray_head(tmp_path):
     every Ray on the machine).
     """
     ray_bin = Path(sys.executable).parent / "ray"
-    port, dash = _free_port(), _free_port()
+    port, dash, agent_http, agent_grpc, runtime_env, metrics, client = _free_ports(7)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["HF_HUB_OFFLINE"] = "1"
     # Ray >= 2.5x enables token auth on new clusters; the CLI client must be told to use it too
@@ -143,9 +161,9 @@ def ray_head(tmp_path):
          # the job agent's default ports (52365, ...) may be held by an in-process Ray that an
          # earlier test in this pytest process started; a head whose agent can't bind answers
          # every submission with "No available agent"
-         f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-         f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
-         f"--ray-client-server-port={_free_port()}"],
+         f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+         f"--ray-client-server-port={client}"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield {"address": f"http://127.0.0.1:{dash}", "env": env, "bin": ray_bin, "log": tmp_path / "ray_head.log"}
