@@ -266,10 +266,41 @@ def encode_creative_target(tokenizer: Any, headline: str) -> list[int]:
     assistant turn writes it (after a chat template's ``assistant\\n``; after the plain frame's
     ``Headline:`` with a leading space) and the tokenizer's EOS, which ends decoding. Empty headline:
     ValueError."""
-    headline = " ".join(str(headline).split())
-    if not headline:
-        raise ValueError("empty headline")
+    return _answer_ids(tokenizer, headline, "headline")
+
+
+def _answer_ids(tokenizer: Any, answer: str, what: str) -> list[int]:
+    """The assistant turn's ids for ``answer`` (spaces collapsed) + EOS: what a fine-tune on one of the
+    prompts above learns to write (a chat template puts ``assistant\\n`` before it; the plain frame's
+    ``Label:`` wants a leading space)."""
+    answer = " ".join(str(answer).split())
+    if not answer:
+        raise ValueError(f"empty {what}")
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no EOS token: a fine-tuned headline could not end")
-    text = headline if getattr(tokenizer, "chat_template", None) else " " + headline
+        raise ValueError(f"the tokenizer has no EOS token: a fine-tuned {what} could not end")
+    text = answer if getattr(tokenizer, "chat_template", None) else " " + answer
     return [*tokenizer(text, add_special_tokens=False)["input_ids"], int(tokenizer.eos_token_id)]
+
+
+QUERY_GEN_INSTRUCTION = "Write a search query a shopper would type to find this product."
+#: bumped whenever the query-generation prompt's rendering (or the query target after it) changes: a
+#: generator fine-tuned on one rendering is stale under another, and so are the queries it generated
+#: (the train job's generated-query cache is keyed by it)
+QUERY_GEN_PROMPT_VERSION = 1
+QUERY_GEN_AD_CHARS = 300  # a product title is ~60 characters; longer ad texts are cut (prompt cost per ad)
+
+
+def encode_query_gen_prompt(tokenizer: Any, ad_text: str, max_chars: int = QUERY_GEN_AD_CHARS) -> list[int]:
+    """Token ids of the query-generation prompt for one ad's text (docT5query / DSI-QG's ad -> query
+    direction; :mod:`adbatch.training.query_generation`): :data:`QUERY_GEN_INSTRUCTION` as the system turn,
+    ``Product: <text>`` as the user turn, rendering version :data:`QUERY_GEN_PROMPT_VERSION`; the tokenizer's
+    own special tokens around it (:func:`special_tokens_around`, via the chat template or the plain frame).
+    The fine-tune's target follows it (:func:`encode_query_gen_target`)."""
+    text = " ".join(str(ad_text or "").split())[:max_chars]
+    return _chat_or_plain(tokenizer, f"Product: {text}", "\nQuery:", system=QUERY_GEN_INSTRUCTION)
+
+
+def encode_query_gen_target(tokenizer: Any, query: str) -> list[int]:
+    """Token ids the query generator learns after :func:`encode_query_gen_prompt`: the query as the
+    assistant turn writes it, then EOS (which ends sampling). Empty query: ValueError."""
+    return _answer_ids(tokenizer, query, "query")

@@ -15,6 +15,7 @@ from typing import Any, Hashable, Iterable, Mapping
 from adbatch.training.checkpoint import (IndexMismatchError, check_index_compat, load_masks,
                                          read_training_record, save_trained)
 from adbatch.training.distill import DistillConfig
+from adbatch.training.pseudo_queries import QuerySource
 from adbatch.training.quant_aware import QuantAwareConfig
 from adbatch.training.sparsity import SparsityScheduleConfig
 from adbatch.training.trainer import TrainConfig
@@ -92,17 +93,49 @@ def prepare_model_for_index(model: Any, tokenizer: Any, index: Any, ad_texts: Ma
 
 
 def index_examples(tokenizer: Any, index: Any, config: Any, ad_texts: Mapping[Hashable, str],
-                   labelled: Iterable[tuple[str, Hashable]] = ()) -> tuple[Any, dict[str, Any]]:
+                   labelled: Iterable[tuple[str, Hashable]] = (),
+                   generated: Iterable[tuple[str, Hashable]] = ()) -> tuple[Any, dict[str, Any]]:
     """The training examples of ``index`` as ``config`` (a :class:`TrainConfig`) asks: indexing, retrieval
-    (``labelled`` train-split pairs) and span pseudo-queries (:func:`adbatch.training.data.build_examples`).
-    Returns ``(TrainingExamples, data stats)``; what :func:`train_on_index` trains on (creative rehearsal,
-    which needs the model, is added there)."""
+    (``labelled`` train-split pairs), span pseudo-queries and ``generated`` (query, ad_id) pairs
+    (:func:`adbatch.training.data.build_examples`). Returns ``(TrainingExamples, data stats)``; what
+    :func:`train_on_index` trains on (creative rehearsal, which needs the model, is added there)."""
     from adbatch.training.data import build_examples
 
     return build_examples(
         tokenizer, index.ad_ids, _index_targets(index), ad_texts, labelled if config.retrieval else (),
         indexing=config.indexing, append_eos=config.append_eos, max_query_tokens=config.max_query_tokens,
-        pseudo_queries=config.pseudo_queries)
+        pseudo_queries=config.pseudo_queries, generated=generated)
+
+
+def _query_generator(init_model: Any, warm_from: Any, query_gen: Any, model: Any, tokenizer: Any,
+                     loaded_given: bool) -> tuple[Any, str | None]:
+    """The base model of the query generator, as a loader, and the source the record names for it.
+
+    ``query_gen.generator_model`` when set; on a warm start (the starting model learned an index, so it
+    writes index sequences, not queries) the generator model its training record names, else the default
+    model; otherwise a copy of the starting model taken before the index's tokens are added (the record
+    names ``init_model``, or None for a model given in memory without one)."""
+    import copy
+
+    from adbatch.models import DEFAULT_MODEL
+
+    source = query_gen.generator_model
+    if source is None and warm_from is not None:
+        rec = read_training_record(init_model) or {}
+        source = (rec.get("query_gen") or {}).get("generator_model") or DEFAULT_MODEL
+        log.info("query generator: warm start from a model trained on an index; tuning the generator from %s", source)
+    if source is not None:
+        def load() -> tuple[Any, Any]:
+            import torch
+
+            from adbatch.models import load_causal_lm
+
+            return load_causal_lm(None if source == DEFAULT_MODEL else source, dtype=torch.float32, device="cpu")
+        return load, source
+    named = str(init_model) if init_model is not None else (None if loaded_given else DEFAULT_MODEL)
+    # the tokenizer is shared, not copied: the generator is done (and released) before prepare_model_for_index
+    # adds the index's tokens to it
+    return (lambda: (copy.deepcopy(model), tokenizer)), named
 
 
 def train_on_index(
@@ -123,6 +156,9 @@ def train_on_index(
     progress: bool = True,
     creative_pairs: Any = None,
     creative_config: Any = None,
+    query_gen: Any = None,
+    query_cache: str | Path | None = None,
+    exclude_queries: Iterable[str] = (),
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Train a causal LM on ``index`` and (rank 0, when ``out_dir``) save the model folder.
 
@@ -137,6 +173,13 @@ def train_on_index(
     ``creative_pairs`` (:class:`adbatch.training.creatives.HeadlinePairs`) with ``creative_config`` (its
     ``CreativeTuneConfig``): the *shared* creative shape -- the pairs join the examples as creative
     examples (``creative_config.repeat`` copies per epoch) and the saved model declares the tuned creative prompt.
+    ``query_gen`` (:class:`adbatch.training.query_generation.QueryGenConfig`, None = its defaults): how the
+    generated queries are made when ``config.pseudo_queries.source`` is generated or mix -- a generator
+    fine-tuned on ``labelled`` (never on ``valid_qrels`` or ``exclude_queries``: those are refused) writes
+    queries for every ad before the targeting model is prepared; they are cached in ``out_dir`` (file
+    ``generated_queries.parquet``, keyed by the content hash of their inputs; a staging copy beside the
+    folder until the save) or ``query_cache`` when given, so a re-run with unchanged inputs reads them.
+    Too few labelled pairs: ``query_gen.no_labels`` (spans, with a warning, or zero-shot generation).
     Returns ``(model, tokenizer, summary)``.
     """
     import torch
@@ -158,9 +201,35 @@ def train_on_index(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     ad_texts = dict(ad_texts) if ad_texts is not None else default_ad_texts(index)
+    labelled = list(labelled)
+    generated, gen_info = None, None
+    if config.pseudo_queries.source is not QuerySource.SPANS:
+        # before prepare_model_for_index: the generator copies the starting model without the index's tokens
+        from adbatch.training.query_generation import (GENERATED_QUERIES_FILE, QueryGenConfig,
+                                                       build_generated_queries)
+
+        query_gen = query_gen or QueryGenConfig()
+        loader, gen_source = _query_generator(init_model, warm_from, query_gen, model, tokenizer, loaded_given)
+        if query_cache is not None:
+            cache = [Path(query_cache)]
+        elif out_dir is not None:  # last run's model folder, then a staging copy a run that failed later left
+            cache = [Path(out_dir) / GENERATED_QUERIES_FILE,
+                     Path(out_dir).with_name(f".{Path(out_dir).name}.{GENERATED_QUERIES_FILE}")]
+        else:
+            cache = []
+        generated, gen_info = build_generated_queries(
+            labelled, index.ad_ids, ad_texts, query_gen, loader,
+            exclude_queries=[*exclude_queries, *(valid_qrels or {})], cache=cache,
+            write_to=cache[-1] if cache else None, device=device, rank=rank, world_size=world_size, progress=progress)
+        gen_info["generator_model"] = gen_source
+        if generated is None:  # no labels, no_labels = spans: the span pseudo-queries of this config instead
+            config = config.replace(pseudo_queries=config.pseudo_queries.replace(source=QuerySource.SPANS))
     info = prepare_model_for_index(model, tokenizer, index, ad_texts)
     model.to(device)
-    examples, data_stats = index_examples(tokenizer, index, config, ad_texts, labelled)
+    examples, data_stats = index_examples(tokenizer, index, config, ad_texts, labelled,
+                                          generated.pairs() if generated is not None else ())
+    if gen_info is not None:
+        data_stats["query_gen"] = {**gen_info, "generated": generated.stats if generated is not None else None}
     if config.creative_rehearsal.enabled:
         from adbatch.training.data import TrainingExamples
         from adbatch.training.rehearsal import rehearsal_examples
@@ -226,6 +295,15 @@ def train_on_index(
             from adbatch.training.creatives import creative_record
 
             record["creative"] = creative_record(creative_config, creative_pairs)
+        if gen_info is not None:
+            record["query_gen"] = {"config": query_gen.to_dict(), "generator_model": gen_info["generator_model"],
+                                   "key": gen_info.get("key"), "status": gen_info["status"]}
         save_trained(model, tokenizer, out_dir, record, masks=sparsity.masks if sparsity is not None else None)
+        if generated is not None and query_cache is None:
+            # the cache lives in the model folder the save just replaced: the next run with the same inputs reads it
+            from adbatch.training.query_generation import GENERATED_QUERIES_FILE, write_generated_queries
+
+            write_generated_queries(generated, Path(out_dir) / GENERATED_QUERIES_FILE)
+            Path(out_dir).with_name(f".{Path(out_dir).name}.{GENERATED_QUERIES_FILE}").unlink(missing_ok=True)
         summary["model_dir"] = str(out_dir)
     return model, tokenizer, summary

@@ -291,6 +291,33 @@ def freeze_below(model: Any, train_layers: int | None) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def fine_tune_pairs(model: Any, tokenizer: Any, examples: Any, config: TrainConfig, *, train_layers: int | None,
+                    device: str, rank: int = 0, world_size: int = 1, progress: bool = True) -> tuple[Any, int]:
+    """Train ``model`` in place on prompted ``examples`` (``TrainingExamples``: prompt -> answer + EOS)
+    with :func:`adbatch.training.trainer.train_loop`: the seq2seq-on-a-causal-LM fine-tune the creative
+    model (ad fields -> headline) and the query generator (:mod:`adbatch.training.query_generation`, ad
+    text -> query) share. Only the top ``train_layers`` decoder layers train (:func:`freeze_below`; all are
+    trainable again afterwards); under torch.distributed (``world_size > 1``) the model is DDP-wrapped
+    here. Returns ``(TrainStats, trainable parameter count)``; the model is left on ``device``."""
+    import torch
+
+    from adbatch.training.trainer import train_loop
+
+    trainable = freeze_below(model, train_layers)
+    model.to(device)
+    trained = model
+    if world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+    try:
+        stats, _ = train_loop(trained, examples, config, pad_id=tokenizer.pad_token_id, device=device, rank=rank,
+                              world_size=world_size, progress=progress)
+    finally:
+        model.requires_grad_(True)
+    return stats, trainable
+
+
 def creative_record(config: CreativeTuneConfig, pairs: HeadlinePairs) -> dict[str, Any]:
     """What a training record says about the creative fine-tune (both shapes)."""
     from adbatch.prompts import TUNED_CREATIVE_PROMPT_VERSION, CreativePrompt
@@ -323,7 +350,6 @@ def tune_creatives(
 
     from adbatch.prompts import declare_creative_prompt
     from adbatch.training.checkpoint import save_trained
-    from adbatch.training.trainer import train_loop
 
     t0 = time.perf_counter()
     if device is None:
@@ -335,17 +361,9 @@ def tune_creatives(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     examples = creative_examples(tokenizer, pairs)
-    trainable = freeze_below(model, config.train_layers)
-    model.to(device)
     prep_s = time.perf_counter() - t0
-    trained = model
-    if world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        trained = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
-    stats, _ = train_loop(trained, examples, config.train, pad_id=tokenizer.pad_token_id, device=device, rank=rank,
-                          world_size=world_size, progress=progress)
-    model.requires_grad_(True)
+    stats, trainable = fine_tune_pairs(model, tokenizer, examples, config.train, train_layers=config.train_layers,
+                                       device=device, rank=rank, world_size=world_size, progress=progress)
     declare_creative_prompt(model)
     data = {"creative": len(examples), "tokens": int(examples.offsets[-1]),
             "target_tokens": examples.num_target_tokens(), "trainable_params": trainable}

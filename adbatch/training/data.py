@@ -10,6 +10,9 @@ Two kinds of example, both ``prompt -> target`` where the prompt is exactly what
   the *train* split only; valid/test queries never enter training).
 - **pseudo-query** (optional): a short word span of the ad's text -> its target
   (:mod:`adbatch.training.pseudo_queries`: query-shaped inputs for every ad, labelled or not).
+- **generated query** (optional): a query the fine-tuned query generator wrote for the ad -> its target
+  (:mod:`adbatch.training.query_generation`, DSI-QG / docT5query); ``pseudo_queries.source`` says whether
+  spans, generated queries or both are used.
 
 Examples are stored flat: ``tokens`` int32 ``[T]`` (prompt + target of each example back to back),
 ``offsets`` int64 ``[E+1]`` and ``prompt_lens`` int32 ``[E]``. The loss is taken on target tokens
@@ -26,7 +29,7 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 import torch
 
 from adbatch.prompts import encode_targeting_prompt
-from adbatch.training.pseudo_queries import PseudoQueryConfig, span_pseudo_queries
+from adbatch.training.pseudo_queries import PseudoQueryConfig, QuerySource, span_pseudo_queries
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ class ExampleKind(int, enum.Enum):
     RETRIEVAL = 1
     PSEUDO_QUERY = 2
     CREATIVE = 3  # creative prompt -> the starting model's headline (adbatch.training.rehearsal)
+    GENERATED_QUERY = 4  # a generated query of the ad -> its target (adbatch.training.query_generation)
 
 
 @dataclass
@@ -125,6 +129,7 @@ def build_examples(
     append_eos: bool = False,
     max_query_tokens: int = 48,
     pseudo_queries: PseudoQueryConfig | None = None,
+    generated: Iterable[tuple[str, Hashable]] = (),
 ) -> tuple[TrainingExamples, dict[str, int]]:
     """Build indexing + retrieval examples for the ads of an index.
 
@@ -134,7 +139,11 @@ def build_examples(
     in the index is counted in ``stats['labelled_not_in_index']`` (the catalogue may be a subset).
     ``append_eos`` adds the tokenizer's EOS after each target (off by default: the trie, not EOS,
     ends a target during decoding). ``pseudo_queries``: span pseudo-queries of each ad's text
-    (ads without text get none).
+    (ads without text get none) when its ``source`` is spans or mix. ``generated``: (query, ad_id) pairs
+    written by the query generator (:func:`adbatch.training.query_generation.generate_queries`), one
+    generated-query example each; pairs whose ad is not in the index are counted
+    (``generated_not_in_index``). Whether ``generated`` should be there for ``source`` is the caller's
+    decision (:func:`adbatch.training.train_on_index` falls back to spans where it has none).
     """
     eos = [tokenizer.eos_token_id] if append_eos else []
     targets = [list(map(int, t)) + eos for t in target_ids]
@@ -166,12 +175,26 @@ def build_examples(
         parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in pairs], max_query_tokens),
                             [targets[r] for _, r in pairs], ExampleKind.RETRIEVAL, [r for _, r in pairs]))
     stats["retrieval"] = len(pairs)
-    if pseudo_queries is not None and pseudo_queries.per_ad > 0:
+    if pseudo_queries is not None and pseudo_queries.per_ad > 0 and pseudo_queries.source is not QuerySource.GENERATED:
         spans = span_pseudo_queries([str(ad_texts.get(a) or "") for a in ad_ids], pseudo_queries)
         if spans:
             parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in spans], max_query_tokens),
                                 [targets[r] for _, r in spans], ExampleKind.PSEUDO_QUERY, [r for _, r in spans]))
         stats["pseudo_query"] = len(spans)
+    gen_rows, gen_not_in = [], 0
+    for query, ad in generated:
+        r = row_of.get(ad)
+        if r is None:
+            gen_not_in += 1
+        else:
+            gen_rows.append((query, r))
+    if gen_rows:
+        parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in gen_rows], max_query_tokens),
+                                    [targets[r] for _, r in gen_rows], ExampleKind.GENERATED_QUERY,
+                                    [r for _, r in gen_rows]))
+    if gen_rows or gen_not_in:
+        stats["generated_query"] = len(gen_rows)
+        stats["generated_not_in_index"] = gen_not_in
     if not parts:
         raise ValueError("no training examples: indexing is off and no labelled pair matches the index")
     ex = TrainingExamples.concat(parts)
