@@ -1,4 +1,7 @@
-"""Hierarchical FAISS k-means (DSI-style semantic IDs).
+"""Ad codes from embeddings: hierarchical FAISS k-means (DSI-style semantic IDs), or residual k-means.
+
+``ClusterConfig.method`` picks one (:class:`ClusterMethod`); both give a :class:`Hierarchy` (per ad
+its code, unique and prefix-free), which the renderer, the trie and the index consume alike.
 
 All ads are clustered into ``branching`` clusters; every cluster holding more than ``leaf_size``
 ads is clustered again, recursively. An ad's code is its path of cluster indices followed by its
@@ -14,11 +17,20 @@ clusters; when k-means cannot split (identical embeddings, or one cluster takes 
 rows are split deterministically into near-equal consecutive chunks in row order. Finite but huge
 (or tiny) embeddings are rescaled by a power of two before k-means (:func:`rescale_exactly`), so
 squared distances never overflow float32 and the labels are those of the unscaled vectors.
+
+**Residual k-means** (:func:`build_residual`, RQ-KMeans as in TIGER): level 0 is k-means of the
+embeddings, level ``l`` k-means of what is left after subtracting the chosen centroids of levels
+``< l``; each level has one codebook of at most ``rq_codebook`` centroids shared by all ads. An ad's
+code is its ``rq_levels`` nearest-centroid indices; ads whose codes are equal get one more entry, a
+counter in row order (TIGER's disambiguation), so codes are unique and prefix-free (every un-collided
+code has exactly ``rq_levels`` entries, so none is a prefix of another). It has no incremental update:
+:func:`require_updatable` refuses it (an ad's code would change when a new ad collides with it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import zlib
 from collections import deque
@@ -31,10 +43,22 @@ from adbatch.config import ConfigBase, ConfigError
 log = logging.getLogger(__name__)
 
 
+class ClusterMethod(str, enum.Enum):
+    """How ads' codes are built from their embeddings (see the module docstring)."""
+
+    HIERARCHICAL = "hierarchical"  # recursive k-means: cluster path + position in the leaf
+    RESIDUAL = "residual"  # residual k-means: one shared codebook per level (+ a counter on collisions)
+
+
 @dataclasses.dataclass
 class ClusterConfig(ConfigBase):
-    """Hierarchical k-means knobs."""
+    """Code-building knobs: ``method``; ``branching`` / ``leaf_size`` (hierarchical), ``rq_levels`` /
+    ``rq_codebook`` (residual); k-means itself (``niter``, sampling, seed, threads) for both."""
 
+    method: ClusterMethod = dataclasses.field(
+        default=ClusterMethod.HIERARCHICAL,
+        metadata={"help": "hierarchical: recursive k-means (cluster path + leaf position); residual: "
+                          "residual k-means codes, one codebook per level (render with scheme codes)"})
     branching: int = dataclasses.field(default=10, metadata={"help": "k: clusters per split"})
     leaf_size: int = dataclasses.field(default=100, metadata={"help": "c: max ads per leaf"})
     niter: int = dataclasses.field(default=20, metadata={"help": "k-means iterations per split"})
@@ -44,6 +68,10 @@ class ClusterConfig(ConfigBase):
     faiss_threads: int = dataclasses.field(
         default=1, metadata={"help": "OpenMP threads per split (fixed so results never depend "
                                      "on the machine; parallelism comes from splitting nodes)"})
+    rq_levels: int = dataclasses.field(
+        default=3, metadata={"help": "residual: code levels before the collision counter"})
+    rq_codebook: int = dataclasses.field(
+        default=256, metadata={"help": "residual: centroids per level (unused ones are dropped)"})
 
     def validate(self) -> None:
         if self.branching < 2:
@@ -56,6 +84,10 @@ class ClusterConfig(ConfigBase):
             raise ConfigError("ClusterConfig.max_points_per_centroid: must be >= 1")
         if self.faiss_threads < 1:
             raise ConfigError("ClusterConfig.faiss_threads: must be >= 1")
+        if self.rq_levels < 1:
+            raise ConfigError("ClusterConfig.rq_levels: must be >= 1")
+        if self.rq_codebook < 2:
+            raise ConfigError("ClusterConfig.rq_codebook: must be >= 2")
 
 
 @dataclasses.dataclass
@@ -71,7 +103,14 @@ class Hierarchy:
     """The result: per ad row its code.
 
     ``code_flat int32 [sum(code_len)]`` holds the codes back to back in row order; ``code_len
-    int32 [N]`` their lengths (cluster depth + 1 for the leaf position).
+    int32 [N]`` their lengths (hierarchical: cluster depth + 1 for the leaf position; residual:
+    ``rq_levels``, + 1 for the counter of a collided code).
+
+    Residual codes also carry ``codebooks``: per level ``float32 [K_l, D]`` (row ``j`` = code ``j``;
+    :func:`residual_encode` assigns new vectors with them) and ``collisions``, the ads whose
+    ``rq_levels`` codes equal another ad's (they got the counter). There ``num_splits`` counts
+    k-means runs (levels), ``num_leaves`` distinct ``rq_levels`` codes, ``fallback_splits`` levels
+    whose residuals were all identical (one centroid).
     """
 
     code_flat: np.ndarray
@@ -79,6 +118,8 @@ class Hierarchy:
     num_splits: int
     num_leaves: int
     fallback_splits: int
+    collisions: int = 0
+    codebooks: list[np.ndarray] | None = None
 
     @property
     def num_ads(self) -> int:
@@ -116,6 +157,17 @@ def _chunk_labels(n: int, k: int) -> np.ndarray:
 SAFE_MAGNITUDE = 2.0**24
 
 
+def _rescale_exponent(x: np.ndarray) -> int:
+    """The power of two :func:`rescale_exactly` divides ``x`` by (0: ``x`` is left as is)."""
+    top = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0)))  # max |x| without an |x| copy
+    if top == 0.0 or 1.0 / SAFE_MAGNITUDE <= top <= SAFE_MAGNITUDE:
+        return 0
+    if not np.isfinite(top):
+        raise ValueError("embeddings hold NaN or infinity (the corpus rejects such rows)")
+    _, exp = np.frexp(top)  # top = m * 2**exp with 0.5 <= m < 1 (exp != 0 out of the safe range)
+    return int(exp)
+
+
 def rescale_exactly(x: np.ndarray) -> np.ndarray:
     """``x`` itself when its largest |value| is within ``[1/SAFE_MAGNITUDE, SAFE_MAGNITUDE]`` (or it is
     all zero); else ``x`` times the power of two that brings that value into ``[0.5, 1)``.
@@ -131,13 +183,8 @@ def rescale_exactly(x: np.ndarray) -> np.ndarray:
     Returns:
         ``float32 [n, D]``.
     """
-    top = max(float(x.max(initial=0.0)), -float(x.min(initial=0.0)))  # max |x| without an |x| copy
-    if top == 0.0 or 1.0 / SAFE_MAGNITUDE <= top <= SAFE_MAGNITUDE:
-        return x
-    if not np.isfinite(top):
-        raise ValueError("embeddings hold NaN or infinity (the corpus rejects such rows)")
-    _, exp = np.frexp(top)  # top = m * 2**exp with 0.5 <= m < 1
-    return np.ascontiguousarray(np.ldexp(x, -int(exp)), dtype=np.float32)
+    exp = _rescale_exponent(x)
+    return x if exp == 0 else np.ascontiguousarray(np.ldexp(x, -exp), dtype=np.float32)
 
 
 def kmeanspp_init(x: np.ndarray, k: int, max_sample: int, seed: int) -> np.ndarray:
@@ -169,13 +216,13 @@ def kmeanspp_init(x: np.ndarray, k: int, max_sample: int, seed: int) -> np.ndarr
     return np.ascontiguousarray(sample[centers], dtype=np.float32)
 
 
-def kmeans_labels(emb: np.ndarray, k: int, config: ClusterConfig, seed: int) -> np.ndarray:
-    """FAISS k-means assignments.
+def kmeans_fit(emb: np.ndarray, k: int, config: ClusterConfig, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS k-means (k-means++ seeded) centroids and assignments.
 
     Args:
-        emb: ``float32 [n, D]``.
+        emb: ``float32 [n, D]``, ``n >= k``.
     Returns:
-        ``int64 [n]`` labels in ``[0, k)`` (some clusters may be empty).
+        (``float32 [k, D]`` centroids, ``int64 [n]`` labels in ``[0, k)``; some clusters may be empty).
     """
     import faiss
 
@@ -189,10 +236,10 @@ def kmeans_labels(emb: np.ndarray, k: int, config: ClusterConfig, seed: int) -> 
                           max_points_per_centroid=config.max_points_per_centroid,
                           min_points_per_centroid=1)
         km.train(x, init_centroids=init)
-        _, labels = km.index.search(np.ascontiguousarray(emb, dtype=np.float32), 1)
+        _, labels = km.index.search(x, 1)
     finally:
         faiss.omp_set_num_threads(prev_threads)
-    return labels[:, 0].astype(np.int64)
+    return np.ascontiguousarray(km.centroids, dtype=np.float32), labels[:, 0].astype(np.int64)
 
 
 def split_labels(emb: np.ndarray, config: ClusterConfig, path: tuple[int, ...]
@@ -212,7 +259,7 @@ def split_labels(emb: np.ndarray, config: ClusterConfig, path: tuple[int, ...]
     if np.ptp(emb, axis=0).max(initial=0.0) == 0.0:
         labels, fallback = _chunk_labels(n, k), True
     else:
-        labels = kmeans_labels(emb, k, config, node_seed(config.seed, path))
+        _, labels = kmeans_fit(emb, k, config, node_seed(config.seed, path))
         if np.unique(labels).shape[0] < 2:
             labels, fallback = _chunk_labels(n, k), True
     # Keep FAISS's centroid order but drop empty clusters, so indices stay dense.
@@ -313,6 +360,135 @@ def build_hierarchy(emb: np.ndarray, config: ClusterConfig | None = None,
     return builder.finish()
 
 
+#: rows per block of the nearest-centroid search (bounds the [rows, K] distance matrix)
+_ENCODE_BLOCK = 65_536
+
+
+def _nearest(r: np.ndarray, codebook: np.ndarray) -> np.ndarray:
+    """``int64 [n]``: the nearest row of ``codebook float32 [K, D]`` (L2; ties: the lower index) to
+    each row of ``r float32 [n, D]``."""
+    c_sq = np.einsum("ij,ij->i", codebook, codebook)
+    out = np.empty(r.shape[0], dtype=np.int64)
+    for a in range(0, r.shape[0], _ENCODE_BLOCK):  # ||r||^2 is the same for every centroid: left out
+        out[a:a + _ENCODE_BLOCK] = np.argmin(c_sq[None, :] - 2.0 * (r[a:a + _ENCODE_BLOCK] @ codebook.T), axis=1)
+    return out
+
+
+def residual_encode(x: np.ndarray, codebooks: list[np.ndarray]) -> np.ndarray:
+    """Greedy residual codes of ``x`` (ads or queries) under :attr:`Hierarchy.codebooks`: level ``l``'s
+    code is the nearest centroid of ``codebooks[l]`` to ``x`` minus the centroids chosen at levels ``< l``.
+    For the ads a :func:`build_residual` was built from this gives exactly their first ``rq_levels``
+    code entries.
+
+    ``x`` and the codebooks are scaled by the power of two :func:`rescale_exactly` picks for ``x``
+    (exact), so huge or tiny finite vectors cannot overflow the float32 distances.
+
+    Args:
+        x: ``float32 [n, D]``.
+        codebooks: per level ``float32 [K_l, D]``.
+    Returns:
+        ``int64 [n, len(codebooks)]``.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    exp = _rescale_exponent(x)
+    r = np.ldexp(x, -exp).astype(np.float32) if exp else x.copy()
+    out = np.empty((x.shape[0], len(codebooks)), dtype=np.int64)
+    for lvl, cb in enumerate(codebooks):
+        cb = np.ldexp(cb, -exp).astype(np.float32) if exp else cb
+        out[:, lvl] = _nearest(r, cb)
+        r -= cb[out[:, lvl]]
+    return out
+
+
+def build_residual(emb: np.ndarray, config: ClusterConfig | None = None) -> Hierarchy:
+    """Residual k-means codes over all rows (module docstring), with the collision counter.
+
+    Per level: FAISS k-means (:func:`kmeans_fit`: k-means++ seeded from ``seed`` and the level, fixed
+    threads) of the current residuals into ``min(rq_codebook, N)`` centroids; every ad takes its
+    nearest centroid (:func:`_nearest`, the same search :func:`residual_encode` uses for a query);
+    duplicate centroids and those no ad took are dropped (indices stay dense, in FAISS's order). Residuals that are all
+    identical (e.g. duplicate embeddings) get one centroid, their mean, and count as a fallback.
+    ``faiss.ResidualQuantizer`` is not used: its codebook training has its own random seeding (no
+    k-means++) and beam-searched assignments, so it would not share this module's seeding, threads,
+    rescaling and degenerate-input handling with the hierarchical path.
+
+    Args:
+        emb: ``float32 [N, D]``.
+    """
+    cfg = config or ClusterConfig()
+    emb = np.ascontiguousarray(emb, dtype=np.float32)
+    if emb.ndim != 2 or emb.shape[0] == 0:
+        raise ValueError(f"embeddings must be [N>0, D], got {emb.shape}")
+    n = emb.shape[0]
+    exp = _rescale_exponent(emb)  # work at a safe scale; codebooks are returned at the input's
+    r = np.ldexp(emb, -exp).astype(np.float32) if exp else emb.copy()  # [N, D] residuals
+    codes = np.empty((n, cfg.rq_levels), dtype=np.int64)
+    codebooks: list[np.ndarray] = []
+    fallback = 0
+    for lvl in range(cfg.rq_levels):
+        if np.ptp(r, axis=0).max(initial=0.0) == 0.0:  # nothing left to separate
+            cb = r[:1].copy()
+            fallback += 1
+        else:
+            lexp = _rescale_exponent(r)  # residuals shrink level by level: k-means on a normal scale
+            cb, _ = kmeans_fit(np.ldexp(r, -lexp).astype(np.float32) if lexp else r,
+                               min(cfg.rq_codebook, n), cfg, node_seed(cfg.seed, (lvl,)))
+            cb = np.ldexp(cb, lexp).astype(np.float32) if lexp else cb
+            # k-means puts several centroids on one point when k nears the distinct points; equal
+            # vectors would then take either one by rounding of the distance products: keep the first
+            _, first = np.unique(cb, axis=0, return_index=True)
+            cb = cb[np.sort(first)]
+        labels = _nearest(r, cb)
+        used, labels = np.unique(labels, return_inverse=True)
+        cb = np.ascontiguousarray(cb[used])
+        codes[:, lvl] = labels
+        r -= cb[labels]
+        codebooks.append(np.ldexp(cb, exp).astype(np.float32) if exp else cb)
+    # the counter: ads sharing all rq_levels codes are numbered in row order
+    _, group, count = np.unique(codes, axis=0, return_inverse=True, return_counts=True)
+    group = group.reshape(-1)
+    collided = count[group] > 1
+    order = np.argsort(group, kind="stable")
+    first = np.searchsorted(group[order], np.arange(count.shape[0]))
+    counter = np.empty(n, dtype=np.int64)
+    counter[order] = np.arange(n) - first[group[order]]
+    code_len = (cfg.rq_levels + collided).astype(np.int32)
+    full = np.concatenate([codes, counter[:, None]], axis=1)
+    code_flat = full[np.arange(cfg.rq_levels + 1)[None, :] < code_len[:, None]].astype(np.int32)
+    return Hierarchy(code_flat=code_flat, code_len=code_len, num_splits=cfg.rq_levels,
+                     num_leaves=int(count.shape[0]), fallback_splits=fallback,
+                     collisions=int(collided.sum()), codebooks=codebooks)
+
+
+def build_codes(emb: np.ndarray, config: ClusterConfig | None = None,
+                on_progress: Callable[[int], None] | None = None) -> Hierarchy:
+    """Every ad's code under ``config.method``: :func:`build_hierarchy` or :func:`build_residual`.
+
+    Args:
+        emb: ``float32 [N, D]``.
+        on_progress: called with the number of ads that got their code, as they do.
+    """
+    cfg = config or ClusterConfig()
+    if cfg.method is ClusterMethod.HIERARCHICAL:
+        return build_hierarchy(emb, cfg, on_progress)
+    hierarchy = build_residual(emb, cfg)
+    if on_progress:
+        on_progress(hierarchy.num_ads)
+    return hierarchy
+
+
+def require_updatable(config: ClusterConfig) -> None:
+    """Raise :class:`ConfigError` unless :func:`update_hierarchy` can keep earlier codes under
+    ``config``: only the hierarchical method can. Residual codes would not stay stable: a new ad equal
+    to a kept ad's ``rq_levels`` codes forces a counter onto that ad's code, and codebooks retrained
+    on today's ads move every assignment."""
+    if config.method is not ClusterMethod.HIERARCHICAL:
+        raise ConfigError(
+            f"ClusterConfig.method {config.method.value!r}: no incremental update (stable ids) for residual "
+            "codes; build without an earlier index (no --previous; nightly refresh: index.stable_ids false) "
+            "or use method 'hierarchical'")
+
+
 @dataclasses.dataclass
 class UpdateStats:
     """What :func:`update_hierarchy` kept and changed (row counts)."""
@@ -357,6 +533,7 @@ def update_hierarchy(emb: np.ndarray, previous: list[list[int] | None], config: 
         :func:`build_hierarchy`.
     """
     cfg = config or ClusterConfig()
+    require_updatable(cfg)
     emb = np.ascontiguousarray(emb, dtype=np.float32)
     n = emb.shape[0]
     if emb.ndim != 2 or n == 0 or len(previous) != n:

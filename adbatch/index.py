@@ -1,4 +1,4 @@
-"""The ad index stage: corpus -> embeddings -> hierarchical codes -> token sequences -> trie.
+"""The ad index stage: corpus -> embeddings -> codes (hierarchical or residual k-means) -> token sequences -> trie.
 
 ``build_index(ads, out, IndexConfig(...))`` runs the whole stage in-process (no Ray);
 ``pipelines/index.py`` runs the embedding and clustering phases as Ray tasks and then calls the
@@ -7,8 +7,8 @@ its presence marks a finished index):
 
 - ``ad_codes.parquet``: one row per indexed ad, in *row* order (row = position, the id the trie
   returns): ``ad_id`` (string or int64, as in the corpus), ``code`` list<int32> (cluster path +
-  position in the leaf), ``token_ids`` list<int32> (the target sequence), ``text`` string (the
-  rendered sequence).
+  position in the leaf; ``cluster.method`` residual: the ``rq_levels`` codes, + the collision counter),
+  ``token_ids`` list<int32> (the target sequence), ``text`` string (the rendered sequence).
 - ``trie.safetensors``: the :class:`~adbatch.trie.Trie` over ``token_ids`` (terminal rows = rows).
 - ``clusters.parquet``: one row per cluster: ``path``, ``size``, ``label`` (words), ``token`` (codes scheme).
 - ``rejected.parquet``: corpus rows set aside, with a reason (see :mod:`adbatch.corpus`).
@@ -35,7 +35,9 @@ from adbatch.artifacts import (
     MANIFEST_NAME, StageTimer, build_manifest, read_manifest, sha256_file, sha256_json, verify_outputs,
     write_json_atomic, write_parquet_atomic,
 )
-from adbatch.clustering import ClusterConfig, Hierarchy, build_hierarchy, update_hierarchy
+from adbatch.clustering import (
+    ClusterConfig, ClusterMethod, Hierarchy, build_codes, require_updatable, update_hierarchy,
+)
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.corpus import Corpus, CorpusConfig, read_corpus
 from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
@@ -67,6 +69,11 @@ class IndexConfig(ConfigBase):
     def validate(self) -> None:
         if self.tokenizer is not None and not str(self.tokenizer).strip():
             raise ConfigError("IndexConfig.tokenizer: empty string; leave unset for the default")
+        # text labels name clusters of ads; a residual level's centroid is a direction shared by ads of
+        # every level-0 cell, so residual codes are rendered as code tokens only
+        if self.cluster.method is ClusterMethod.RESIDUAL and self.render.scheme is not IdScheme.CODES:
+            raise ConfigError(f"IndexConfig: cluster.method 'residual' needs render.scheme 'codes' "
+                              f"(got {self.render.scheme.value!r})")
 
 
 @dataclasses.dataclass
@@ -186,6 +193,7 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
         "splits": hierarchy.num_splits,
         "fallback_splits": hierarchy.fallback_splits,
         "leaves": hierarchy.num_leaves,
+        "code_collisions": hierarchy.collisions,
         "max_code_length": hierarchy.max_depth,
         "distinct_sequences": distinct,
         "trie_nodes": trie.num_nodes,
@@ -272,7 +280,11 @@ _STABLE_KEYS = ("columns", "embedding", "cluster", "render", "tokenizer")
 
 def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> StableStart | None:
     """The codes and labels of an earlier index of the same configuration for today's ads, or None
-    (logged why) when there is no readable earlier index or it was built differently."""
+    (logged why) when there is no readable earlier index or it was built differently.
+
+    Raises :class:`ConfigError` for a ``cluster.method`` without an incremental update (residual),
+    whether or not an earlier index exists, so a nightly refresh refuses it on its first night."""
+    require_updatable(config.cluster)
     try:
         finish_interrupted_write(previous)
         prev = load_index(previous)
@@ -281,7 +293,12 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:
         log.info("index: no earlier index to keep codes from (%s): full build", e)
         return None
-    have, want = prev.manifest.get("config", {}), config.to_dict()
+    want = config.to_dict()
+    try:  # through the config class, so knobs added since (at their defaults) do not count as a change
+        have = IndexConfig.from_dict(prev.manifest.get("config", {})).to_dict()
+    except ConfigError as e:
+        log.info("index: the earlier index at %s has a config this code cannot read (%s): full build", previous, e)
+        return None
     differs = [k for k in _STABLE_KEYS if have.get(k) != want.get(k)]
     if differs:
         log.info("index: the earlier index at %s was built with other %s: full build", previous, differs)
@@ -334,15 +351,15 @@ def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = N
         if start is not None:
             hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
         else:
-            hierarchy = _cluster_with_progress(emb, cfg.cluster, progress)
+            hierarchy = _codes_with_progress(emb, cfg.cluster, progress)
     return write_index(out, corpus, hierarchy, cfg, timer, extra=extra, stable=start)
 
 
-def _cluster_with_progress(emb: np.ndarray, config: ClusterConfig, progress: bool) -> Hierarchy:
+def _codes_with_progress(emb: np.ndarray, config: ClusterConfig, progress: bool) -> Hierarchy:
     from tqdm.auto import tqdm
 
     with tqdm(total=emb.shape[0], desc="cluster", unit="ad", disable=not progress) as bar:
-        return build_hierarchy(emb, config, on_progress=bar.update)
+        return build_codes(emb, config, on_progress=bar.update)
 
 
 def load_index(directory: str | Path, mmap: bool = True, verify: bool = True) -> AdIndex:

@@ -7,6 +7,8 @@ Clustering: each cluster larger than the leaf size is one task running
 next) and one embedding block per child, which stays in the object store and is handed by
 reference to that child's task; the full matrix is put once, for the root task only.
 Results equal the sequential :func:`adbatch.clustering.build_hierarchy` (same per-node seeds).
+Residual codes (``cluster.method residual``: ``rq_levels`` k-means runs over all rows, each needing the
+previous level's residuals) have no such fan-out: the driver runs :func:`adbatch.clustering.build_codes`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from adbatch.artifacts import ArtifactKind, StageTimer, claim_output
-from adbatch.clustering import Child, ClusterConfig, Hierarchy, HierarchyBuilder, split_node
+from adbatch.clustering import Child, ClusterConfig, ClusterMethod, Hierarchy, HierarchyBuilder, build_codes, split_node
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.corpus import CorpusSchemaError, read_corpus
 from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
@@ -178,8 +180,10 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
         with timer.phase("cluster"):
             if start is not None:  # placing new ads under kept clusters is cheap: the driver does it
                 hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
-            else:
+            elif cfg.cluster.method is ClusterMethod.HIERARCHICAL:
                 hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
+            else:
+                hierarchy = build_codes(emb, cfg.cluster)
         manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra, stable=start)
     return {
         "out": str(config.out),

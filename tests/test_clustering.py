@@ -6,8 +6,12 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 
-from adbatch.clustering import ClusterConfig, build_hierarchy, split_labels, split_node
+from adbatch.clustering import (
+    ClusterConfig, ClusterMethod, build_codes, build_hierarchy, build_residual, residual_encode, split_labels,
+    split_node,
+)
 from adbatch.config import ConfigError
 from adbatch.semantic_ids import IdScheme, RenderConfig, render_ids
 from adbatch.trie import Trie
@@ -240,3 +244,142 @@ def test_update_hierarchy_rejects_inconsistent_codes():
         update_hierarchy(x, [[0, 0], [0, 1, 0], None, None])
     with pytest.raises(ValueError, match="one previous code"):
         update_hierarchy(x, [[0, 0]])
+
+
+# ----------------------------------------------------------------------------- residual k-means (RQ) codes
+def rq(**kw) -> ClusterConfig:
+    return ClusterConfig(method=ClusterMethod.RESIDUAL, **kw)
+
+
+def check_rq_codes(h, n: int, cfg: ClusterConfig) -> list[tuple[int, ...]]:
+    """Unique, prefix-free; ``rq_levels`` entries within each codebook, + a counter exactly on the ads
+    whose level codes collide, numbered 0.. in row order."""
+    codes = [tuple(c) for c in h.codes()]
+    assert len(set(codes)) == n
+    assert not {c[:i] for c in codes for i in range(1, len(c))} & set(codes)
+    levels = cfg.rq_levels
+    assert len(h.codebooks) == levels
+    for c in codes:
+        assert len(c) in (levels, levels + 1)
+        assert all(0 <= c[lvl] < h.codebooks[lvl].shape[0] for lvl in range(levels))
+    groups: dict[tuple, list[int]] = {}
+    for row, c in enumerate(codes):
+        groups.setdefault(c[:levels], []).append(row)
+    for rows in groups.values():
+        if len(rows) == 1:
+            assert len(codes[rows[0]]) == levels  # no counter without a collision
+        else:
+            assert [codes[r][levels] for r in rows] == list(range(len(rows)))  # row order
+    assert h.collisions == sum(len(r) for r in groups.values() if len(r) > 1)
+    assert h.num_leaves == len(groups) and h.num_splits == levels
+    # every codebook entry is used (dense indices), and re-encoding the ads gives their codes
+    for lvl in range(levels):
+        assert {c[lvl] for c in codes} == set(range(h.codebooks[lvl].shape[0]))
+    assert residual_encode(mixture(1, seed=5), h.codebooks).shape == (1, levels)
+    return codes
+
+
+@pytest.mark.parametrize("n,levels,k", [(1, 3, 256), (40, 2, 64), (2000, 3, 16), (3000, 2, 256), (500, 4, 4)])
+def test_rq_codes_are_unique_prefix_free_and_counted(n, levels, k):
+    x = mixture(n)
+    cfg = rq(rq_levels=levels, rq_codebook=k)
+    h = build_residual(x, cfg)
+    codes = check_rq_codes(h, n, cfg)
+    assert h.codebooks[0].shape[0] <= min(k, n)
+    assert np.array_equal(residual_encode(x, h.codebooks), h.padded()[:, :levels])
+    assert build_codes(x, cfg).codes() == [list(c) for c in codes]  # the dispatcher gives the same
+
+
+def test_rq_deterministic_for_a_seed_and_the_seed_matters():
+    x = mixture(3000, seed=2)
+    a = build_residual(x, rq(seed=3, rq_codebook=32))
+    b = build_residual(x.copy(), rq(seed=3, rq_codebook=32))
+    assert np.array_equal(a.code_flat, b.code_flat) and np.array_equal(a.code_len, b.code_len)
+    assert all(np.array_equal(p, q) for p, q in zip(a.codebooks, b.codebooks))
+    c = build_residual(x, rq(seed=4, rq_codebook=32))
+    assert not np.array_equal(a.padded(), c.padded())
+
+
+def test_rq_levels_refine_the_residual():
+    """Level 0 separates well-apart blobs; each further level lowers the reconstruction error."""
+    rng = np.random.default_rng(0)
+    mu = rng.normal(size=(8, 32)).astype(np.float32) * 10
+    lab = np.repeat(np.arange(8), 200)
+    x = mu[lab] + rng.normal(size=(1600, 32)).astype(np.float32)
+    h = build_residual(x, rq(rq_levels=3, rq_codebook=8))
+    top = h.padded()[:, 0]
+    assert all(np.unique(top[lab == j]).shape[0] == 1 for j in range(8)) and np.unique(top).shape[0] == 8
+    codes = h.padded()
+    recon = np.zeros_like(x)
+    errors = []
+    for lvl, cb in enumerate(h.codebooks):
+        recon += cb[codes[:, lvl]]
+        errors.append(float(((x - recon) ** 2).sum(1).mean()))
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_rq_forced_collisions_get_the_counter():
+    """Exact duplicates can only be told apart by the counter (in row order); all-identical vectors
+    fall back to one centroid per level."""
+    base = mixture(300, seed=3)
+    x = np.concatenate([base, base[:5], base[:5], base[7:8]])  # rows 0-4 three times, row 7 twice
+    cfg = rq(rq_levels=2, rq_codebook=16)
+    h = build_residual(x, cfg)
+    codes = check_rq_codes(h, 311, cfg)
+    for r in range(5):
+        assert codes[r][:2] == codes[r + 300][:2] == codes[r + 305][:2]
+        assert len(codes[r]) == 3 and codes[r][2] < codes[r + 300][2] < codes[r + 305][2]
+    assert codes[7][:2] == codes[310][:2] and codes[7][2] < codes[310][2]
+    assert h.collisions >= 17
+    same = build_residual(np.ones((12, 8), np.float32), cfg)
+    assert same.codes() == [[0, 0, i] for i in range(12)]
+    assert same.fallback_splits == 2 and same.collisions == 12
+
+
+@pytest.mark.parametrize("scale", [2.0**-100, 2.0**62])
+def test_rq_codes_are_scale_free_for_huge_or_tiny_vectors(scale):
+    x = mixture(300, d=8, seed=6)
+    x /= np.abs(x).max()
+    cfg = rq(rq_levels=2, rq_codebook=16)
+    ref = build_residual(x, cfg)
+    with np.errstate(over="raise", invalid="raise"):
+        got = build_residual((x * np.float32(scale)).astype(np.float32), cfg)
+        assert np.array_equal(residual_encode((x * np.float32(scale)).astype(np.float32), got.codebooks),
+                              got.padded()[:, :2])
+    assert got.codes() == ref.codes()
+
+
+@pytest.mark.parametrize("kwargs", [dict(rq_levels=0), dict(rq_codebook=1), dict(method="rq")])
+def test_rq_config_validation(kwargs):
+    with pytest.raises(ConfigError):
+        ClusterConfig(**kwargs)
+
+
+def test_update_hierarchy_refuses_residual_codes():
+    from adbatch.clustering import update_hierarchy
+
+    x = mixture(50)
+    codes = build_residual(x, rq(rq_codebook=8)).codes()
+    with pytest.raises(ConfigError, match="no incremental update"):
+        update_hierarchy(x, codes, rq(rq_codebook=8))
+
+
+def test_rq_codes_render_as_code_tokens_and_walk_the_trie(default_tokenizer):
+    n = 600
+    h = build_residual(mixture(n, seed=8), rq(rq_levels=2, rq_codebook=16))
+    r = render_ids(h, [f"ad {i}" for i in range(n)], default_tokenizer, RenderConfig(scheme=IdScheme.CODES))
+    base = len(default_tokenizer)
+    widths = [cb.shape[0] for cb in h.codebooks] + [int(h.padded()[:, 2].max()) + 1]
+    assert len(r.special_tokens) == sum(widths) and r.eos_token_id is None
+    for code, text in zip(h.codes(), r.texts):
+        assert text == "".join(f"<ad_L{lvl}_{i}>" for lvl, i in enumerate(code))
+    trie = Trie.from_flat(r.token_flat, r.token_len)
+    seqs = r.sequences()
+    padded = torch.full((n, 3), -1, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        padded[i, :len(s)] = torch.tensor(s)
+    ends = trie.walk(padded)
+    assert [trie.rows_at(int(e)).tolist() for e in ends] == [[i] for i in range(n)]
+    assert min(r.token_flat) >= base
+    # clusters.parquet rows: one per code prefix, with the level's code token
+    assert r.clusters.num_rows == len({tuple(c[:d]) for c in h.codes() for d in range(1, len(c))})

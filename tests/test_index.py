@@ -493,3 +493,56 @@ def test_stable_ids_from_an_index_of_an_older_rendering_keep_codes_not_labels(tm
     labels = pq.read_table(tmp_path / "idx" / "clusters.parquet").column("label").to_pylist()
     assert not any(lab.startswith("old label") for lab in labels)
     assert labels == clusters.column("label").to_pylist()  # this rendering's labels, as a full build gives
+
+
+def test_residual_codes_index_round_trip_and_manifest(tmp_path, default_tokenizer):
+    """cluster.method residual: RQ codes as code tokens; the trie returns each ad's row; the manifest records
+    the method and the collisions; a rebuild is byte-identical."""
+    from adbatch.clustering import ClusterMethod
+
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=600)
+    cfg = cfg_for(IdScheme.CODES, method=ClusterMethod.RESIDUAL, rq_levels=2, rq_codebook=16)
+    m = build_index(ads, tmp_path / "idx", cfg, progress=False)
+    ix = load_index(tmp_path / "idx")
+    assert_index_contract(ix, 600)
+    assert m["config"]["cluster"]["method"] == "residual" and m["config"]["cluster"]["rq_codebook"] == 16
+    codes = ix.ad_codes.column("code").to_pylist()
+    assert {len(c) for c in codes} <= {2, 3}
+    assert m["counts"]["code_collisions"] == sum(len(c) == 3 for c in codes) > 0
+    assert m["counts"]["distinct_sequences"] == 600 and m["counts"]["max_code_length"] == 3
+    assert ix.eos_token_id is None and min(t for s in ix.sequences() for t in s) >= len(default_tokenizer)
+    assert all(len(s) == len(c) for s, c in zip(ix.sequences(), codes))
+    assert m["index_hash"] == build_index(ads, tmp_path / "again", cfg, progress=False)["index_hash"]
+    assert m["index_hash"] != build_index(ads, tmp_path / "hier", cfg_for(IdScheme.CODES), progress=False)["index_hash"]
+
+
+def test_residual_codes_refuse_text_rendering_and_stable_ids(tmp_path):
+    """Residual codes have no text rendering and no incremental update: both are a ConfigError, the
+    latter even on a first night (no earlier index yet)."""
+    from adbatch.clustering import ClusterMethod
+    from adbatch.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs render.scheme 'codes'"):
+        cfg_for(IdScheme.TEXT, method=ClusterMethod.RESIDUAL)
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=200)
+    cfg = cfg_for(IdScheme.CODES, method=ClusterMethod.RESIDUAL, rq_codebook=8)
+    build_index(ads, tmp_path / "idx", cfg, progress=False)
+    for previous in (tmp_path / "idx", tmp_path / "absent"):
+        with pytest.raises(ConfigError, match="no incremental update"):
+            build_index(ads, tmp_path / "idx2", cfg, progress=False, previous=previous)
+
+
+def test_stable_ids_from_an_index_that_predates_the_residual_knobs(tmp_path):
+    """An earlier index whose manifest has no ``method`` / ``rq_*`` keys (written before they existed)
+    was built with their defaults: its ads keep their codes rather than a full build moving every id."""
+    from adbatch.artifacts import write_json_atomic
+
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=300)
+    cfg = cfg_for(IdScheme.CODES)
+    build_index(ads, tmp_path / "idx", cfg, progress=False)
+    manifest = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    for key in ("method", "rq_levels", "rq_codebook"):
+        del manifest["config"]["cluster"][key]
+    write_json_atomic(tmp_path / "idx" / "manifest.json", manifest)
+    m = build_index(ads, tmp_path / "new", cfg, progress=False, previous=tmp_path / "idx")
+    assert m["stable_ids"]["kept"] == 300
