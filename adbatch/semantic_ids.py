@@ -3,8 +3,11 @@
 :class:`IdScheme.CODES` — one new special token per (level, index): the code ``(3, 7, 42)`` becomes
 ``<ad_L0_3><ad_L1_7><ad_L2_42>``. Token strings are listed in (level, index) order in
 :attr:`RenderedIds.special_tokens`; token ``i`` of that list has id ``base_vocab_size + i`` once a
-tokenizer of ``base_vocab_size`` entries adds them in order. Codes are prefix-free (a cluster is
-either split or a leaf), so no EOS is appended: every complete sequence ends at a trie leaf.
+tokenizer of ``base_vocab_size`` entries adds them in order. Codes are prefix-free (hierarchical: a
+cluster is either split or a leaf; residual: ``rq_levels`` entries, + a counter only on collided
+codes), so no EOS is appended: every complete sequence ends at a trie leaf. Residual codes
+(``ClusterConfig.method`` residual) render only this way; their ``clusters`` rows are the code
+prefixes (level ``l`` node = the first ``l + 1`` codes), labelled with words like any cluster.
 
 :class:`IdScheme.TEXT` — usable zero-shot by an instruct model: each cluster gets a short label
 made of its most distinctive words against its siblings (a smoothed log-odds of document frequency
