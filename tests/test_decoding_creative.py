@@ -165,3 +165,40 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert torch.bincount(tok, minlength=3).tolist() == [500, 300, 200]
     tok = _sample(logp, CreativeConfig(strategy="sample", temperature=1.0, top_p=0.6), u)
     assert torch.bincount(tok, minlength=3).tolist() == [625, 375, 0]
+
+
+def test_ban_repeated_ngrams_bans_exactly_the_tokens_that_complete_a_seen_ngram():
+    from adbatch.decoding.creative import ban_repeated_ngrams
+
+    gen = torch.tensor([[5, 6, 7, 5, 6, -1], [1, 2, 3, 4, 5, -1], [-1, -1, -1, -1, -1, -1]])
+    logits = torch.zeros(3, 10)
+    out = ban_repeated_ngrams(logits, gen, 5, 3)
+    # row 0: last two tokens (5, 6) were followed by 7 before -> 7 banned, nothing else
+    assert torch.isinf(out[0, 7]) and torch.isfinite(out[0]).sum() == 9
+    assert torch.isfinite(out[1]).all() and torch.isfinite(out[2]).all()  # no repeat / an ended row
+    assert ban_repeated_ngrams(logits, gen, 2, 3) is logits  # too early for an earlier 3-gram
+    # bigrams: (6) was followed by 7 -> banned
+    assert torch.isinf(ban_repeated_ngrams(logits, gen, 5, 2)[0, 7])
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "sample", "beam"])
+def test_no_repeat_ngram_size_keeps_every_text_free_of_repeated_ngrams(strategy):
+    """A random-init model loops; with the guard no token 3-gram occurs twice in any generated text
+    (vocabulary of 26: ``_Tok`` decodes token t to one letter, so the text gives the ids back)."""
+    model = make_tiny_llama(vocab_size=26, seed=5)
+    prompts = [[3, 4, 5], [7, 8, 9, 10], [11, 11, 11]]
+    kw = ({"num_beams": 3, "num_return": 2} if strategy == "beam"
+          else {"num_return": 2, "temperature": 0.2} if strategy == "sample" else {})
+    base = dict(strategy=strategy, max_new_tokens=14, stop_strings=["zzzz"], **kw)
+    plain = generate_creatives(model, _Tok(), prompts, CreativeConfig(**base))
+    guarded = generate_creatives(model, _Tok(), prompts, CreativeConfig(**base, no_repeat_ngram_size=3))
+
+    def repeats(text):
+        ids = [ord(c) - 97 for c in text]
+        grams = [tuple(ids[i:i + 3]) for i in range(len(ids) - 2)]
+        return len(grams) - len(set(grams))
+
+    assert sum(repeats(t) for outs in plain for t, _ in outs) > 0  # the model does loop without the guard
+    assert all(repeats(t) == 0 for outs in guarded for t, _ in outs), guarded
+    with pytest.raises(ConfigError):
+        CreativeConfig(no_repeat_ngram_size=1)

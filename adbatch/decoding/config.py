@@ -81,6 +81,9 @@ class CreativeConfig(ConfigBase):
     num_beams: int = field(default=4, metadata={"help": "beams per prompt (strategy beam)"})
     stop_strings: list[str] = field(default_factory=lambda: ["\n"],
                                     metadata={"help": "text is cut before the first of these"})
+    no_repeat_ngram_size: int = field(default=0, metadata={
+        "help": "never repeat an n-gram of this many tokens within a generated text (0 = off); the prompt's "
+                "n-grams stay allowed (an advertiser's name spans several tokens)"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     batch_size: int = field(default=32, metadata={"help": "prompts decoded together"})
 
@@ -103,5 +106,8 @@ class CreativeConfig(ConfigBase):
                               f"(got {self.num_return}); use sample or beam for several")
         if any(not s for s in self.stop_strings):
             raise ConfigError("CreativeConfig.stop_strings must not contain an empty string")
+        if self.no_repeat_ngram_size < 0 or self.no_repeat_ngram_size == 1:
+            raise ConfigError("CreativeConfig.no_repeat_ngram_size must be 0 (off) or >= 2, got "
+                              f"{self.no_repeat_ngram_size}")
         if self.batch_size < 1:
             raise ConfigError(f"CreativeConfig.batch_size must be >= 1, got {self.batch_size}")

@@ -103,6 +103,27 @@ def _sample(logp: torch.Tensor, cfg: CreativeConfig, u: torch.Tensor | None) -> 
     return tok.clamp_(max=probs.shape[-1] - 1)
 
 
+def ban_repeated_ngrams(logits: torch.Tensor, generated: torch.Tensor, t: int, n: int) -> torch.Tensor:
+    """``logits: [R, V]`` with ``-inf`` at every token that would complete an n-gram already present in
+    the row's generated tokens ``generated[:, :t]`` (``Long[R, >= t]``; the step writes token ``t``).
+
+    Only generated tokens count, not the prompt: a headline may repeat the advertiser's name (several
+    tokens), but not loop ("Sports & Fitness & Sports & Sports"). All on the device: the ``t - n + 1``
+    earlier windows of ``n - 1`` tokens are compared with the row's last ``n - 1`` tokens at once;
+    a matching window bans the token that followed it. A no-op (the input returned) while ``t < n``.
+    """
+    if n < 2 or t < n:
+        return logits
+    R, V = logits.shape
+    seen = generated[:, :t]
+    windows = seen.unfold(1, n - 1, 1)[:, : t - n + 1]            # [R, J, n-1]: windows j = 0 .. t-n
+    match = (windows == seen[:, None, t - n + 1:]).all(-1)        # [R, J]: window j equals the last n-1 tokens
+    follow = seen[:, n - 1:]                                      # [R, J]: the token that followed window j
+    nxt = torch.where(match & (follow >= 0), follow, V)           # column V: nothing banned (ended rows hold -1)
+    banned = torch.zeros(R, V + 1, dtype=torch.bool, device=logits.device).scatter_(1, nxt, True)[:, :V]
+    return logits.masked_fill(banned, NEG_INF)
+
+
 def _decode(tokenizer: Any, seq: list[int]) -> str:
     return tokenizer.batch_decode([seq], skip_special_tokens=True)[0]
 
@@ -147,6 +168,7 @@ def _sample_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]]
     for t in range(T):
         # the first token reads each prompt's prefill row; later steps' outputs are already per row
         lg, ls = (logits, lse) if logit_row is None else (logits[logit_row], lse[logit_row])
+        lg = ban_repeated_ngrams(lg, out_tok, t, cfg.no_repeat_ngram_size)
         if u is None:
             tok = lg.argmax(-1)
         else:
@@ -192,7 +214,7 @@ def _beam_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]], 
     rank = torch.arange(2 * B, device=dev)[None]
     for t in range(T):
         lg, ls = (logits, lse) if logit_row is None else (logits[logit_row], lse[logit_row])
-        logp = lg.float() - ls[:, None]                                       # [R, V]
+        logp = ban_repeated_ngrams(lg.float() - ls[:, None], seqs, t, cfg.no_repeat_ngram_size)  # [R, V]
         cand = (beam_s.view(-1, 1) + logp).view(Qb, B * V)
         top_s, top_i = cand.topk(2 * B, dim=1)                                # [Qb, 2B]
         src = torch.arange(Qb, device=dev)[:, None] * B + top_i // V          # [Qb, 2B] rows
