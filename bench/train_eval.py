@@ -387,6 +387,26 @@ def run(args: argparse.Namespace) -> None:
     finish(results, out)
 
 
+def bench_query_gen(smoke: bool) -> Any:
+    """The query generator's config: ``adbatch train``'s default (``TrainJobConfig.query_gen``), or a tiny
+    one for ``--smoke`` (two fine-tune steps, two short queries per ad: the CPU plumbing check)."""
+    from adbatch.training.query_generation import QueryGenConfig, QueryGenTrainConfig
+
+    if not smoke:
+        return QueryGenConfig()
+    return QueryGenConfig(queries_per_ad=2, max_new_tokens=6, min_pairs=1,
+                          train=QueryGenTrainConfig(max_steps=2, batch_tokens=2048))
+
+
+def generated_samples(model_dir: Path, n: int = 12) -> list[list[Any]] | None:
+    """The first ``n`` (query, ad_id, source) rows of the generated queries cached in ``model_dir`` (None
+    without generated queries): what the generator wrote, for the report."""
+    from adbatch.training.query_generation import GENERATED_QUERIES_FILE, load_generated_queries
+
+    got = load_generated_queries(model_dir / GENERATED_QUERIES_FILE)
+    return None if got is None else [list(r) for r in got.rows()[:n]]
+
+
 def check(args: argparse.Namespace) -> None:
     """The product's own recipe on a trained model, end to end (one device call, no Ray):
 
@@ -398,6 +418,11 @@ def check(args: argparse.Namespace) -> None:
     3. the compress stage (``run_compress`` with its defaults, ``use_ray=False`` on the GPU:
        calibrated on what the served model reads, ``--index`` + the labelled queries), the
        checkpoint loaded as ``adbatch generate`` loads it, then test quality/speed off and auto.
+    ``--query-source`` spans | generated | mix: the pseudo-queries the training reads
+    (``TrainConfig.pseudo_queries.source``, the generator at ``QueryGenConfig()``'s defaults: what
+    ``adbatch train --train.pseudo-queries.source`` runs); the generated queries are cached in the model
+    folder under ``--work``, so generated then mix on one ``--work`` generates once. The validation and
+    test query strings are refused from the generator's pairs (the bundle's train pairs are the train split).
     Writes ``results.json`` and ``table.md`` under ``--out``.
     """
     import torch
@@ -423,14 +448,19 @@ def check(args: argparse.Namespace) -> None:
     index = data["indexes"]["text"]
     model, tok = load_base(args.model, args.smoke, device)
     cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048)
+    cfg = cfg.replace(pseudo_queries=cfg.pseudo_queries.replace(source=args.query_source))
     if args.train_budget_s:
         cfg = cfg.replace(time_budget_s=args.train_budget_s)
     t0 = time.perf_counter()
     model_dir = Path(args.work) / "trained"  # saved by the library, as ``adbatch train`` saves it
     model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
-                                         model=model, tokenizer=tok, device=device, progress=False)
+                                         model=model, tokenizer=tok, device=device, progress=False,
+                                         query_gen=bench_query_gen(args.smoke),
+                                         exclude_queries=[*data["qrels"], *data["valid"]])
     results["train"] = {"dense-text": summary["train"] | {"data": summary["data"],
                                                           "wall_s": round(time.perf_counter() - t0, 1)}}
+    results["query_source"] = args.query_source
+    results["generated_samples"] = generated_samples(model_dir)
     log.info("trained: %s", results["train"])
     save()
     old = None
@@ -506,7 +536,8 @@ def sweep(args: argparse.Namespace) -> None:
     ``creatives`` (with ``--slogans``: held-out creative quality of the selected model vs the base model),
     ``distill`` / ``distill_alpha`` / ``distill_t`` (distil from a frozen copy of the ``init`` model),
     ``rehearsal`` (ads whose own headlines are mixed in: creative rehearsal) / ``rehearsal_repeat``,
-    ``max_steps``,
+    ``max_steps``, ``query_source`` (spans | generated | mix: ``TrainConfig.pseudo_queries.source``, the
+    generator at ``QueryGenConfig()``'s defaults, its queries cached in ``--out`` per catalogue),
     ``valid`` = "titles" (+ ``valid_ads``, ``valid_metric`` e.g. "success@1": validate on title -> own
     ad). Model selection uses the *validation* queries only; test queries are scored once per selected
     model.
@@ -568,7 +599,8 @@ def sweep(args: argparse.Namespace) -> None:
                           time_budget_s=max(20.0, left - c.get("eval_reserve_s", 40)), sparsity=sp,
                           pseudo_queries=PseudoQueryConfig(per_ad=c.get("pseudo", 0), max_words=c.get("max_words", 4),
                                                             subset_share=c.get("subset_share", 0.0),
-                                                            typo_rate=c.get("typo_rate", 0.0)),
+                                                            typo_rate=c.get("typo_rate", 0.0),
+                                                            source=c.get("query_source", "spans")),
                           qat=QuantAwareConfig(enabled=bool(c.get("qat")), start_fraction=c.get("qat_start", 0.8),
                                                group_size=c.get("qat_group", 128)),
                           distill=DistillConfig(enabled=bool(c.get("distill")), alpha=c.get("distill_alpha", 0.5),
@@ -589,7 +621,10 @@ def sweep(args: argparse.Namespace) -> None:
         m, t, summary = train_on_index(index, None, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
                                        valid_qrels=valid or None, model=m, tokenizer=t, device=device,
                                        init_model=c.get("init"),
-                                       progress=False)
+                                       progress=False, query_gen=bench_query_gen(args.smoke),
+                                       # one file per catalogue: keyed by its inputs, so configs share it
+                                       query_cache=out / f"generated_queries_{cat}.parquet",
+                                       exclude_queries=[*data["qrels"], *data["valid"]])
         tr = summary["train"]
         results["curves"][name] = {"losses": summary["losses"], "density": summary["density"],
                                    "evals": tr.get("evals", [])}
@@ -747,6 +782,9 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("--max-queries", type=int, default=None)
     ck.add_argument("--train-budget-s", type=float, default=None,
                     help="stop training after this long (recorded; the recipe's schedule is not shortened)")
+    ck.add_argument("--query-source", choices=("spans", "generated", "mix"), default="spans",
+                    help="pseudo-queries of the training: spans (the default recipe) | generated (a query "
+                         "generator tuned on the train pairs) | mix (both)")
     pr = sub.add_parser("run")
     pr.add_argument("--bundle", required=True)
     pr.add_argument("--out", required=True)

@@ -14,7 +14,9 @@ CPU refresh under ``train.time_budget_s``), one GPU, or many. Inputs:
   giving each ad's title for the indexing examples; optional for the ``text`` scheme (the index's
   own ``text`` column is used) and required for ``codes``.
 - ``queries``: Parquet with ``query`` (string) and ``ad_id`` columns, the labelled *train-split*
-  pairs for retrieval examples (none = indexing only).
+  pairs for retrieval examples (none = indexing only), and, with ``train.pseudo_queries.source`` generated
+  or mix, the pairs the query generator is tuned on (``query_gen``; the generated queries are cached in the
+  model folder, ``generated_queries.parquet``, keyed by the content hash of their inputs).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape
+from adbatch.training.query_generation import QueryGenConfig
 from adbatch.training.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,9 @@ class TrainJobConfig(ConfigBase):
         "help": "the shared creative shape: headline pairs mixed into this training (shape = shared)"})
     creative_pairs: Path | None = dataclasses.field(default=None, metadata={
         "help": "headline pairs (write_headline_pairs) for creatives.enabled; None = read them from ads"})
+    query_gen: QueryGenConfig = dataclasses.field(default_factory=QueryGenConfig, metadata={
+        "help": "the query generator, used when train.pseudo_queries.source is generated or mix (tuned on "
+                "queries, the train split)"})
     num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
     use_gpu: bool = dataclasses.field(default=False, metadata={"help": "one GPU per worker"})
     num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
@@ -152,12 +158,14 @@ def _worker(job_dict: dict[str, Any]) -> None:
     _, _, summary = train_on_index(index, job.out, job.train, ad_texts=ad_texts, labelled=labelled,
                                    valid_qrels=valid, init_model=job.init_model, device=str(device), rank=rank,
                                    world_size=world, progress=rank == 0, creative_pairs=pairs,
-                                   creative_config=job.creatives if pairs is not None else None)
+                                   creative_config=job.creatives if pairs is not None else None,
+                                   query_gen=job.query_gen)
     flat = {f"train_{k}": v for k, v in summary["train"].items() if v is not None}
     flat.update({"scheme": summary["scheme"], "index_hash": summary["index_hash"],
                  "examples_indexing": summary["data"].get("indexing", 0),
                  "examples_retrieval": summary["data"].get("retrieval", 0),
                  "labelled_not_in_index": summary["data"].get("labelled_not_in_index", 0),
+                 "examples_generated": summary["data"].get("generated_query", 0),
                  "prepare_seconds": summary["prepare_seconds"]})
     if "sparsity" in summary:
         flat["sparsity_density"] = summary["sparsity"]["density"]
@@ -226,7 +234,11 @@ def _train_into(config: TrainJobConfig) -> dict[str, Any]:
     out.update({"scheme": record["scheme"], "index_hash": record["trained_on_index"],
                 "examples_indexing": record["data"].get("indexing", 0),
                 "examples_retrieval": record["data"].get("retrieval", 0),
-                "labelled_not_in_index": record["data"].get("labelled_not_in_index", 0)})
+                "labelled_not_in_index": record["data"].get("labelled_not_in_index", 0),
+                "examples_pseudo_query": record["data"].get("pseudo_query", 0),
+                "examples_generated": record["data"].get("generated_query", 0)})
+    if record.get("query_gen"):  # cached | generated | no_labels (trained on spans instead)
+        out["query_gen_status"] = record["query_gen"]["status"]
     if record.get("sparsity"):
         out["sparsity_density"] = record["sparsity"].get("density")
     out["model_dir"] = str(job.out)

@@ -1,6 +1,6 @@
 """Generated queries (adbatch/training/query_generation.py): train-split pairs only, seeded generation and
 cleaning, the round trip, the content-keyed cache, the train job's query source and the no-label fallback.
-Tiny random-init Llamas over the default tokenizer (CPU)."""
+Tiny random-init Llamas over a word-level tokenizer (CPU; one test renders the default tokenizer's chat prompt)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from adbatch.config import ConfigError
 from adbatch.prompts import encode_query_gen_prompt, encode_query_gen_target, encode_targeting_prompt
@@ -245,3 +246,35 @@ def test_query_gen_config_rejects_nonsense():
     assert QueryGenConfig.from_dict(FAST.to_dict()) == FAST
     assert QueryGenConfig().sampling().num_return == 10
     assert PseudoQueryConfig().source is QuerySource.SPANS  # the default until the GPU ablation says otherwise
+
+
+def test_warm_start_tunes_the_generator_from_the_recorded_generator_model_not_the_dsi_model(tok, tmp_path):
+    """A warm start's starting model learned an index (it writes index sequences): the generator comes from
+    the generator model its record names (else the default model), never from a copy of it."""
+    from adbatch.artifacts import write_json_atomic
+    from adbatch.training import _query_generator
+
+    warm = tmp_path / "last_night"
+    write_json_atomic(warm / "adbatch_training.json", {"trained_on_index": "abc",
+                                                       "query_gen": {"generator_model": str(tmp_path / "base")}})
+    model = tiny(tok)
+    _, source = _query_generator(warm, "abc", FAST, model, tok, loaded_given=True)
+    assert source == str(tmp_path / "base")
+    write_json_atomic(warm / "adbatch_training.json", {"trained_on_index": "abc"})
+    assert _query_generator(warm, "abc", FAST, model, tok, loaded_given=True)[1] == "default"
+    assert _query_generator(warm, "abc", FAST.replace(generator_model="/m"), model, tok, loaded_given=True)[1] == "/m"
+    # a cold start: a copy of the starting model (the same weights, another object), named as it was given
+    load, source = _query_generator(None, None, FAST, model, tok, loaded_given=True)
+    copy_model, copy_tok = load()
+    assert source is None and copy_model is not model and copy_tok is tok
+    assert all(torch.equal(a, b) for a, b in zip(copy_model.state_dict().values(), model.state_dict().values()))
+
+
+def test_train_job_config_carries_the_query_generator():
+    from pipelines.train import TrainJobConfig
+
+    job = TrainJobConfig.from_dict({"train": {"pseudo_queries": {"source": "mix"}},
+                                    "query_gen": {"queries_per_ad": 4, "train": {"epochs": 1}}})
+    assert job.train.pseudo_queries.source is QuerySource.MIX and job.query_gen.queries_per_ad == 4
+    assert job.query_gen.train.epochs == 1 and job.query_gen.train.lr == QueryGenTrainConfig().lr  # defaults kept
+    assert TrainJobConfig.from_dict(job.to_dict()) == job
