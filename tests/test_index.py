@@ -205,6 +205,22 @@ def test_cli_index_on_ray_matches_sequential(ray_local, tmp_path, capsys):
     assert_index_contract(ix, 700)
 
 
+def test_cli_residual_codes_on_ray_match_sequential(ray_local, tmp_path, capsys):
+    """The residual knobs from the command line; on Ray the driver builds the codes, as build_index does."""
+    from adbatch.clustering import ClusterMethod
+    from jobs.cli import main
+
+    ads = synthetic_corpus(tmp_path / "ads.parquet", n=400, seed=4)
+    rc = main(["index", "--ads", str(ads), "--out", str(tmp_path / "ray"), "--index.columns.embedding", "vec",
+               "--index.cluster.method", "residual", "--index.cluster.rq-levels", "2",
+               "--index.cluster.rq-codebook", "16", "--index.render.scheme", "codes", "--progress", "false"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    seq = build_index(ads, tmp_path / "seq", cfg_for(IdScheme.CODES, method=ClusterMethod.RESIDUAL, rq_levels=2,
+                                                     rq_codebook=16), progress=False)
+    assert summary["index_hash"] == seq["index_hash"] and summary["counts"]["splits"] == 2
+
+
 @pytest.mark.slow
 def test_ray_minilm_embedding_on_example_slice(ray_local, tmp_path, example_ads):
     """Embedding actors on Ray (2 shards) over 120 real slogan ads; example column mapping."""
