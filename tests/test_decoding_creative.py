@@ -202,3 +202,26 @@ def test_no_repeat_ngram_size_keeps_every_text_free_of_repeated_ngrams(strategy)
     assert all(repeats(t) == 0 for outs in guarded for t, _ in outs), guarded
     with pytest.raises(ConfigError):
         CreativeConfig(no_repeat_ngram_size=1)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_prompt_ngram_block_never_copies_an_ngram_of_the_prompt(strategy):
+    model = make_tiny_llama(vocab_size=26, seed=5)
+    # every token twice in a row: a random model's loop ("kkkk") copies a bigram of each prompt
+    doubled = [t for t in range(26) for _ in range(2)]
+    prompts = [doubled, doubled[::-1], doubled[20:] + doubled[:20]]
+    kw = {"num_beams": 3, "num_return": 2} if strategy == "beam" else {}
+    base = dict(strategy=strategy, max_new_tokens=10, stop_strings=["zzzz"], **kw)
+
+    def copied(outs, n):
+        hits = 0
+        for p, per_prompt in zip(prompts, outs):
+            grams = {tuple(p[i:i + n]) for i in range(len(p) - n + 1)}
+            for text, _ in per_prompt:
+                ids = [ord(c) - 97 for c in text]
+                hits += sum(tuple(ids[i:i + n]) in grams for i in range(len(ids) - n + 1))
+        return hits
+
+    assert copied(generate_creatives(model, _Tok(), prompts, CreativeConfig(**base)), 2) > 0
+    guarded = generate_creatives(model, _Tok(), prompts, CreativeConfig(**base, prompt_ngram_block=2))
+    assert copied(guarded, 2) == 0, guarded

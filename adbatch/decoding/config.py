@@ -84,6 +84,9 @@ class CreativeConfig(ConfigBase):
     no_repeat_ngram_size: int = field(default=0, metadata={
         "help": "never repeat an n-gram of this many tokens within a generated text (0 = off); the prompt's "
                 "n-grams stay allowed (an advertiser's name spans several tokens)"})
+    prompt_ngram_block: int = field(default=0, metadata={
+        "help": "never generate an n-gram of this many tokens that occurs in the prompt (0 = off): a headline "
+                "does not copy its ad's description; shorter runs (a name) stay allowed"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     batch_size: int = field(default=32, metadata={"help": "prompts decoded together"})
 
@@ -106,6 +109,9 @@ class CreativeConfig(ConfigBase):
                               f"(got {self.num_return}); use sample or beam for several")
         if any(not s for s in self.stop_strings):
             raise ConfigError("CreativeConfig.stop_strings must not contain an empty string")
+        if self.prompt_ngram_block < 0 or self.prompt_ngram_block == 1:
+            raise ConfigError("CreativeConfig.prompt_ngram_block must be 0 (off) or >= 2, got "
+                              f"{self.prompt_ngram_block}")
         if self.no_repeat_ngram_size < 0 or self.no_repeat_ngram_size == 1:
             raise ConfigError("CreativeConfig.no_repeat_ngram_size must be 0 (off) or >= 2, got "
                               f"{self.no_repeat_ngram_size}")

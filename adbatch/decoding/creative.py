@@ -124,6 +124,43 @@ def ban_repeated_ngrams(logits: torch.Tensor, generated: torch.Tensor, t: int, n
     return logits.masked_fill(banned, NEG_INF)
 
 
+class PromptNgrams:
+    """The n-grams of each prompt of a batch, for :meth:`ban`: built once per batch on the device.
+
+    ``windows: Long[Qb, J, n-1]`` (window ``j`` = prompt tokens ``j .. j+n-2``, padding ``-1``) and
+    ``follow: Long[Qb, J]`` (the token after window ``j``; ``-1`` past the prompt's end), ``J`` = the
+    longest prompt's ``len - n + 1``.
+    """
+
+    def __init__(self, prompts: list[list[int]], n: int, rows_per_prompt: int, Qb: int, device: torch.device) -> None:
+        self.n, self.per = n, rows_per_prompt
+        width = max(max((len(p) for p in prompts), default=0), n)
+        padded = torch.full((Qb, width), -1, dtype=torch.long)
+        for q, p in enumerate(prompts):
+            padded[q, : len(p)] = torch.tensor(p, dtype=torch.long)
+        padded = padded.to(device)
+        self.windows = padded.unfold(1, n - 1, 1)[:, : width - n + 1]
+        self.follow = padded[:, n - 1:]
+
+    def ban(self, logits: torch.Tensor, generated: torch.Tensor, t: int, prompt_of_row: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """``logits: [R, V]`` with ``-inf`` at each token that would make the row's last ``n`` generated
+        tokens (``generated: Long[R, >= t]``, the step writes token ``t``) an n-gram of its prompt.
+        ``prompt_of_row: Long[R]`` (default ``row // rows_per_prompt``). A no-op while ``t < n - 1``:
+        only n-grams made of generated tokens count."""
+        n = self.n
+        if t < n - 1:
+            return logits
+        R, V = logits.shape
+        q = prompt_of_row if prompt_of_row is not None else torch.arange(R, device=logits.device) // self.per
+        last = generated[:, t - n + 1: t]                                   # [R, n-1]
+        match = (self.windows[q] == last[:, None]).all(-1)                  # [R, J]
+        follow = self.follow[q]
+        nxt = torch.where(match & (follow >= 0) & (last[:, :1] >= 0), follow, V)
+        banned = torch.zeros(R, V + 1, dtype=torch.bool, device=logits.device).scatter_(1, nxt, True)[:, :V]
+        return logits.masked_fill(banned, NEG_INF)
+
+
 def _decode(tokenizer: Any, seq: list[int]) -> str:
     return tokenizer.batch_decode([seq], skip_special_tokens=True)[0]
 
@@ -161,6 +198,7 @@ def _sample_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]]
         u = u.to(dev)
     row = torch.arange(R, device=dev)
     logit_row = row // n                         # the first token comes from the prompt's prefill row
+    copy_guard = PromptNgrams(prompts, cfg.prompt_ngram_block, n, Qb, dev) if cfg.prompt_ngram_block else None
     out_tok = torch.full((R, T), -1, dtype=torch.long, device=dev)
     out_lp = torch.zeros(R, T, device=dev)
     done = row >= Q * n                          # padding rows are done from the start
@@ -169,6 +207,8 @@ def _sample_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]]
         # the first token reads each prompt's prefill row; later steps' outputs are already per row
         lg, ls = (logits, lse) if logit_row is None else (logits[logit_row], lse[logit_row])
         lg = ban_repeated_ngrams(lg, out_tok, t, cfg.no_repeat_ngram_size)
+        if copy_guard is not None:
+            lg = copy_guard.ban(lg, out_tok, t)
         if u is None:
             tok = lg.argmax(-1)
         else:
@@ -212,9 +252,12 @@ def _beam_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]], 
     pool_seq = torch.full((Qb, B, T), -1, dtype=torch.long, device=dev)
     logit_row = torch.arange(R, device=dev) // B
     rank = torch.arange(2 * B, device=dev)[None]
+    copy_guard = PromptNgrams(prompts, cfg.prompt_ngram_block, B, Qb, dev) if cfg.prompt_ngram_block else None
     for t in range(T):
         lg, ls = (logits, lse) if logit_row is None else (logits[logit_row], lse[logit_row])
         logp = ban_repeated_ngrams(lg.float() - ls[:, None], seqs, t, cfg.no_repeat_ngram_size)  # [R, V]
+        if copy_guard is not None:
+            logp = copy_guard.ban(logp, seqs, t)
         cand = (beam_s.view(-1, 1) + logp).view(Qb, B * V)
         top_s, top_i = cand.topk(2 * B, dim=1)                                # [Qb, 2B]
         src = torch.arange(Qb, device=dev)[:, None] * B + top_i // V          # [Qb, 2B] rows
