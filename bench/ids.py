@@ -214,8 +214,7 @@ def cmd_measure(args: argparse.Namespace) -> list[dict]:
         }
         rows.append(row)
         log.info("%s", row)
-    with (Path(args.work) / "ids_results.jsonl").open("a") as fh:
-        for row in rows:
+        with (Path(args.work) / "ids_results.jsonl").open("a") as fh:  # per design: a long run keeps what it did
             fh.write(json.dumps(row) + "\n")
     print(table(rows), end="")
     return rows
