@@ -406,8 +406,9 @@ def build_residual(emb: np.ndarray, config: ClusterConfig | None = None) -> Hier
     Per level: FAISS k-means (:func:`kmeans_fit`: k-means++ seeded from ``seed`` and the level, fixed
     threads) of the current residuals into ``min(rq_codebook, N)`` centroids; every ad takes its
     nearest centroid (:func:`_nearest`, the same search :func:`residual_encode` uses for a query);
-    duplicate centroids and those no ad took are dropped (indices stay dense, in FAISS's order). Residuals that are all
-    identical (e.g. duplicate embeddings) get one centroid, their mean, and count as a fallback.
+    duplicate centroids and those no ad took are dropped (indices stay dense, in FAISS's order).
+    Residuals that are all identical (e.g. every embedding equal) get one centroid, that value, and
+    count as a fallback.
     ``faiss.ResidualQuantizer`` is not used: its codebook training has its own random seeding (no
     k-means++) and beam-searched assignments, so it would not share this module's seeding, threads,
     rescaling and degenerate-input handling with the hierarchical path.
