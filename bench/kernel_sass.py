@@ -1,7 +1,7 @@
 """SASS instruction mix of the SparseGemv kernels' K loop, per kept weight value (no GPU needed).
 
-Compiles the kernels of ``kernels/sparse_gemv.py`` for sm_90 (Triton compiles for a GPUTarget without a
-device), disassembles the cubin with the ``cuobjdump`` bundled in the Triton wheel, finds the main K
+Compiles the SparseGemv kernels (``kernels/gemv_int4.py``, ``kernels/tc_int4.py``) for sm_90 (Triton
+compiles for a GPUTarget without a device), disassembles the cubin with the ``cuobjdump`` bundled in the Triton wheel, finds the main K
 loop (the backward branch spanning the most instructions) and divides its static instruction counts by
 the kept values one thread handles per iteration (``BLOCK_N * BLOCK_KK / (32 * num_warps)``). Each loop
 instruction runs once per iteration per thread, so this is "instructions per kept value per thread",
@@ -31,7 +31,8 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU (inline PTX), ne
 
 import triton  # noqa: E402
 
-from kernels import sparse_gemv as sg  # noqa: E402
+from kernels.int4_launch import compile_offline  # noqa: E402
+from kernels.int4_tuner import GEMV_MAX_BATCH, KernelConfig, tc_block_kk  # noqa: E402
 from kernels.nm_int4 import SparsityPattern  # noqa: E402
 
 # instruction classes (first matching prefix wins), in table order
@@ -58,8 +59,8 @@ def _tool(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
-def compile_sass(cfg: sg.KernelConfig, pattern: SparsityPattern, bf16: bool = False, split: bool = False) -> str:
-    kernel = sg.compile_offline(cfg, pattern, bf16, split)
+def compile_sass(cfg: KernelConfig, pattern: SparsityPattern, bf16: bool = False, split: bool = False) -> str:
+    kernel = compile_offline(cfg, pattern, bf16, split)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.cubin"
         path.write_bytes(kernel.asm["cubin"])
@@ -103,17 +104,17 @@ def classify(ops: list[str]) -> dict[str, int]:
     return dict(out)
 
 
-def variants(batches: list[int]) -> list[tuple[str, SparsityPattern, int, sg.KernelConfig]]:
+def variants(batches: list[int]) -> list[tuple[str, SparsityPattern, int, KernelConfig]]:
     """(label, pattern, B, config): the GEMV at B <= 8 and the tensor-core kernel with BLOCK_N = 64 and
     with BLOCK_N = 128 (the heuristic)."""
     out = []
     for pattern in (SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR, SparsityPattern.DENSE):
         for b in batches:
             bt = max(16, b)
-            if b <= sg.GEMV_MAX_BATCH:
-                out.append(("gemv", pattern, b, sg.KernelConfig(b, 64, 64, 1, False)))
-            out.append(("tc", pattern, b, sg.KernelConfig(bt, 64, sg.tc_block_kk(pattern), 1, True)))
-            out.append(("tc", pattern, b, sg.KernelConfig(bt, 128, sg.tc_block_kk(pattern), 1, True)))
+            if b <= GEMV_MAX_BATCH:
+                out.append(("gemv", pattern, b, KernelConfig(b, 64, 64, 1, False)))
+            out.append(("tc", pattern, b, KernelConfig(bt, 64, tc_block_kk(pattern), 1, True)))
+            out.append(("tc", pattern, b, KernelConfig(bt, 128, tc_block_kk(pattern), 1, True)))
     return out
 
 

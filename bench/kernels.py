@@ -124,7 +124,7 @@ def _torch_int4(n: int, k: int, dev: str):
 
 
 def bench_shape(n: int, k: int, batches: list[int], timer: Timer, copy_gbs: float, graph: bool) -> list[dict]:
-    from kernels import sparse_gemv as sg
+    from kernels import int4_launch as launcher
     from kernels.nm_int4 import SparsityPattern, dequantize_nm_int4, random_packed
 
     dev = "cuda" if timer.cuda else "cpu"
@@ -161,7 +161,7 @@ def bench_shape(n: int, k: int, batches: list[int], timer: Timer, copy_gbs: floa
     for pat in (SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR, SparsityPattern.DENSE):
         p = random_packed(n, k, pat, group_sizes=GROUP_SIZES, device=dev)
         methods[f"ours_{pat.value}"] = dict(
-            fn=(lambda x, p=p: sg.nm_int4_linear_triton(x, p)),
+            fn=(lambda x, p=p: launcher.nm_int4_linear_triton(x, p)),
             bytes=p.nbytes(),
             ref_w=dequantize_nm_int4(p),
             dtype=torch.float16,
@@ -183,7 +183,7 @@ def bench_shape(n: int, k: int, batches: list[int], timer: Timer, copy_gbs: floa
                     torch.cuda.synchronize()
                 row["rel_err"] = _rel(y, ref[:b])
                 if "packed" in m and timer.cuda:
-                    cfg = sg.select_config(x_chk[:b], m["packed"], None)
+                    cfg = launcher.TUNER.select(x_chk[:b], m["packed"], None)
                     row["config"] = cfg.__dict__ if hasattr(cfg, "__dict__") else str(cfg)
                 xs = [(torch.randn(b, k, device=dev) + 0.05).to(m["dtype"]) for _ in range(8)]
                 it = itertools.cycle(xs)
@@ -214,7 +214,8 @@ def bench_shape(n: int, k: int, batches: list[int], timer: Timer, copy_gbs: floa
 def _compile_worker(jobs: list[tuple]) -> int:
     """Compile kernel variants by launching them on a small weight; fills Triton's on-disk cache, so
     the tuner in the parent process loads instead of compiling (compiles are serial per process)."""
-    from kernels import sparse_gemv as sg
+    from kernels import int4_launch as launcher
+    from kernels.int4_tuner import KernelConfig
     from kernels.nm_int4 import SparsityPattern, random_packed
 
     done = 0
@@ -224,10 +225,10 @@ def _compile_worker(jobs: list[tuple]) -> int:
         if pat not in packed:
             packed[pat] = random_packed(64, 4096, pat, device="cuda")
         p = packed[pat]
-        cfg = sg.KernelConfig(**cfg_dict)
+        cfg = KernelConfig(**cfg_dict)
         x = torch.randn(max(cfg.block_b, 2), 4096, device="cuda").to(getattr(torch, dtype_name))
         try:
-            sg.launch(x, p, None, cfg)
+            launcher.launch(x, p, None, cfg)
             done += 1
         except Exception as e:  # noqa: BLE001 - the tuner skips what does not compile
             print(f"precompile {pattern} {cfg}: {e!r}"[:300], flush=True)
@@ -240,7 +241,7 @@ def precompile(patterns, dtypes, batches, workers: int) -> None:
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    from kernels import sparse_gemv as sg
+    from kernels.int4_tuner import candidate_configs
     from kernels.nm_int4 import random_packed
 
     jobs = set()
@@ -248,7 +249,7 @@ def precompile(patterns, dtypes, batches, workers: int) -> None:
     for pat in patterns:
         p = random_packed(64, 256, pat)  # only the pattern matters for the candidate tiles
         for b in batches:
-            for cfg in sg.candidate_configs(p, b, sms):
+            for cfg in candidate_configs(p, b, sms):
                 for split in (1, 2):  # ATOMIC is a constexpr: compile both variants
                     d = dict(cfg.__dict__, split_k=split)
                     for dt_name in dtypes:
@@ -371,7 +372,7 @@ def profile_launches(shapes: list[tuple[int, int]], batches: list[int]) -> dict:
     """One launch of each of our formats per (shape, B) with the config the dispatcher picks, for ncu
     (``ncu -k regex:nm_int4 ...``). Run after a sweep of the same shapes in the same ADBATCH_CACHE so
     the tuned configs are read from the cache: tuning launches would otherwise be profiled too."""
-    from kernels import sparse_gemv as sg
+    from kernels import int4_launch as launcher
     from kernels.nm_int4 import SparsityPattern, random_packed
 
     picked = {}
@@ -379,10 +380,9 @@ def profile_launches(shapes: list[tuple[int, int]], batches: list[int]) -> dict:
         p = random_packed(n, k, pat, group_sizes=GROUP_SIZES, device="cuda")
         for b in batches:
             x = torch.randn(b, k, device="cuda").half()
-            key = sg.tune_key(p, b, x.dtype)
-            cached = sg._CACHE.get(sg._device_name(0), key) is not None
-            cfg = sg.select_config(x, p, None)
-            sg.launch(x, p, None, cfg)
+            cached = launcher.TUNER.lookup(p, b, x.dtype, x.device) is not None
+            cfg = launcher.TUNER.select(x, p, None)
+            launcher.launch(x, p, None, cfg)
             torch.cuda.synchronize()
             picked[f"{n}x{k} {pat.value} B={b}"] = {"config": repr(cfg), "from_cache": cached}
             print(f"profiled {n}x{k} {pat.value} B={b} {cfg} (tuned config from cache: {cached})", flush=True)
@@ -397,7 +397,7 @@ def host_probe(n: int = 576, k: int = 1536, calls: int = 2000) -> dict:
     import io
     import pstats
 
-    from kernels import sparse_gemv as sg
+    from kernels import int4_launch as launcher
     from kernels.nm_int4 import SparsityPattern, random_packed
 
     out: dict = {}
@@ -405,7 +405,7 @@ def host_probe(n: int = 576, k: int = 1536, calls: int = 2000) -> dict:
     x = torch.randn(1, k, device="cuda").half()
     for pat in (SparsityPattern.TWO_FOUR, SparsityPattern.DENSE):
         p = random_packed(n, k, pat, device="cuda")
-        for name, f in (("cublas_fp16", lambda: F.linear(x, w)), (f"ours_{pat.value}", lambda p=p: sg.nm_int4_linear_triton(x, p))):
+        for name, f in (("cublas_fp16", lambda: F.linear(x, w)), (f"ours_{pat.value}", lambda p=p: launcher.nm_int4_linear_triton(x, p))):
             for _ in range(20):
                 f()
             torch.cuda.synchronize()
@@ -417,13 +417,12 @@ def host_probe(n: int = 576, k: int = 1536, calls: int = 2000) -> dict:
             t2 = time.perf_counter()
             out[name] = dict(enqueue_us=1e6 * (t1 - t0) / calls, drained_us=1e6 * (t2 - t0) / calls)
             print(f"host {name}: enqueue {out[name]['enqueue_us']:.1f} us/call, drained {out[name]['drained_us']:.1f} us/call", flush=True)
-        bound = next((b for key, b in sg._BOUND.items() if b.ref() is p), None)
-        out[f"fast_path_{pat.value}"] = bound is not None and bound(x, None) is not None
+        out[f"fast_path_{pat.value}"] = launcher.takes_fast_path(x, p)
         print(f"bound fast path taken for {pat.value}: {out[f'fast_path_{pat.value}']}", flush=True)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(500):
-            sg.nm_int4_linear_triton(x, p)
+            launcher.nm_int4_linear_triton(x, p)
         prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(10)
@@ -600,9 +599,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_decode:
             precompile([SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR], ["bfloat16"], [1, 8, 32], workers)
     if args.tune_log:
-        from kernels import sparse_gemv as sg
+        from kernels.int4_launch import TUNER
 
-        sg.TUNE_LOG = []
+        TUNER.start_tune_log()
     copy_gbs = copy_bandwidth(timer)
     log.info("env %s copy %.0f GB/s", env, copy_gbs)
     results: dict = dict(env=env, copy_gbs=copy_gbs, shape_convention="N x K = out_features x in_features", rows=[])
@@ -626,11 +625,11 @@ def main(argv: list[str] | None = None) -> dict:
         for f in cache.glob("*.json"):
             (args.out / f.name).write_text(f.read_text())
     if args.tune_log:
-        from kernels import sparse_gemv as sg
+        from kernels.int4_launch import TUNER
 
-        results["tune_log"] = sg.TUNE_LOG
+        results["tune_log"] = TUNER.tune_log()
         (args.out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
-        print(tune_log_summary(sg.TUNE_LOG))
+        print(tune_log_summary(results["tune_log"]))
     if not args.decode_only:
         print(compact(results["rows"]))
     for r in results.get("decode", []):

@@ -84,7 +84,7 @@ def roofline_ms(model, eng, rows: int, queries: int, t: int) -> float:
 def attention_sweep(model, beams: int, dev, queries: list[int], t: int) -> list[str]:
     """Graph-replayed time of one layer's decode attention per launch configuration (block_j,
     num_warps, num_stages) at each query batch: which configuration the kernel should default to."""
-    from kernels.sparse_gemv import time_graphed_ms
+    from kernels.int4_tuner import time_graphed_ms
 
     lines = ["| queries | rows | block_j | warps | stages | us | x default |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for qn in queries:

@@ -22,7 +22,7 @@ Byte layout of :class:`PackedNMInt4` (format version 2; what the Triton kernels 
   values ``16i .. 16i+15`` of row ``r``, *byte-spread*: value ``16i + 8h + 2t + e`` (h, e = 0/1, t = 0..3)
   sits in bits ``16h + 8e + 2t .. +1``. ``(word >> 2t) & 0x03030303`` then holds the positions of pair t
   of both value words in its 4 bytes, and one multiply-add (``* 0x22 + 0x10101010``) turns them into the
-  ``prmt`` byte selectors that pick the activations (see ``kernels/sparse_gemv.py``). Same coalescing as
+  ``prmt`` byte selectors that pick the activations (see ``kernels/gemv_int4.py``). Same coalescing as
   ``qweight``.
 - ``scale_zero`` fp16 ``[G, 2]``: ``(scale, zero)`` of every group, rows in order, groups of a row
   consecutive; interleaved so the kernel fetches both with one 4-byte load.
@@ -410,7 +410,7 @@ def nm_int4_linear(x: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None =
     Returns [..., N] in x's dtype (fp32 accumulation).
     """
     if x.is_cuda:
-        from kernels.sparse_gemv import nm_int4_linear_triton  # lazy: Triton only where it runs
+        from kernels.int4_launch import nm_int4_linear_triton  # lazy: Triton only where it runs
 
         return nm_int4_linear_triton(x, p, bias)
     return nm_int4_linear_reference(x, p, bias)

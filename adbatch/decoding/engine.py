@@ -593,7 +593,7 @@ class DecodeEngine:
         if not mods or rows == self._routed_rows:  # the routing depends on the bucket alone
             return
         from kernels.nm_int4 import dequantize_nm_int4
-        from kernels.sparse_gemv import time_graphed_ms
+        from kernels.int4_tuner import time_graphed_ms
 
         self._use_dense = set()
         planned = True
