@@ -272,7 +272,7 @@ class PackedLinearForBench(torch.nn.Module):
         self.bias = bias
 
     def forward(self, x):
-        from kernels.nm_int4 import nm_int4_linear
+        from kernels.packed_linear import nm_int4_linear
 
         return nm_int4_linear(x, self.packed, self.bias)
 

@@ -141,7 +141,11 @@ class PackedNMInt4:
         if len(devices) != 1:
             raise ValueError(f"all packed tensors must be on one device, got {devices}")
         # the kernels index scale_zero with group_ptr[r] + (kk >> group_shift[r]) unchecked: a damaged or
-        # crafted file must fail here, not read out of bounds on the GPU (one host sync per object)
+        # crafted file must fail here, not read out of bounds on the GPU (one host sync per object).
+        # Skipped while torch.compile traces (a layer's packed view built inside the traced forward): the
+        # tensors there have no values yet, and they are a module's buffers, checked when it was built.
+        if torch.compiler.is_compiling():
+            return
         shift = self.group_shift.to(torch.int64)
         gptr = self.group_ptr.to(torch.int64)
         shift_ok = (shift >= 5) & (shift <= 8)  # group sizes 32..256
@@ -401,19 +405,6 @@ def nm_int4_linear_reference(x: torch.Tensor, p: PackedNMInt4, bias: torch.Tenso
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
-
-
-def nm_int4_linear(x: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequantize(p).T + bias``: the Triton kernels for CUDA tensors, the reference elsewhere.
-
-    Args: x fp16/bf16 [..., K] (the reference also takes fp32 on CPU), bias [N] or None.
-    Returns [..., N] in x's dtype (fp32 accumulation).
-    """
-    if x.is_cuda:
-        from kernels.int4_launch import nm_int4_linear_triton  # lazy: Triton only where it runs
-
-        return nm_int4_linear_triton(x, p, bias)
-    return nm_int4_linear_reference(x, p, bias)
 
 
 # ---- helpers for tests and benchmarks ----------------------------------------------------------

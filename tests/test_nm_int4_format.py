@@ -12,12 +12,12 @@ from kernels.nm_int4 import (
     SparsityPattern,
     dequantize_nm_int4,
     kept_per_row,
-    nm_int4_linear,
     nm_int4_linear_reference,
     pack_nm_int4,
     random_packed,
     unpack_nm_int4,
 )
+from kernels.packed_linear import nm_int4_linear
 
 PATTERNS = list(SparsityPattern)
 SHAPES = [(8, 64), (13, 200), (32, 1024), (5, 516)]  # N x K; Kk not a multiple of the 128 alignment too

@@ -35,7 +35,8 @@ from adbatch.compress.sparsity import (
     LayerImportance, allocate_patterns, element_scores, interleaved_patterns, kept_positions, nm_mask,
     proxy_loss,
 )
-from kernels.nm_int4 import PackedNMInt4, SparsityPattern, nm_int4_linear, pack_nm_int4, dequantize_nm_int4
+from kernels.nm_int4 import PackedNMInt4, SparsityPattern, pack_nm_int4, dequantize_nm_int4
+from kernels.packed_linear import nm_int4_linear
 
 log = logging.getLogger(__name__)
 
