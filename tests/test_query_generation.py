@@ -157,20 +157,22 @@ def test_cache_is_reused_for_the_same_inputs_and_invalidated_when_they_change(to
     again, info2 = build()
     assert info2["status"] == "cached" and len(calls) == 1 and again.rows() == first.rows()
     assert info2["key"] == info["key"] == load_generated_queries(path).key
+    assert build(cfg=FAST.replace(batch_size=2))[1]["status"] == "cached"  # batching changes no query
     for changed in (dict(pairs=TRAIN + [("drill kit", 107)]),  # the labelled pairs
                     dict(ad_texts={**t, 101: "BEHR DeckOver 5-gal."}),  # the catalogue
                     dict(cfg=FAST.replace(temperature=0.7))):  # the config
         _, info3 = build(**changed)
         assert info3["status"] == "generated" and info3["key"] != info["key"]
     assert len(calls) == 4
-    # another generator (other weights) misses too
+    # another generator (other weights, same everything else) has another key
     loader = lambda: (tiny(tok, seed=2), tok)  # noqa: E731
-    assert build()[1]["status"] == "generated"
-    with pytest.raises(ConfigError, match="not a generated-queries file"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    other = build()[1]
+    assert other["status"] == "generated" and other["key"] != info["key"]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-        pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
+    with pytest.raises(ConfigError, match="not a generated-queries file"):
         load_generated_queries(tmp_path / "other.parquet")
 
 

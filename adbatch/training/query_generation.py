@@ -400,15 +400,17 @@ def generation_key(pairs: QueryPairs | None, ad_ids: Sequence[Hashable], ad_text
                    config: QueryGenConfig, generator: str) -> str:
     """Content hash of everything deciding the generated queries: the train pairs (None: zero-shot), the
     catalogue (ids and texts in order), ``config``, the generator's :func:`model_fingerprint`, the prompt
-    rendering version and :data:`QUERY_GEN_VERSION`."""
+    rendering version and :data:`QUERY_GEN_VERSION` (not the decode batch size, which changes no query)."""
     from adbatch.artifacts import sha256_json
     from adbatch.prompts import QUERY_GEN_PROMPT_VERSION
 
     catalogue = hashlib.sha256()
     for a in ad_ids:
         catalogue.update(json.dumps([str(a), str(ad_texts.get(a) or "")]).encode())
+    # the decode batch size changes no query (each ad's samples are seeded on their own): not part of the key
+    knobs = {k: v for k, v in config.to_dict().items() if k != "batch_size"}
     return sha256_json({"pairs": pairs.content_hash() if pairs is not None else None,
-                        "catalogue": catalogue.hexdigest(), "config": config.to_dict(), "generator": generator,
+                        "catalogue": catalogue.hexdigest(), "config": knobs, "generator": generator,
                         "prompt_version": QUERY_GEN_PROMPT_VERSION, "version": QUERY_GEN_VERSION})
 
 
