@@ -30,7 +30,7 @@ a generator trained on (title -> labelled query) pairs can learn and spans canno
 With no (or too few, ``min_pairs``) labelled train pairs the generator cannot be trained:
 ``no_labels = spans`` (default) trains on span pseudo-queries instead, with a warning saying so;
 ``zero_shot`` prompts the untuned base model with the same prompt (an instruct model can write queries
-from the instruction alone, but a 135M one writes poor ones -- see docs/training.md for what was measured).
+from the instruction alone; what the 135M default model writes so is measured in docs/training.md).
 """
 
 from __future__ import annotations
