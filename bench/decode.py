@@ -535,7 +535,9 @@ def creatives_section(report: Report, model, args, budget: Budget) -> None:
     # an id argmax can never return: generate_creatives never sees its EOS (with the model's EOS off)
     never = model.config.vocab_size
     tok = IdTokenizer(never, pad_token_id=model.config.pad_token_id)
-    cfg = ours.CreativeConfig(max_new_tokens=T, stop_strings=[], batch_size=n)
+    # the n-gram guards off: HF's greedy has no equivalent for a decoder-only prompt, and the texts are compared
+    cfg = ours.CreativeConfig(max_new_tokens=T, stop_strings=[], batch_size=n, no_repeat_ngram_size=0,
+                              prompt_ngram_block=0)
     ids = torch.tensor(prompts, device=dev)
     mask = torch.ones_like(ids)
 

@@ -20,6 +20,10 @@ class _Tok:
         return ["".join("" if (t == 2 and skip_special_tokens) else chr(97 + t % 26) for t in s) for s in seqs]
 
 
+# HF's greedy knows neither n-gram guard (they are on by default): off where texts are compared with it
+NO_GUARDS = {"no_repeat_ngram_size": 0, "prompt_ngram_block": 0}
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return make_tiny_llama(vocab_size=40, seed=4)
@@ -33,7 +37,7 @@ def _hf_greedy(model, prompt, n):
 
 def test_greedy_matches_hf_and_scores_are_mean_logprob(tiny):
     prompts = [[5, 6, 7, 8], [9, 10]]
-    cfg = CreativeConfig(strategy="greedy", max_new_tokens=6, stop_strings=["zzzz"], batch_size=2)
+    cfg = CreativeConfig(strategy="greedy", max_new_tokens=6, stop_strings=["zzzz"], batch_size=2, **NO_GUARDS)
     out = generate_creatives(tiny, _Tok(), prompts, cfg)
     for prompt, [(text, score)] in zip(prompts, out):
         toks = _hf_greedy(tiny, prompt, 6)
@@ -50,7 +54,7 @@ def test_stop_string_cuts_text(tiny):
     prompts = [[5, 6, 7, 8]]
     full = _Tok().batch_decode([_hf_greedy(tiny, prompts[0], 8)])[0]
     stop = full[3:5]
-    cfg = CreativeConfig(strategy="greedy", max_new_tokens=8, stop_strings=[stop])
+    cfg = CreativeConfig(strategy="greedy", max_new_tokens=8, stop_strings=[stop], **NO_GUARDS)
     [(text, _)] = generate_creatives(tiny, _Tok(), prompts, cfg)[0]
     assert text == full[: full.find(stop)]
 
@@ -189,8 +193,8 @@ def test_no_repeat_ngram_size_keeps_every_text_free_of_repeated_ngrams(strategy)
     prompts = [[3, 4, 5], [7, 8, 9, 10], [11, 11, 11]]
     kw = ({"num_beams": 3, "num_return": 2} if strategy == "beam"
           else {"num_return": 2, "temperature": 0.2} if strategy == "sample" else {})
-    base = dict(strategy=strategy, max_new_tokens=14, stop_strings=["zzzz"], **kw)
-    plain = generate_creatives(model, _Tok(), prompts, CreativeConfig(**base))
+    base = dict(strategy=strategy, max_new_tokens=14, stop_strings=["zzzz"], prompt_ngram_block=0, **kw)
+    plain = generate_creatives(model, _Tok(), prompts, CreativeConfig(**base, no_repeat_ngram_size=0))
     guarded = generate_creatives(model, _Tok(), prompts, CreativeConfig(**base, no_repeat_ngram_size=3))
 
     def repeats(text):
@@ -211,7 +215,7 @@ def test_prompt_ngram_block_never_copies_an_ngram_of_the_prompt(strategy):
     doubled = [t for t in range(26) for _ in range(2)]
     prompts = [doubled, doubled[::-1], doubled[20:] + doubled[:20]]
     kw = {"num_beams": 3, "num_return": 2} if strategy == "beam" else {}
-    base = dict(strategy=strategy, max_new_tokens=10, stop_strings=["zzzz"], **kw)
+    base = dict(strategy=strategy, max_new_tokens=10, stop_strings=["zzzz"], no_repeat_ngram_size=0, **kw)
 
     def copied(outs, n):
         hits = 0
@@ -222,6 +226,6 @@ def test_prompt_ngram_block_never_copies_an_ngram_of_the_prompt(strategy):
                 hits += sum(tuple(ids[i:i + n]) in grams for i in range(len(ids) - n + 1))
         return hits
 
-    assert copied(generate_creatives(model, _Tok(), prompts, CreativeConfig(**base)), 2) > 0
+    assert copied(generate_creatives(model, _Tok(), prompts, CreativeConfig(**base, prompt_ngram_block=0)), 2) > 0
     guarded = generate_creatives(model, _Tok(), prompts, CreativeConfig(**base, prompt_ngram_block=2))
     assert copied(guarded, 2) == 0, guarded

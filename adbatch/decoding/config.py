@@ -81,10 +81,11 @@ class CreativeConfig(ConfigBase):
     num_beams: int = field(default=4, metadata={"help": "beams per prompt (strategy beam)"})
     stop_strings: list[str] = field(default_factory=lambda: ["\n"],
                                     metadata={"help": "text is cut before the first of these"})
-    no_repeat_ngram_size: int = field(default=0, metadata={
+    # both guards on by default: measured on the example's creative model (docs/decoding.md, creatives)
+    no_repeat_ngram_size: int = field(default=3, metadata={
         "help": "never repeat an n-gram of this many tokens within a generated text (0 = off); the prompt's "
                 "n-grams stay allowed (an advertiser's name spans several tokens)"})
-    prompt_ngram_block: int = field(default=0, metadata={
+    prompt_ngram_block: int = field(default=6, metadata={
         "help": "never generate an n-gram of this many tokens that occurs in the prompt (0 = off): a headline "
                 "does not copy its ad's description; shorter runs (a name) stay allowed"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
