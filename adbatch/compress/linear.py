@@ -50,7 +50,7 @@ M = 4
 class CompressedLinear(nn.Module):
     """A linear layer holding a :class:`PackedNMInt4` weight (buffers, so ``.to(device)`` moves it).
 
-    ``forward(x [..., K]) -> [..., N]`` calls :func:`kernels.nm_int4.nm_int4_linear`: Triton on CUDA,
+    ``forward(x [..., K]) -> [..., N]`` calls :func:`kernels.packed_linear.nm_int4_linear`: Triton on CUDA,
     the pure-torch reference (unpack, dequantize, matmul) elsewhere.
     """
 
