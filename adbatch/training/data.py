@@ -118,6 +118,25 @@ def _prompts(tokenizer: Any, texts: Iterable[str], max_query_tokens: int) -> lis
     return out
 
 
+def _rows_in_index(pairs: Iterable[tuple[str, Hashable]], row_of: Mapping[Hashable, int]) -> tuple[list[tuple[str, int]], int]:
+    """``(query, ad_id)`` pairs -> ``(query, index row)`` for the ads the index holds, and the count of the others."""
+    rows, missing = [], 0
+    for query, ad in pairs:
+        r = row_of.get(ad)
+        if r is None:
+            missing += 1
+        else:
+            rows.append((query, r))
+    return rows, missing
+
+
+def _query_examples(tokenizer: Any, rows: list[tuple[str, int]], targets: list[list[int]], kind: ExampleKind,
+                    max_query_tokens: int) -> TrainingExamples:
+    """Prompted ``(query -> its ad's target)`` examples of ``kind`` from ``(query, index row)`` pairs."""
+    return build_prompted(_prompts(tokenizer, [q for q, _ in rows], max_query_tokens), [targets[r] for _, r in rows],
+                          kind, [r for _, r in rows])
+
+
 def build_examples(
     tokenizer: Any,
     ad_ids: Sequence[Hashable],
@@ -159,39 +178,23 @@ def build_examples(
                             list(range(len(ad_ids)))))
         stats["indexing"] = len(ad_ids)
     row_of = {a: r for r, a in enumerate(ad_ids)}
-    pairs, not_in = [], 0
-    for query, ad in labelled:
-        r = row_of.get(ad)
-        if r is None:
-            not_in += 1
-        else:
-            pairs.append((query, r))
+    pairs, not_in = _rows_in_index(labelled, row_of)
     stats["labelled_not_in_index"] = not_in
     if labelled and not pairs:  # a subset catalogue misses some pairs; missing all is a wrong file or id type
         raise ValueError(f"none of the {len(labelled)} labelled pairs names an ad of the index (e.g. "
                          f"{labelled[0][1]!r}, {type(labelled[0][1]).__name__}; the index has e.g. {ad_ids[0]!r}, "
                          f"{type(ad_ids[0]).__name__}): check the queries file's ad_id column")
     if pairs:
-        parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in pairs], max_query_tokens),
-                            [targets[r] for _, r in pairs], ExampleKind.RETRIEVAL, [r for _, r in pairs]))
+        parts.append(_query_examples(tokenizer, pairs, targets, ExampleKind.RETRIEVAL, max_query_tokens))
     stats["retrieval"] = len(pairs)
     if pseudo_queries is not None and pseudo_queries.per_ad > 0 and pseudo_queries.source is not QuerySource.GENERATED:
         spans = span_pseudo_queries([str(ad_texts.get(a) or "") for a in ad_ids], pseudo_queries)
         if spans:
-            parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in spans], max_query_tokens),
-                                [targets[r] for _, r in spans], ExampleKind.PSEUDO_QUERY, [r for _, r in spans]))
+            parts.append(_query_examples(tokenizer, spans, targets, ExampleKind.PSEUDO_QUERY, max_query_tokens))
         stats["pseudo_query"] = len(spans)
-    gen_rows, gen_not_in = [], 0
-    for query, ad in generated:
-        r = row_of.get(ad)
-        if r is None:
-            gen_not_in += 1
-        else:
-            gen_rows.append((query, r))
+    gen_rows, gen_not_in = _rows_in_index(generated, row_of)
     if gen_rows:
-        parts.append(build_prompted(_prompts(tokenizer, [q for q, _ in gen_rows], max_query_tokens),
-                                    [targets[r] for _, r in gen_rows], ExampleKind.GENERATED_QUERY,
-                                    [r for _, r in gen_rows]))
+        parts.append(_query_examples(tokenizer, gen_rows, targets, ExampleKind.GENERATED_QUERY, max_query_tokens))
     if gen_rows or gen_not_in:
         stats["generated_query"] = len(gen_rows)
         stats["generated_not_in_index"] = gen_not_in
