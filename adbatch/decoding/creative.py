@@ -103,62 +103,82 @@ def _sample(logp: torch.Tensor, cfg: CreativeConfig, u: torch.Tensor | None) -> 
     return tok.clamp_(max=probs.shape[-1] - 1)
 
 
+def _mask_banned(logits: torch.Tensor, bans: list[torch.Tensor]) -> torch.Tensor:
+    """``logits: [R, V]`` with ``-inf`` at the tokens listed in ``bans`` (each ``Long[R, J]``; the value ``V``
+    bans nothing): one scatter and one masked fill for every guard together."""
+    if not bans:
+        return logits
+    R, V = logits.shape
+    idx = bans[0] if len(bans) == 1 else torch.cat(bans, 1)
+    banned = torch.zeros(R, V + 1, dtype=torch.bool, device=logits.device).scatter_(1, idx, True)[:, :V]
+    return logits.masked_fill(banned, NEG_INF)
+
+
+def _repeat_bans(generated: torch.Tensor, t: int, n: int, V: int) -> torch.Tensor | None:
+    """``Long[R, J]``: per row the tokens that would complete an n-gram already in its generated tokens
+    ``generated[:, :t]`` (``V`` where none), or None while ``t < n`` (no earlier n-gram yet).
+
+    The ``t - n + 1`` earlier windows of ``n - 1`` tokens are compared with the row's last ``n - 1`` tokens
+    at once; a matching window bans the token that followed it."""
+    if n < 2 or t < n:
+        return None
+    seen = generated[:, :t]
+    windows = seen.unfold(1, n - 1, 1)[:, : t - n + 1]            # [R, J, n-1]: windows j = 0 .. t-n
+    match = (windows == seen[:, None, t - n + 1:]).all(-1)        # [R, J]: window j equals the last n-1 tokens
+    follow = seen[:, n - 1:]                                      # [R, J]: the token that followed window j
+    return torch.where(match & (follow >= 0), follow, V)          # ended rows hold -1: nothing banned
+
+
 def ban_repeated_ngrams(logits: torch.Tensor, generated: torch.Tensor, t: int, n: int) -> torch.Tensor:
     """``logits: [R, V]`` with ``-inf`` at every token that would complete an n-gram already present in
     the row's generated tokens ``generated[:, :t]`` (``Long[R, >= t]``; the step writes token ``t``).
 
     Only generated tokens count, not the prompt: a headline may repeat the advertiser's name (several
-    tokens), but not loop ("Sports & Fitness & Sports & Sports"). All on the device: the ``t - n + 1``
-    earlier windows of ``n - 1`` tokens are compared with the row's last ``n - 1`` tokens at once;
-    a matching window bans the token that followed it. A no-op (the input returned) while ``t < n``.
+    tokens), but not loop ("Sports & Fitness & Sports & Sports"). All on the device. A no-op (the input
+    returned) while ``t < n``.
     """
-    if n < 2 or t < n:
-        return logits
-    R, V = logits.shape
-    seen = generated[:, :t]
-    windows = seen.unfold(1, n - 1, 1)[:, : t - n + 1]            # [R, J, n-1]: windows j = 0 .. t-n
-    match = (windows == seen[:, None, t - n + 1:]).all(-1)        # [R, J]: window j equals the last n-1 tokens
-    follow = seen[:, n - 1:]                                      # [R, J]: the token that followed window j
-    nxt = torch.where(match & (follow >= 0), follow, V)           # column V: nothing banned (ended rows hold -1)
-    banned = torch.zeros(R, V + 1, dtype=torch.bool, device=logits.device).scatter_(1, nxt, True)[:, :V]
-    return logits.masked_fill(banned, NEG_INF)
+    bans = _repeat_bans(generated, t, n, logits.shape[1])
+    return logits if bans is None else _mask_banned(logits, [bans])
 
 
 class PromptNgrams:
-    """The n-grams of each prompt of a batch, for :meth:`ban`: built once per batch on the device.
+    """The n-grams of each prompt of a batch, for :meth:`bans`: built once per batch on the device.
 
     ``windows: Long[Qb, J, n-1]`` (window ``j`` = prompt tokens ``j .. j+n-2``, padding ``-1``) and
     ``follow: Long[Qb, J]`` (the token after window ``j``; ``-1`` past the prompt's end), ``J`` = the
-    longest prompt's ``len - n + 1``.
+    longest prompt's ``len - n + 1``. Row ``r`` of a step belongs to prompt ``r // rows_per_prompt``.
     """
 
     def __init__(self, prompts: list[list[int]], n: int, rows_per_prompt: int, Qb: int, device: torch.device) -> None:
-        self.n, self.per = n, rows_per_prompt
+        self.n = n
         width = max(max((len(p) for p in prompts), default=0), n)
         padded = torch.full((Qb, width), -1, dtype=torch.long)
         for q, p in enumerate(prompts):
             padded[q, : len(p)] = torch.tensor(p, dtype=torch.long)
         padded = padded.to(device)
-        self.windows = padded.unfold(1, n - 1, 1)[:, : width - n + 1]
-        self.follow = padded[:, n - 1:]
+        prompt_of_row = torch.arange(Qb * rows_per_prompt, device=device) // rows_per_prompt
+        self.windows = padded.unfold(1, n - 1, 1)[:, : width - n + 1][prompt_of_row]  # [R, J, n-1]
+        self.follow = padded[:, n - 1:][prompt_of_row]                                # [R, J]
 
-    def ban(self, logits: torch.Tensor, generated: torch.Tensor, t: int, prompt_of_row: torch.Tensor | None = None
-            ) -> torch.Tensor:
-        """``logits: [R, V]`` with ``-inf`` at each token that would make the row's last ``n`` generated
-        tokens (``generated: Long[R, >= t]``, the step writes token ``t``) an n-gram of its prompt.
-        ``prompt_of_row: Long[R]`` (default ``row // rows_per_prompt``). A no-op while ``t < n - 1``:
-        only n-grams made of generated tokens count."""
+    def bans(self, generated: torch.Tensor, t: int, V: int) -> torch.Tensor | None:
+        """``Long[R, J]``: per row the tokens that would make its last ``n`` generated tokens
+        (``generated: Long[R, >= t]``, the step writes token ``t``) an n-gram of its prompt (``V`` where
+        none), or None while ``t < n - 1``: only n-grams made of generated tokens count."""
         n = self.n
         if t < n - 1:
-            return logits
-        R, V = logits.shape
-        q = prompt_of_row if prompt_of_row is not None else torch.arange(R, device=logits.device) // self.per
+            return None
         last = generated[:, t - n + 1: t]                                   # [R, n-1]
-        match = (self.windows[q] == last[:, None]).all(-1)                  # [R, J]
-        follow = self.follow[q]
-        nxt = torch.where(match & (follow >= 0) & (last[:, :1] >= 0), follow, V)
-        banned = torch.zeros(R, V + 1, dtype=torch.bool, device=logits.device).scatter_(1, nxt, True)[:, :V]
-        return logits.masked_fill(banned, NEG_INF)
+        match = (self.windows == last[:, None]).all(-1)                     # [R, J]
+        return torch.where(match & (self.follow >= 0) & (last[:, :1] >= 0), self.follow, V)
+
+
+def _guarded(logits: torch.Tensor, generated: torch.Tensor, t: int, cfg: CreativeConfig,
+             copy_guard: PromptNgrams | None) -> torch.Tensor:
+    """``logits: [R, V]`` after both n-gram guards of ``cfg`` (one mask for the two)."""
+    V = logits.shape[1]
+    bans = [b for b in (_repeat_bans(generated, t, cfg.no_repeat_ngram_size, V),
+                        copy_guard.bans(generated, t, V) if copy_guard is not None else None) if b is not None]
+    return _mask_banned(logits, bans)
 
 
 def _decode(tokenizer: Any, seq: list[int]) -> str:
@@ -206,9 +226,7 @@ def _sample_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]]
     for t in range(T):
         # the first token reads each prompt's prefill row; later steps' outputs are already per row
         lg, ls = (logits, lse) if logit_row is None else (logits[logit_row], lse[logit_row])
-        lg = ban_repeated_ngrams(lg, out_tok, t, cfg.no_repeat_ngram_size)
-        if copy_guard is not None:
-            lg = copy_guard.ban(lg, out_tok, t)
+        lg = _guarded(lg, out_tok, t, cfg, copy_guard)
         if u is None:
             tok = lg.argmax(-1)
         else:
@@ -255,9 +273,7 @@ def _beam_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]], 
     copy_guard = PromptNgrams(prompts, cfg.prompt_ngram_block, B, Qb, dev) if cfg.prompt_ngram_block else None
     for t in range(T):
         lg, ls = (logits, lse) if logit_row is None else (logits[logit_row], lse[logit_row])
-        logp = ban_repeated_ngrams(lg.float() - ls[:, None], seqs, t, cfg.no_repeat_ngram_size)  # [R, V]
-        if copy_guard is not None:
-            logp = copy_guard.ban(logp, seqs, t)
+        logp = _guarded(lg.float() - ls[:, None], seqs, t, cfg, copy_guard)  # [R, V]
         cand = (beam_s.view(-1, 1) + logp).view(Qb, B * V)
         top_s, top_i = cand.topk(2 * B, dim=1)                                # [Qb, 2B]
         src = torch.arange(Qb, device=dev)[:, None] * B + top_i // V          # [Qb, 2B] rows
