@@ -432,6 +432,7 @@ def check(args: argparse.Namespace) -> None:
     from adbatch.prompts import encode_targeting_prompt
     from adbatch.targeting_eval import evaluate_targeting
     from adbatch.training import TrainConfig, train_on_index
+    from adbatch.training.checkpoint import read_training_record
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -450,14 +451,24 @@ def check(args: argparse.Namespace) -> None:
     model, tok = load_base(args.model, args.smoke, device)
     cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048)
     cfg = cfg.replace(pseudo_queries=cfg.pseudo_queries.replace(source=args.query_source))
+
+    def merged(base: dict, over: dict) -> dict:
+        return {k: merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                for k, v in {**base, **over}.items()}
+    cfg = TrainConfig.from_dict(merged(cfg.to_dict(), json.loads(args.train_json)))
+    results["train_config"] = cfg.to_dict()
     if args.train_budget_s:
         cfg = cfg.replace(time_budget_s=args.train_budget_s)
     t0 = time.perf_counter()
     model_dir = Path(args.work) / "trained"  # saved by the library, as ``adbatch train`` saves it
-    model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
-                                         model=model, tokenizer=tok, device=device, progress=False,
-                                         query_gen=bench_query_gen(args.smoke),
-                                         exclude_queries=[*data["qrels"], *data["valid"]])
+    if args.reuse_trained and read_training_record(model_dir) is not None:  # a warm machine's earlier call
+        model, tok = load_base(str(model_dir), False, device)
+        summary = {"train": {"reused": str(model_dir)}, "data": {}}
+    else:
+        model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
+                                             model=model, tokenizer=tok, device=device, progress=False,
+                                             query_gen=bench_query_gen(args.smoke),
+                                             exclude_queries=[*data["qrels"], *data["valid"]])
     results["train"] = {"dense-text": summary["train"] | {"data": summary["data"],
                                                           "wall_s": round(time.perf_counter() - t0, 1)}}
     results["query_source"] = args.query_source
@@ -506,16 +517,27 @@ def check(args: argparse.Namespace) -> None:
     from pipelines.compress import CompressJobConfig, run_compress
 
     queries = bundle / "train_5000.parquet"  # the train-split (query, ad_id) pairs
-    t0 = time.perf_counter()
-    comp_dir = Path(args.work) / "compressed"
-    csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / "index_5000_text", queries=queries,
-                                          ads=bundle / "titles_5000.parquet", out=comp_dir, use_ray=False,
-                                          layer_device=device if device == "cuda" else None))
-    results["compress"] = {"wall_s": round(time.perf_counter() - t0, 1),
-                           **{k: v for k, v in csum.items() if isinstance(v, (int, float, str))}}
-    save()
-    cm, _ = load_model(ModelSpec(compressed=str(comp_dir)), device)
-    eval_rows("compressed", cm, [("new off @64", new, "off", 64), ("new auto @64", new, "auto", 64)] + big)
+    from adbatch.compress import CompressConfig
+
+    # "compressed" = the compress stage's own defaults; the others override CompressConfig fields
+    variants = {"compressed": {}, **json.loads(args.compress_variants)}
+    results["compress"] = {}
+    for vname, overrides in variants.items():
+        t0 = time.perf_counter()
+        comp_dir = Path(args.work) / f"compressed-{vname}"
+        csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / "index_5000_text", queries=queries,
+                                              ads=bundle / "titles_5000.parquet", out=comp_dir, use_ray=False,
+                                              layer_device=device if device == "cuda" else None,
+                                              compress=CompressConfig.from_dict(overrides)))
+        results["compress"][vname] = {"overrides": overrides, "wall_s": round(time.perf_counter() - t0, 1),
+                                      **{k: v for k, v in csum.items() if isinstance(v, (int, float, str, dict))}}
+        save()
+        cm, _ = load_model(ModelSpec(compressed=str(comp_dir)), device)
+        methods = [("new off @64", new, "off", 64), ("new auto @64", new, "auto", 64)] + big
+        eval_rows(vname, cm, methods if vname == "compressed" else methods[:1])
+        del cm
+        if device == "cuda":
+            torch.cuda.empty_cache()
     save()
     table = render_table(results)
     (out / "table.md").write_text(table)
@@ -703,9 +725,16 @@ def render_table(results: dict) -> str:
                         f"{r.get(c, float('nan')):.3f}" if c != "queries" else str(int(r.get(c, 0))) for c in cols) + " |")
     lines.append("")
     for tag, tr in (results.get("train") or {}).items():
+        if "steps" not in tr:  # --reuse-trained
+            lines.append(f"- train {tag}: {json.dumps(tr)}")
+            continue
         lines.append(f"- train {tag}: {tr['steps']} steps, {tr['tokens']} tokens in {tr['seconds']:.1f} s = "
                      f"{tr['tokens_per_s']:.0f} tok/s, MFU {tr.get('mfu', 'n/a')}, loss {tr['first_loss']:.3f} -> "
                      f"{tr['final_loss']:.3f}" + (f", density {tr['sparsity_density']:.3f}" if tr.get("sparsity_density") else ""))
+    for name, c in (results.get("compress") or {}).items() if isinstance(results.get("compress"), dict) else ():
+        if isinstance(c, dict) and "overrides" in c:
+            lines.append(f"- compress {name} {json.dumps(c['overrides'])}: {c['wall_s']} s, "
+                         + json.dumps({k: c[k] for k in ("quality", "summary") if k in c}, default=str)[:600])
     if "full_epoch" in results:
         lines.append(f"- full catalogue: {json.dumps(results['full_epoch'])}")
     if results.get("creatives"):
@@ -783,6 +812,12 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("--max-queries", type=int, default=None)
     ck.add_argument("--train-budget-s", type=float, default=None,
                     help="stop training after this long (recorded; the recipe's schedule is not shortened)")
+    ck.add_argument("--compress-variants", default="{}",
+                    help='JSON {name: CompressConfig overrides} compressed and tested beside the defaults ("compressed")')
+    ck.add_argument("--train-json", default="{}", help="JSON TrainConfig overrides (nested dicts merge), e.g. "
+                    '\'{"qat": {"enabled": true}}\'')
+    ck.add_argument("--reuse-trained", action="store_true",
+                    help="use the model an earlier call trained under --work (a warm device keeps /tmp)")
     ck.add_argument("--query-source", choices=("spans", "generated", "mix"), default="spans",
                     help="pseudo-queries of the training: spans (the default recipe) | generated (a query "
                          "generator tuned on the train pairs) | mix (both)")
