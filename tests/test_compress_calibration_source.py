@@ -89,6 +89,7 @@ def test_without_labelled_queries_every_prompt_is_a_pseudo_query(assets, default
 
 def test_compress_with_index_calibrates_on_it_not_on_the_example(assets, tmp_path, monkeypatch, default_tokenizer):
     import adbatch.compress.calibration as calibration
+    import adbatch.compress.report  # noqa: F401 - imported before the patch, so it binds the real token_blocks
     from pipelines.compress import CompressJobConfig, run_compress
 
     seen = {}

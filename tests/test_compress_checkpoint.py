@@ -24,7 +24,7 @@ def tiny_compressed():
     blocks = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(1))
     stats = calibrate(model, blocks, CalibrationConfig(batch_size=4))
     dense = copy.deepcopy(model)
-    recipe = compress_(model, CompressConfig(target_density=0.4, dense_dtype="float32"), stats)
+    recipe = compress_(model, CompressConfig(pattern_policy="layer_adaptive", target_density=0.4, dense_dtype="float32"), stats)
     return dense, model, recipe, blocks[:2]
 
 

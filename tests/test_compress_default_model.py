@@ -18,7 +18,7 @@ def test_default_model_compresses_end_to_end(tmp_path, default_tokenizer):
     result = run_compress(cfg)
     summary, sizes, q = result["summary"], result["sizes"], result["quality"]
     assert summary["layers"] == 30 * 7  # every q/k/v/o/gate/up/down; lm_head (tied) stays dense
-    assert abs(summary["density"] - 0.5) < 0.01
+    assert summary["density"] == 1.0 and summary["pattern_counts"] == {"4:4": 210}  # the default: INT4 only
     assert sizes["ours_over_csr"] <= 0.30
     assert summary["bits_per_weight"] < 4.5
     assert 1.0 < q["dense_ppl_ads"] < q["ppl_ads"] < 100 * q["dense_ppl_ads"]

@@ -108,7 +108,7 @@ def test_layerwise_forward_only_statistics_equal_full():
 
 
 @pytest.mark.parametrize("config", [
-    CompressConfig(),  # paper score, layer-adaptive patterns, adaptive groups
+    CompressConfig(pattern_policy="layer_adaptive"),  # paper score, layer-adaptive patterns, adaptive groups
     CompressConfig(pattern_policy="uniform", group_policy="uniform", score="wanda"),
 ])
 def test_layerwise_and_full_compress_identically(config):
@@ -130,8 +130,9 @@ def test_executor_with_device_matches_plain_loop():
     model = make_tiny_llama(seed=6, hidden=128, intermediate=256)
     stats = calibrate(model, _blocks(seed=6, rows=4, seq=32), CalibrationConfig(batch_size=2))
     a, b = copy.deepcopy(model), copy.deepcopy(model)
-    ra = compress_(a, CompressConfig(), stats)
-    rb = compress_(b, CompressConfig(), stats, executor=SequentialExecutor(device="cpu"))
+    cfg = CompressConfig(pattern_policy="layer_adaptive")
+    ra = compress_(a, cfg, stats)
+    rb = compress_(b, cfg, stats, executor=SequentialExecutor(device="cpu"))
     assert [x.to_dict() for x in ra.layers] == [x.to_dict() for x in rb.layers]
     assert_same_packed(a, b)
 

@@ -28,7 +28,7 @@ def test_training_masks_are_kept_exactly():
     }
     blocks = torch.randint(0, 512, (4, 16), generator=gen)
     stats = calibrate(model, blocks, CalibrationConfig(batch_size=4))
-    recipe = compress_(model, CompressConfig(target_density=0.5, dense_dtype="float32"), stats, masks=masks)
+    recipe = compress_(model, CompressConfig(pattern_policy="layer_adaptive", target_density=0.5, dense_dtype="float32"), stats, masks=masks)
     patterns = {layer.name: layer.pattern for layer in recipe.layers}
     assert patterns[names[0]] is SparsityPattern.ONE_FOUR
     assert patterns[names[1]] is SparsityPattern.TWO_FOUR

@@ -13,7 +13,7 @@ from conftest import assert_same_packed, make_tiny_llama
 
 
 @pytest.mark.parametrize("config", [
-    CompressConfig(),  # full recipe: paper score, layer-adaptive, adaptive groups
+    CompressConfig(pattern_policy="layer_adaptive"),  # the paper's recipe: paper score, layer-adaptive, adaptive groups
     CompressConfig(pattern_policy="uniform", group_policy="uniform", score="wanda"),
 ])
 def test_ray_matches_sequential_bit_for_bit(ray_local, config):

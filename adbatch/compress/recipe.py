@@ -101,14 +101,24 @@ class CalibrationConfig(ConfigBase):
 
 @dataclasses.dataclass
 class CompressConfig(ConfigBase):
-    """The compression knobs. Defaults = the full recipe (paper score, layer-adaptive, adaptive INT4)."""
+    """The compression knobs. Defaults = the measured best recipe: adaptive-group INT4, no post-training
+    sparsity (N:M comes from the masks a sparse training run saved, which are kept).
+
+    Why not the paper's layer-adaptive 2:4/1:4 by default: on a model trained on the ad index (the
+    ``adbatch train`` defaults, 5,000 Home Depot titles, H200, 2026-12-01) one-shot N:M destroys
+    targeting: test recall@10 dense 0.579, INT4 only 0.513, layer-adaptive at density 0.75 0.292,
+    uniform 2:4 0.068, layer-adaptive 2:4/1:4 at density 0.5 0.050 (bench/RESULTS.md "Compression of
+    a trained model"). ``pattern_policy=layer_adaptive`` still runs the paper's allocation.
+    """
 
     score: ScoreMethod = dataclasses.field(default=ScoreMethod.PAPER, metadata={
         "help": "element score for N:M selection"})
     grad_weight: float = dataclasses.field(default=1.0, metadata={
         "help": "weight of the |W|*|dE/dW| term in the paper score (1.0 = the paper's formula)"})
-    pattern_policy: PatternPolicy = dataclasses.field(default=PatternPolicy.LAYER_ADAPTIVE, metadata={
-        "help": "how layers get their N:M pattern"})
+    pattern_policy: PatternPolicy = dataclasses.field(default=PatternPolicy.NONE, metadata={
+        "help": "how layers without a training mask get their N:M pattern: none (dense INT4, the measured "
+                "best on a trained model) | uniform | interleaved | layer_adaptive (the paper's mix at "
+                "target_density)"})
     uniform_pattern: SparsityPattern = dataclasses.field(default=SparsityPattern.TWO_FOUR, metadata={
         "help": "pattern of every layer when pattern_policy=uniform"})
     target_density: float = dataclasses.field(default=0.5, metadata={
