@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a script (``python jobs/nightly_refresh.
 
 from adbatch.artifacts import (ArtifactKind, claim_output, sha256_file, sha256_json, sha256_paths, verify_outputs,
                                write_json_atomic)
+from adbatch.clustering import require_updatable
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.compress import CalibrationConfig, CompressConfig
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
@@ -82,6 +83,10 @@ class IndexStage(ConfigBase):
     config: IndexConfig = dataclasses.field(default_factory=IndexConfig)
     stable_ids: bool = dataclasses.field(default=True, metadata={
         "help": "ads already in the last run's index keep their codes; new ads join the nearest clusters"})
+
+    def validate(self) -> None:
+        if self.stable_ids:  # refused here, before any stage runs, not on the index stage's first night
+            require_updatable(self.config.cluster)
 
 
 @dataclasses.dataclass

@@ -310,6 +310,18 @@ def test_refresh_config_refuses_bad_stage_values_up_front(bad):
         RefreshConfig.from_dict(bad)
 
 
+def test_refresh_config_refuses_residual_ids_with_stable_ids_up_front():
+    """Residual codes have no incremental update: with index.stable_ids (the default) the config is refused
+    when read, not when the index stage starts; without stable ids it is accepted."""
+    from adbatch.config import ConfigError
+    from jobs.nightly_refresh import RefreshConfig
+
+    residual = {"config": {"cluster": {"method": "residual"}, "render": {"scheme": "codes"}}}
+    with pytest.raises(ConfigError, match="stable_ids false"):
+        RefreshConfig.from_dict({"index": residual})
+    assert RefreshConfig.from_dict({"index": {**residual, "stable_ids": False}}).index.config.cluster.method.value == "residual"
+
+
 def test_refresh_reruns_a_stage_whose_listed_outputs_were_damaged(tmp_path, monkeypatch):
     """The skip check covers the files the stage's manifest lists, not only the manifest itself."""
     import jobs.nightly_refresh as nr
