@@ -448,7 +448,6 @@ def check(args: argparse.Namespace) -> None:
         results["prepare"] = json.loads((bundle / "prepare.json").read_text())  # MiniLM + FAISS there
     data = load_bundle(bundle, "5000")
     index = data["indexes"]["text"]
-    model, tok = load_base(args.model, args.smoke, device)
     cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048)
     cfg = cfg.replace(pseudo_queries=cfg.pseudo_queries.replace(source=args.query_source))
 
@@ -462,9 +461,10 @@ def check(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     model_dir = Path(args.work) / "trained"  # saved by the library, as ``adbatch train`` saves it
     if args.reuse_trained and read_training_record(model_dir) is not None:  # a warm machine's earlier call
-        model, tok = load_base(str(model_dir), False, device)
+        model, tok = load_base(str(model_dir), False, device)  # (the base model is not loaded at all)
         summary = {"train": {"reused": str(model_dir)}, "data": {}}
     else:
+        model, tok = load_base(args.model, args.smoke, device)
         model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
                                              model=model, tokenizer=tok, device=device, progress=False,
                                              query_gen=bench_query_gen(args.smoke),
@@ -731,8 +731,8 @@ def render_table(results: dict) -> str:
         lines.append(f"- train {tag}: {tr['steps']} steps, {tr['tokens']} tokens in {tr['seconds']:.1f} s = "
                      f"{tr['tokens_per_s']:.0f} tok/s, MFU {tr.get('mfu', 'n/a')}, loss {tr['first_loss']:.3f} -> "
                      f"{tr['final_loss']:.3f}" + (f", density {tr['sparsity_density']:.3f}" if tr.get("sparsity_density") else ""))
-    for name, c in (results.get("compress") or {}).items() if isinstance(results.get("compress"), dict) else ():
-        if isinstance(c, dict) and "overrides" in c:
+    for name, c in (results.get("compress") or {}).items():  # check's variants
+        if "overrides" in c:
             lines.append(f"- compress {name} {json.dumps(c['overrides'])}: {c['wall_s']} s, "
                          + json.dumps({k: c[k] for k in ("quality", "summary") if k in c}, default=str)[:600])
     if "full_epoch" in results:
