@@ -107,8 +107,8 @@ class CompressConfig(ConfigBase):
     Why not the paper's layer-adaptive 2:4/1:4 by default: on a model trained on the ad index (the
     ``adbatch train`` defaults, 5,000 Home Depot titles, H200, 2026-12-01) one-shot N:M destroys
     targeting: test recall@10 dense 0.579, INT4 only 0.513, layer-adaptive at density 0.75 0.292,
-    uniform 2:4 0.068, layer-adaptive 2:4/1:4 at density 0.5 0.050 (bench/RESULTS.md "Compression of
-    a trained model"). ``pattern_policy=layer_adaptive`` still runs the paper's allocation.
+    uniform 2:4 0.068, layer-adaptive 2:4/1:4 at density 0.5 0.050 (bench/RESULTS.md "A trained model
+    end to end"). ``pattern_policy=layer_adaptive`` still runs the paper's allocation.
     """
 
     score: ScoreMethod = dataclasses.field(default=ScoreMethod.PAPER, metadata={
