@@ -14,7 +14,7 @@ once, so a cut run keeps its rows):
    headline) pairs of ``--train-csv`` (slogan ``valid.csv``; rows whose description or headline equals a
    test row's are skipped and counted); then the same evaluation, from the tuned prompt the model declares.
 3. ``tuned-compressed`` / 4. ``base-compressed``: the compress stage's defaults (``CompressJobConfig()``:
-   calibration on the bundled corpus sample, 2:4/1:4 + adaptive INT4) through the library verbs the stage
+   calibration on the bundled corpus sample, adaptive INT4) through the library verbs the stage
    calls (``calibrate`` -> ``compress_`` -> ``save_compressed``; calibration and per-layer math on the GPU),
    loaded back as a compressed checkpoint (``ModelSpec(compressed=...)``, the Triton kernels on CUDA).
 5. ``tuned-keep-copies``: the separate shape trained on every pair (``max_copy_fraction`` 1.0: the 39 % of
@@ -24,6 +24,9 @@ once, so a cut run keeps its rows):
    ``runs/example_refresh/index``; its titles from that corpus) with the pairs mixed in as creative
    examples, ``--shared-epochs`` (1) of the targeting training's defaults; skipped without the index.
 7. ``tuned-e4``: the separate shape with twice the default epochs.
+8. ``tuned-block<N>`` (any N: 0 or >= 2): the ``tuned`` model again with ``CreativeConfig.prompt_ngram_block
+   = N`` (0 = off; the default is 6): how the prompt-copy share trades against ROUGE when the decoder may
+   not repeat shorter runs of the prompt.
 
 Metrics per row (``adbatch.report``, as ``adbatch eval``): ROUGE-1/2/L F1 x 100 (rouge-score), BLEU
 (sacrebleu), METEOR exact+stem (nltk), distinct-1/2, copy >= 50 % of the prompt (against the text of the
@@ -118,8 +121,9 @@ def train_pairs(train_csv: Path, test_rows: list[dict[str, Any]], keep_copies: b
 
 
 def evaluate(spec: Any, rows: list[dict[str, Any]], batch: int, max_new_tokens: int,
-             support: dict[str, str | None]) -> tuple[dict[str, Any], list[str]]:
-    """Headlines for ``rows`` through the generate stage's generator; metrics + throughput."""
+             support: dict[str, str | None], creative: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Headlines for ``rows`` through the generate stage's generator; metrics + throughput.
+    ``creative``: CreativeConfig overrides (default: the library's defaults)."""
     import pyarrow as pa
     import torch
 
@@ -128,7 +132,8 @@ def evaluate(spec: Any, rows: list[dict[str, Any]], batch: int, max_new_tokens: 
     from adbatch.prompts import creative_prompt_text
 
     t0 = time.perf_counter()
-    gen = CreativeGenerator(spec, CreativeConfig(max_new_tokens=max_new_tokens), GenerateConfig(batch_size=batch))
+    gen = CreativeGenerator(spec, CreativeConfig(max_new_tokens=max_new_tokens, **(creative or {})),
+                            GenerateConfig(batch_size=batch))
     load_s = time.perf_counter() - t0
     fields = ("advertiser", "description", "industry")
     table = pa.Table.from_pylist([{"request_id": r["ad_id"], "ad_id": r["ad_id"], **{k: r[k] for k in fields}}
@@ -371,8 +376,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.out_json.parent.mkdir(parents=True, exist_ok=True)
             args.out_json.write_text(json.dumps(state, indent=1, default=str))
 
-    def evaluate_into(name: str, spec: Any, extra: dict[str, Any] | None = None) -> None:
-        row, hyps = evaluate(spec, test_rows, batch, args.max_new_tokens, support)
+    def evaluate_into(name: str, spec: Any, extra: dict[str, Any] | None = None,
+                      creative: dict[str, Any] | None = None) -> None:
+        row, hyps = evaluate(spec, test_rows, batch, args.max_new_tokens, support, creative)
         state["rows"].append({"phase": name, **row, **(extra or {})})
         outputs[name] = hyps
         log.info("%s: %s", name, state["rows"][-1])
@@ -408,6 +414,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         evaluate_into("shared", ModelSpec(model=str(folders["shared"])),
                       {"train_s": t["train"]["seconds"], "train_steps": t["train"]["steps"]})
 
+    def p_block(name: str, block: int) -> Callable[[], None]:
+        def run() -> None:
+            if not Path(folders["tuned"]).is_dir():
+                raise RuntimeError("tuned model not available (phase not run)")
+            evaluate_into(name, ModelSpec(model=str(folders["tuned"])), {"prompt_ngram_block": block},
+                          creative={"prompt_ngram_block": block})
+        return run
+
     default_epochs = __import__("adbatch.training.creatives", fromlist=["x"])._default_creative_train().epochs
     phases: dict[str, Callable[[], None]] = {
         "base": p_base, "tuned": p_tuned("tuned"), "tuned-compressed": p_compressed("tuned-compressed", "tuned"),
@@ -415,6 +429,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tuned-keep-copies": p_tuned("tuned-keep-copies", keep_copies=True), "shared": p_shared,
         "tuned-e4": p_tuned("tuned-e4", epochs=2 * (args.epochs or default_epochs))}
     wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
+    for name in wanted:
+        block = name.removeprefix("tuned-block")
+        if name.startswith("tuned-block") and block.isdigit():
+            phases[name] = p_block(name, int(block))
     unknown = [p for p in wanted if p not in phases]
     if unknown:
         ap.error(f"unknown phase(s) {unknown}; known: {list(phases)}")
