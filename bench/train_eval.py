@@ -507,9 +507,16 @@ def check(args: argparse.Namespace) -> None:
     dense = model.to(device)
     if device == "cuda":
         dense = dense.to(torch.bfloat16)
-    big = [] if args.smoke else [("new off @1024", new, "off", 1024)]  # the GPU default batch
-    eval_rows("dense", dense, [("new off @64", new, "off", 64), ("new auto @64", new, "auto", 64),
-                               ("old off @64", old, "off", 64)] + big)
+    wanted = set(args.methods.split(","))
+    unknown = wanted - {"off64", "auto64", "old64", "off1024"}
+    if unknown:
+        raise SystemExit(f"--methods: unknown {sorted(unknown)}")
+    # (key, row name, engine, verify, batch); off1024 is the GPU default batch, timed on the GPU only
+    menu = [("off64", "new off @64", new, "off", 64), ("auto64", "new auto @64", new, "auto", 64),
+            ("old64", "old off @64", old, "off", 64), ("off1024", "new off @1024", new, "off", 1024)]
+    chosen = [(name, mod, v, b) for key, name, mod, v, b in menu
+              if key in wanted and not (args.smoke and key == "off1024")]
+    eval_rows("dense", dense, chosen)
     del dense, model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -533,7 +540,7 @@ def check(args: argparse.Namespace) -> None:
                                       **{k: v for k, v in csum.items() if isinstance(v, (int, float, str, dict))}}
         save()
         cm, _ = load_model(ModelSpec(compressed=str(comp_dir)), device)
-        methods = [("new off @64", new, "off", 64), ("new auto @64", new, "auto", 64)] + big
+        methods = [m for m in chosen if m[1] is new]
         eval_rows(vname, cm, methods if vname == "compressed" else methods[:1])
         del cm
         if device == "cuda":
@@ -818,6 +825,9 @@ def main(argv: list[str] | None = None) -> None:
                     '\'{"qat": {"enabled": true}}\'')
     ck.add_argument("--reuse-trained", action="store_true",
                     help="use the model an earlier call trained under --work (a warm device keeps /tmp)")
+    ck.add_argument("--methods", default="off64,auto64,old64,off1024",
+                    help="dense rows to test (the compressed default gets off64/auto64/off1024 of them, other "
+                         "variants off64): off64, auto64, old64 (pre-issue-16 engine), off1024")
     ck.add_argument("--query-source", choices=("spans", "generated", "mix"), default="spans",
                     help="pseudo-queries of the training: spans (the default recipe) | generated (a query "
                          "generator tuned on the train pairs) | mix (both)")

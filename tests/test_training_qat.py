@@ -86,7 +86,8 @@ def test_qat_forward_matches_packed_int4_model_and_ste(tok):
     reference = copy.deepcopy(model)
     keys = list(model.state_dict())
     cfg = CompressConfig(score=ScoreMethod.MAGNITUDE, pattern_policy=PatternPolicy.NONE,
-                         group_policy=GroupPolicy.UNIFORM, reference_group_size=32)
+                         group_policy=GroupPolicy.UNIFORM, reference_group_size=32,
+                         clip_search=False)  # the grid the QAT forward uses (follow_training_qat sets it)
     compress_(reference, cfg, None, masks=masks)
     densify_(reference)
     qat.attach(masks)
@@ -129,6 +130,7 @@ def test_compression_follows_the_training_record():
     rec = {"qat": {"group_size": 64, "steps": 10, "start_step": 5, "layers": 14}}
     cfg, note = follow_training_qat(CompressConfig(), rec)
     assert cfg.group_policy is GroupPolicy.UNIFORM and cfg.reference_group_size == 64 and "group size 64" in note
+    assert not cfg.clip_search  # the grid training saw: plain min/max groups (fake_quantize)
     # explicit choices win: another policy / size, or follow_training_qat off
     for explicit in (CompressConfig(reference_group_size=256), CompressConfig(follow_training_qat=False),
                      CompressConfig(group_policy=GroupPolicy.UNIFORM)):

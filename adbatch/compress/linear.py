@@ -257,7 +257,8 @@ def compress_layer(item: LayerInput, plan: tuple[SparsityPattern, CompressConfig
         sens = st.col_moment[cols]
         if st.row_moment is not None:
             sens = sens * st.row_moment.unsqueeze(1)
-    qr = quantize_rows(values, sens, config.group_policy, config.group_sizes, config.reference_group_size)
+    qr = quantize_rows(values, sens, config.group_policy, config.group_sizes, config.reference_group_size,
+                       config.clip_search)
     packed = pack_nm_int4(qr.q, pos, qr.scale, qr.zero, qr.group_size, pattern, k_in)
     counts = {int(g): int(c) for g, c in zip(*torch.unique(qr.group_size, return_counts=True))}
     recipe = LayerRecipe(

@@ -12,6 +12,11 @@ not collected). Bits of a row: ``4 * Kk + 32 * ceil(Kk / g)`` (INT4 values + fp1
 Budget: per layer, at most the bits the uniform ``reference_group_size`` would take, so adaptive and
 uniform layers are byte-for-byte comparable. The assignment is a Lagrangian relaxation (bisection
 on the price of a bit) followed by a greedy fill of the remaining bits.
+
+Clip search (``clip_search``): a group's min/max range is set by its largest values; narrowing it
+to ``ratio x [min, max]`` (:data:`CLIP_RATIOS`, 1.0 down to 0.5) clips those and rounds the rest on
+a finer grid. Each group keeps the ratio with the least sensitivity-weighted squared error, so the
+search optimises the same error the group-size choice prices. The stored format is unchanged.
 """
 
 from __future__ import annotations
@@ -57,10 +62,20 @@ def row_bits(kept: int, group_size: torch.Tensor) -> torch.Tensor:
     return VALUE_BITS * kept + SCALE_ZERO_BITS * groups
 
 
-def quantize_fixed(values: torch.Tensor, group_size: int, weight: torch.Tensor | None = None):
+#: range shrink factors the clip search tries per group (1.0 = the full min/max range); the grid of
+#: AWQ's clip search (shrink down to half the range, 20 steps), read for the idea
+CLIP_RATIOS = tuple(1.0 - 0.025 * k for k in range(21))
+
+
+def quantize_fixed(values: torch.Tensor, group_size: int, weight: torch.Tensor | None = None,
+                   clip_search: bool = False):
     """Quantize every row with the same group size.
 
-    Args: values float [N, Kk]; group_size int; weight float [N, Kk] error weights (None = 1).
+    Args: values float [N, Kk]; group_size int; weight float [N, Kk] error weights (None = 1);
+    clip_search: per group, try the ranges ``ratio x [min, max]`` for each ``ratio`` in
+    :data:`CLIP_RATIOS` and keep the one with the least (weighted) squared error -- a narrower grid
+    clips a group's outliers but rounds the rest finer; ratio 1.0 (plain min/max) is among them, so
+    the error is never larger than without the search.
     Returns ``(q uint8 [N, Kk], scale fp16 [N, Gr], zero fp16 [N, Gr], dequant float32 [N, Kk],
     error float64 [N])`` with ``Gr = ceil(Kk / group_size)``.
     """
@@ -74,11 +89,31 @@ def quantize_fixed(values: torch.Tensor, group_size: int, weight: torch.Tensor |
     # padding is 0 and the range includes 0 anyway, so pads never move min/max
     lo = g.amin(dim=-1).clamp(max=0.0)
     hi = g.amax(dim=-1).clamp(min=0.0)
-    scale = ((hi - lo) / 15.0).clamp(min=_MIN_SCALE).half()
-    zero = (-lo / scale.float()).clamp(0.0, 15.0).half()
-    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)  # quantize with the stored values
-    q = torch.clamp(torch.round(g / s + z), 0, 15)
-    deq = ((q - z) * s).reshape(rows, -1)[:, :kept]
+
+    def grid(ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = ((hi - lo) * ratio / 15.0).clamp(min=_MIN_SCALE).half()
+        zero = (-lo * ratio / scale.float()).clamp(0.0, 15.0).half()
+        return scale, zero
+
+    def dequant(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)  # quantize with the stored values
+        q = torch.clamp(torch.round(g / s + z), 0, 15)
+        return q, (q - z) * s
+
+    scale, zero = grid(1.0)
+    if clip_search:
+        w = torch.zeros_like(padded)
+        w[:, :kept] = 1.0 if weight is None else weight.float()
+        w = w.reshape(rows, groups, group_size)  # pads weigh 0: their dequant is cut off below
+        best = ((dequant(scale, zero)[1] - g).pow(2) * w).sum(-1)
+        for ratio in CLIP_RATIOS[1:]:
+            sc, zc = grid(ratio)
+            err = ((dequant(sc, zc)[1] - g).pow(2) * w).sum(-1)
+            better = err < best
+            best = torch.where(better, err, best)
+            scale, zero = torch.where(better, sc, scale), torch.where(better, zc, zero)
+    q, deq = dequant(scale, zero)
+    deq = deq.reshape(rows, -1)[:, :kept]
     q = q.reshape(rows, -1)[:, :kept].to(torch.uint8)
     diff = (deq - values.float()).pow(2)
     if weight is not None:
@@ -149,14 +184,15 @@ def choose_group_sizes(err: torch.Tensor, sizes: tuple[int, ...], kept: int, bud
 
 
 def quantize_rows(values: torch.Tensor, weight: torch.Tensor | None, policy: GroupPolicy,
-                  sizes: tuple[int, ...], reference_size: int) -> QuantizedRows:
+                  sizes: tuple[int, ...], reference_size: int, clip_search: bool = False) -> QuantizedRows:
     """Quantize a layer's kept values with uniform or adaptive per-row group sizes.
 
     Args:
         values: float [N, Kk] kept values (rows' kept values in ascending column order).
         weight: float [N, Kk] sensitivity weights ``G_r * H_col`` (None = 1).
         policy: :class:`GroupPolicy`; sizes: candidate sizes; reference_size: the uniform size whose
-            bits bound the adaptive choice.
+            bits bound the adaptive choice; clip_search: see :func:`quantize_fixed` (the adaptive choice
+            then compares sizes at their searched ranges).
     Returns: :class:`QuantizedRows`.
     """
     rows, kept = values.shape
@@ -165,13 +201,14 @@ def quantize_rows(values: torch.Tensor, weight: torch.Tensor | None, policy: Gro
         chosen = torch.full((rows,), reference_size, dtype=torch.int32, device=values.device)
     else:
         sizes = tuple(sorted(sizes))
-        err = torch.stack([quantize_fixed(values, g, weight)[4] for g in sizes])  # [S, N]
+        err = torch.stack([quantize_fixed(values, g, weight, clip_search)[4] for g in sizes])  # [S, N]
         budget = float(row_bits(kept, torch.full((rows,), reference_size)).sum())
         chosen = choose_group_sizes(err, sizes, kept, budget)
-    return _quantize_with_sizes(values, weight, chosen)
+    return _quantize_with_sizes(values, weight, chosen, clip_search)
 
 
-def _quantize_with_sizes(values: torch.Tensor, weight: torch.Tensor | None, chosen: torch.Tensor) -> QuantizedRows:
+def _quantize_with_sizes(values: torch.Tensor, weight: torch.Tensor | None, chosen: torch.Tensor,
+                         clip_search: bool) -> QuantizedRows:
     rows, kept = values.shape
     dev = values.device
     chosen = chosen.to(dev)
@@ -187,7 +224,7 @@ def _quantize_with_sizes(values: torch.Tensor, weight: torch.Tensor | None, chos
     for g in sorted(set(chosen.tolist())):
         sel = torch.nonzero(chosen == g).squeeze(1)
         w = weight[sel] if weight is not None else None
-        qs, sc, zs, dq, er = quantize_fixed(values[sel], int(g), w)
+        qs, sc, zs, dq, er = quantize_fixed(values[sel], int(g), w, clip_search)
         q[sel], deq[sel], error[sel] = qs, dq, er
         slots = (ptr[sel].unsqueeze(1) + torch.arange(sc.shape[1], device=dev).unsqueeze(0)).reshape(-1)
         scale[slots] = sc.reshape(-1)

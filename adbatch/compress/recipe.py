@@ -132,6 +132,9 @@ class CompressConfig(ConfigBase):
         "help": "candidate group sizes (kept values per group)"})
     reference_group_size: int = dataclasses.field(default=128, metadata={
         "help": "uniform group size; the adaptive policy spends at most this size's bits per layer"})
+    clip_search: bool = dataclasses.field(default=True, metadata={
+        "help": "per INT4 group, search the range (0.5-1.0 x min/max) with the least sensitivity-weighted "
+                "error instead of plain min/max (off when following a QAT model's grid)"})
     follow_training_qat: bool = dataclasses.field(default=True, metadata={
         "help": "when the model was trained with QAT at group size g (its training record says so) and "
                 "group_policy/reference_group_size are left at their defaults, quantize with uniform "
@@ -275,7 +278,7 @@ def follow_training_qat(config: CompressConfig, record: dict[str, Any] | None) -
     A model trained with a quantization-aware final phase (record ``qat`` = ``{"group_size": g,
     "steps": s > 0, ...}``) learned weights that round well on the uniform g-group INT4 grid; the
     adaptive per-row choice would quantize them on another grid. Rule: the record's grid is used
-    (``group_policy=uniform``, ``reference_group_size=g``) unless the user said otherwise, i.e.
+    (``group_policy=uniform``, ``reference_group_size=g``, ``clip_search`` off) unless the user said otherwise, i.e.
     ``follow_training_qat`` is false or ``group_policy`` / ``reference_group_size`` differ from
     their defaults; an explicit config always wins. Returns ``(config to use, a log message or None
     when the record has no QAT)``.
@@ -293,7 +296,8 @@ def follow_training_qat(config: CompressConfig, record: dict[str, Any] | None) -
         return config, (f"model trained with QAT at INT4 group size {g}; {why}: keeping group_policy="
                         f"{config.group_policy.value}, reference_group_size={config.reference_group_size}"
                         + ("" if same else " (not the grid training saw)"))
-    return (config.replace(group_policy=GroupPolicy.UNIFORM, reference_group_size=g),
+    # the training forward saw plain min/max groups (adbatch.training.quant_aware.fake_quantize)
+    return (config.replace(group_policy=GroupPolicy.UNIFORM, reference_group_size=g, clip_search=False),
             f"model trained with QAT at INT4 group size {g} ({qat['steps']} steps): quantizing with "
-            f"uniform groups of {g} (the grid training saw) instead of {config.group_policy.value}; "
-            "set compress.follow_training_qat=false to keep it")
+            f"uniform groups of {g}, plain min/max (the grid training saw) instead of {config.group_policy.value}"
+            f"{' with clip search' if config.clip_search else ''}; set compress.follow_training_qat=false to keep it")

@@ -89,8 +89,8 @@ class TrainConfig(ConfigBase):
         "help": "tokens per packed row (a longer example widens every row to its length, rounded up to 8); "
                 "attention costs O(pack_length) per token, so rows stay a few examples long"})
     compile: bool = field(default=True, metadata={
-        "help": "torch.compile each decoder layer on CUDA (CPU always eager; not with sparsity or QAT, whose "
-                "hooks and forward swaps change the layers mid-run)"})
+        "help": "torch.compile each decoder layer on CUDA (CPU always eager; not with progressive sparsity, whose "
+                "hooks change the layers mid-run; with QAT until its forward swap, eager after)"})
     ce_chunk_tokens: int = field(default=8192, metadata={
         "help": "target positions per chunk of the fused LM head + cross-entropy (peak fp32 logits "
                 "ce_chunk_tokens x vocab; distillation and DDP use the plain head)"})
@@ -665,13 +665,15 @@ def train_loop(
     stats = TrainStats(micro_batches_per_epoch=per_epoch, packing=packing)
     compiled = None
     if config.compile and device.type == "cuda":
-        if sparsity is not None or qat is not None:
-            log.info("torch.compile off: progressive sparsity / QAT change the layers mid-run")
+        if sparsity is not None:
+            log.info("torch.compile off: progressive sparsity's hooks and masks change the layers mid-run")
         else:  # packed batches all have one shape; padded ones vary (dynamic shapes then)
             compiled = RegionalCompile(model, dynamic=False if packing["enabled"] else None)
             stats.compiled = True
-            log.info("torch.compile: %d decoder layers (%s shapes)", len(compiled.modules),
-                     "static" if packing["enabled"] else "dynamic")
+            log.info("torch.compile: %d decoder layers (%s shapes)%s", len(compiled.modules),
+                     "static" if packing["enabled"] else "dynamic",
+                     "; eager from the QAT start on" if qat is not None else "")
+    compiled_ce = compiled is not None
     selector = BestWeights(evaluate, config.early_stop_patience) if evaluate is not None and config.eval_every > 0 else None
     eval_steps = max(1, round(config.eval_every * per_epoch / config.grad_accum)) if selector is not None else 0
 
@@ -695,6 +697,12 @@ def train_loop(
     for step in range(total_steps):
         if qat is not None:
             qat.maybe_attach(step, sparsity.masks if sparsity is not None else None)
+            if compiled is not None and qat.active:
+                # QAT swaps each linear's forward; the compiled layers traced the plain one, so the
+                # final phase runs eager (the first start_fraction of the steps kept the compiled speed)
+                compiled.off()
+                compiled = None
+                log.info("torch.compile off from step %d: QAT attached", step)
         want_stats = sparsity is not None and sparsity.wants_stats(step)
         if want_stats:
             sparsity.start_stats()
@@ -702,7 +710,7 @@ def train_loop(
         for _ in range(config.grad_accum):
             batch = next(batch_iter).to(device)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss, n_tgt = batch_loss(model, batch, config, teacher, compiled=compiled is not None)
+                loss, n_tgt = batch_loss(model, batch, config, teacher, compiled=compiled_ce)
             (loss / config.grad_accum).backward()
             loss_acc += loss.detach() / config.grad_accum
             stats.micro_batches += 1
