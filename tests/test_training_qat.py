@@ -162,6 +162,44 @@ def test_qat_starts_on_schedule_and_keeps_masks(tok):
         assert "forward" not in mod.__dict__
 
 
+def test_qat_forward_follows_a_fused_optimizer(tok, monkeypatch):
+    """The fused AdamW kernel (the trainer's optimizer on CUDA) writes parameters without bumping
+    their version counter; QAT must still re-quantize after every optimizer step, or its forward
+    freezes at the first QAT step's weights while the fp32 weights drift (a dense QAT run on the H200
+    ended at recall@10 0.028 that way)."""
+    import adbatch.training.trainer as trainer
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    (w * w).sum().backward()
+    before = w._version
+    torch.optim.AdamW([w], lr=0.1, fused=True).step()
+    assert w._version == before  # the premise: a version check cannot see this write
+
+    def fused_adamw(model, config):  # the trainer's groups, fused as on CUDA (a group dict's own keys would win)
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in make_opt(model, config).param_groups]
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+    make_opt = trainer.make_optimizer
+    monkeypatch.setattr(trainer, "make_optimizer", fused_adamw)
+    idx = fake_index(tok, "text")
+    ex = _examples(tok, idx)
+    model = make_tiny_llama(vocab_size=len(tok), hidden=64, intermediate=128).float()
+    cfg = TrainConfig(epochs=100, max_steps=8, lr=3e-3, batch_tokens=4096, log_every=1,
+                      qat=QuantAwareConfig(enabled=True, start_fraction=0.25, group_size=32))
+    layers = prunable_linears(model)
+    name, lin = next(iter(layers.items()))
+    x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def check(step, _):
+        if "forward" in lin.__dict__:  # QAT on: the forward is fq(W) of the weights as they are now
+            with torch.no_grad():
+                seen.append(torch.allclose(lin(x), F.linear(x, fake_quantize(lin.weight, 32), lin.bias)))
+
+    train_loop(model, ex, cfg, pad_id=tok.pad_token_id, progress=False, on_step=check)
+    assert len(seen) == 6 and all(seen), seen
+
+
 def test_qat_then_compress_loses_less_to_int4(tok, tmp_path):
     """Tiny Llama, same init and data, with and without a QAT final half; then INT4 with uniform
     groups of 128 (the QAT run's via its training record and the compression stage's rule).

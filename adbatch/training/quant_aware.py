@@ -23,10 +23,14 @@ compression stage's INT4 of them is exactly the forward of the last training ste
 ``qat`` (group size, start step, steps) and the compression stage then uses uniform groups of ``g``
 instead of its adaptive choice (docs/compress.md).
 
-``fq(W)`` is cached per layer and recomputed only when the weight changed (its autograd version
-counter moved), so gradient-accumulation micro-batches and the many forwards of a validation beam
-search quantize each layer once per optimizer step. The cache costs one fp32 copy of the prunable
-weights.
+``fq(W)`` is cached per layer and recomputed after :meth:`QuantAwareTraining.weights_updated` (the
+trainer calls it after every optimizer step) or when the weight's autograd version counter moved
+(an in-place edit such as restoring saved weights), so gradient-accumulation micro-batches and the
+many forwards of a validation beam search quantize each layer once per optimizer step. The explicit
+call is needed: the fused AdamW kernel (the trainer's optimizer on CUDA) writes the parameters
+without bumping their version counter, so a version check alone froze the forward at the weights of
+QAT's first step while the fp32 weights drifted unseen (H200, 2026-12-02: a dense QAT run ended at
+recall@10 0.028 against 0.579 without QAT). The cache costs one fp32 copy of the prunable weights.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class _LayerQAT:
 
     def effective_weight(self) -> torch.Tensor:
         w = self.mod.weight
-        if self._fq is None or self._version != w._version or self._fq.device != w.device:
+        if self._fq is None or self._version != w._version or self._fq.device != w.device:  # see module doc
             self._fq = fake_quantize(w, self.group_size, self.cols).to(w.dtype)
             self._version = w._version
         if not (torch.is_grad_enabled() and w.requires_grad):
@@ -166,6 +170,11 @@ class QuantAwareTraining:
             mod.forward = st.forward  # instance attribute: the class, hooks and parameters untouched
         log.info("QAT: %d linears now compute with INT4 g%d weights (%d with N:M masks)",
                  len(self._state), self.config.group_size, sum(1 for n in self._state if n in masks))
+
+    def weights_updated(self) -> None:
+        """The optimizer wrote the weights: every layer re-quantizes at its next forward."""
+        for st in self._state.values():
+            st._fq = None
 
     def detach(self) -> None:
         """Restore the plain forwards (the weights themselves were never changed)."""

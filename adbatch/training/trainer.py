@@ -726,6 +726,8 @@ def train_loop(
         opt.zero_grad(set_to_none=True)
         if sparsity is not None:
             sparsity.after_optimizer_step()
+        if qat is not None:
+            qat.weights_updated()
         stats.steps = step + 1
         if step % config.log_every == 0 or step == total_steps - 1:
             value = float(loss_acc)  # one sync per logged step only
