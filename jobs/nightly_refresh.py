@@ -136,10 +136,12 @@ class GenerateStage(ConfigBase):
         default=Path("examples/requests_targets.parquet"), metadata={"help": "targets requests (None = skip)"})
     creatives_requests: Path | None = dataclasses.field(
         default=Path("examples/requests_creatives.parquet"), metadata={"help": "creatives requests (None = skip)"})
-    # dense by default: on the default model the compressed checkpoint costs recall (INT4 only: 0.513 vs
-    # 0.579 on the trained 5k-title check, bench/RESULTS.md) and buys no speed - the engine times packed
-    # against dense per layer and picks dense for all 210 layers at 10 and 1,280 rows on an H200
-    use: GenerateWith = dataclasses.field(default=GenerateWith.DENSE, metadata={
+    # compressed by default: trained with the train defaults (QAT in the last 20 % of the steps), the INT4
+    # checkpoint is the model training ended with and tests best: recall@10 0.602 vs 0.547 for its fp32
+    # weights (0.579 for a run without QAT; H200, 5k-title check, bench/RESULTS.md). Speed: the engine times
+    # packed against dense per layer shape and bucket and on the default model runs dense matmuls over the
+    # dequantized INT4 weights (packed is slower there); on a CPU the checkpoint is dequantized at load
+    use: GenerateWith = dataclasses.field(default=GenerateWith.COMPRESSED, metadata={
         "help": "dense | compressed: which model serves targets (compressed pays off where the packed "
                 "kernels beat dense matmuls: large models, small batches)"})
     targets: TargetSearchConfig = dataclasses.field(default_factory=TargetSearchConfig)

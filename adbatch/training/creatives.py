@@ -35,6 +35,7 @@ from typing import Any, Hashable, Iterable
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.trainer import TrainConfig
+from adbatch.training.quant_aware import QuantAwareConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class CreativeTrainConfig(TrainConfig):
     lr: float = dataclasses.field(default=1e-4, metadata={"help": "peak learning rate"})
     batch_tokens: int = dataclasses.field(default=8192, metadata={"help": "padded tokens per micro-batch"})
     log_every: int = dataclasses.field(default=10, metadata={"help": "log every this many steps"})
+    # measured without QAT (bench/RESULTS.md "Creatives on the H200"); QAT on it is not measured yet
+    qat: QuantAwareConfig = dataclasses.field(default_factory=lambda: QuantAwareConfig(enabled=False), metadata={
+        "help": "quantization-aware final phase (off for the creative fine-tune: not measured there)"})
 
 
 def _default_creative_train() -> CreativeTrainConfig:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.training.quant_aware import QuantAwareConfig
 from adbatch.training.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class QueryGenTrainConfig(TrainConfig):
     lr: float = dataclasses.field(default=2e-4, metadata={"help": "peak learning rate"})
     batch_tokens: int = dataclasses.field(default=8192, metadata={"help": "padded tokens per micro-batch"})
     log_every: int = dataclasses.field(default=10, metadata={"help": "log every this many steps"})
+    qat: QuantAwareConfig = dataclasses.field(default_factory=lambda: QuantAwareConfig(enabled=False), metadata={
+        "help": "off: the generator is discarded after generating, never compressed"})
 
 
 def _default_train() -> QueryGenTrainConfig:
