@@ -10,7 +10,12 @@ from adbatch.training import SparsityScheduleConfig, TrainConfig, train_on_index
 from adbatch.training.data import ExampleKind, build_examples
 from adbatch.training.pseudo_queries import PseudoQueryConfig, span_pseudo_queries, title_words
 from adbatch.training.trainer import train_loop
+from adbatch.training.quant_aware import QuantAwareConfig
 from tests.test_training import QUERIES, TITLES, fake_index, tiny
+
+#: the selection rules without QAT (the default turns it on for the last 20 % of the steps, and only evaluations
+#: after it started compete: tests/test_training_qat.py)
+NO_QAT = QuantAwareConfig(enabled=False)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +128,7 @@ def test_best_validation_weights_are_restored(tok):
         seen.append({k: v.detach().clone() for k, v in m.state_dict().items()})
         return next(scripted)
 
-    cfg = TrainConfig(epochs=4, lr=5e-3, batch_tokens=256, log_every=1, eval_every=1.0)
+    cfg = TrainConfig(epochs=4, lr=5e-3, batch_tokens=256, log_every=1, eval_every=1.0, qat=NO_QAT)
     stats, _ = train_loop(model, ex, cfg, pad_id=tok.pad_token_id, evaluate=evaluate, progress=False)
     assert model.training is False
     assert len(stats.evals) == 4 and [m for _, _, m in stats.evals] == [0.1, 0.9, 0.3, 0.2]
@@ -138,7 +143,7 @@ def test_best_validation_weights_are_restored(tok):
 def test_early_stopping_after_patience(tok):
     ex = _examples(tok)
     scripted = iter([0.5, 0.4, 0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0])
-    cfg = TrainConfig(epochs=10, lr=5e-3, batch_tokens=256, eval_every=1.0, early_stop_patience=2)
+    cfg = TrainConfig(epochs=10, lr=5e-3, batch_tokens=256, eval_every=1.0, early_stop_patience=2, qat=NO_QAT)
     stats, _ = train_loop(tiny(tok), ex, cfg, pad_id=tok.pad_token_id, evaluate=lambda m: next(scripted),
                           progress=False)
     assert [m for _, _, m in stats.evals] == [0.5, 0.4, 0.3] and stats.stopped_early
@@ -150,7 +155,7 @@ def test_selection_with_sparsity_only_counts_frozen_masks(tok):
     metrics = iter([0.99, 0.98, 0.1, 0.2, 0.15, 0.1])  # the early (dense) peaks must not win
     sp = SparsityScheduleConfig(enabled=True, final_n=2, one_four_fraction=0.0, start_fraction=0.1,
                                 end_fraction=0.4, rescore_every=1)
-    cfg = TrainConfig(epochs=6, lr=3e-3, batch_tokens=256, eval_every=1.0, sparsity=sp)
+    cfg = TrainConfig(epochs=6, lr=3e-3, batch_tokens=256, eval_every=1.0, sparsity=sp, qat=NO_QAT)
     model = tiny(tok)
     stats, sparsity = train_loop(model, ex, cfg, pad_id=tok.pad_token_id, evaluate=lambda m: next(metrics),
                                  progress=False)
@@ -173,7 +178,7 @@ def test_train_on_index_with_validation_qrels(tok, tmp_path):
                        cluster=ClusterConfig(branching=2, leaf_size=6), render=RenderConfig(scheme=IdScheme.TEXT))
     build_index(ads, tmp_path / "index", icfg, progress=False)
     index = load_index(tmp_path / "index")
-    cfg = TrainConfig(epochs=2, lr=5e-3, batch_tokens=2048, eval_every=1.0, valid_max_queries=2,
+    cfg = TrainConfig(epochs=2, lr=5e-3, batch_tokens=2048, eval_every=1.0, valid_max_queries=2, qat=NO_QAT,
                       pseudo_queries=PseudoQueryConfig(per_ad=2))
     _, _, summary = train_on_index(index, None, cfg, ad_texts=dict(zip(range(1000, 1024), titles)),
                                    labelled=[("angle bracket", 1000)], model=tiny(tok), tokenizer=tok,
