@@ -101,8 +101,9 @@ class CalibrationConfig(ConfigBase):
 
 @dataclasses.dataclass
 class CompressConfig(ConfigBase):
-    """The compression knobs. Defaults = the measured best recipe: adaptive-group INT4, no post-training
-    sparsity (N:M comes from the masks a sparse training run saved, which are kept).
+    """The compression knobs. Defaults = the measured best recipe: adaptive-group INT4 with a per-group
+    clip search (uniform min/max groups of the training grid after QAT), no post-training sparsity (N:M
+    comes from the masks a sparse training run saved, which are kept).
 
     Why not the paper's layer-adaptive 2:4/1:4 by default: on a model trained on the ad index (the
     ``adbatch train`` defaults, 5,000 Home Depot titles, H200, 2026-12-01) one-shot N:M destroys

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any, Hashable, Iterable
 
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.training.trainer import TrainConfig
 from adbatch.training.quant_aware import QuantAwareConfig
+from adbatch.training.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
 
