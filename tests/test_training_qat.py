@@ -200,6 +200,35 @@ def test_qat_forward_follows_a_fused_optimizer(tok, monkeypatch):
     assert len(seen) == 6 and all(seen), seen
 
 
+def test_a_time_budget_starts_qat_at_its_start_fraction(tok, monkeypatch):
+    """A run its time budget stops long before start_fraction of the scheduled steps still ends with QAT:
+    it attaches once start_fraction of the budget is spent. A fake clock: 10 s per optimizer step."""
+    import types
+
+    import adbatch.training.trainer as trainer
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    idx = fake_index(tok, "text")
+    ex = _examples(tok, idx)
+    model = make_tiny_llama(vocab_size=len(tok), hidden=64, intermediate=128).float()
+    cfg = TrainConfig(epochs=100, max_steps=50, lr=3e-3, batch_tokens=4096, log_every=1, time_budget_s=100.0,
+                      qat=QuantAwareConfig(enabled=True, start_fraction=0.8, group_size=32))
+
+    def tick(step, _):
+        clock[0] += 10.0
+
+    stats, _ = train_loop(model, ex, cfg, pad_id=tok.pad_token_id, progress=False, on_step=tick)
+    # step s starts at 10 s: 80 s (0.8 of the budget) at step 8; the budget stops the run after step 10
+    assert stats.steps == 11 and stats.stopped_early
+    assert stats.qat == {"group_size": 32, "start_step": 8, "steps": 3, "layers": len(prunable_linears(model))}
+    # without a budget the schedule decides: step floor(0.8 * 12) = 9 of 12
+    clock[0] = 0.0
+    stats, _ = train_loop(make_tiny_llama(vocab_size=len(tok), hidden=64, intermediate=128).float(), ex,
+                          cfg.replace(max_steps=12, time_budget_s=None), pad_id=tok.pad_token_id, progress=False)
+    assert stats.qat["start_step"] == 9 and stats.qat["steps"] == 3
+
+
 def test_qat_then_compress_loses_less_to_int4(tok, tmp_path):
     """Tiny Llama, same init and data, with and without a QAT final half; then INT4 with uniform
     groups of 128 (the QAT run's via its training record and the compression stage's rule).

@@ -147,6 +147,7 @@ class QuantAwareTraining:
             raise ValueError("QAT: the model has no prunable nn.Linear (in_features % 4 == 0)")
         self.total_steps = max(1, total_steps)
         self.start = max(math.floor(config.start_fraction * self.total_steps), not_before)
+        self.not_before = not_before
         self._state: dict[str, _LayerQAT] = {}
         self.started_at: int | None = None
         self.steps = 0
@@ -155,9 +156,16 @@ class QuantAwareTraining:
     def active(self) -> bool:
         return bool(self._state)
 
-    def maybe_attach(self, step: int, masks: dict[str, torch.Tensor] | None = None) -> bool:
-        """Attach at the start step (call at the top of every optimizer step). True once active."""
-        if not self.active and step >= self.start and self.started_at is None:
+    def maybe_attach(self, step: int, masks: dict[str, torch.Tensor] | None = None,
+                     budget_share: float | None = None) -> bool:
+        """Attach at the start step (call at the top of every optimizer step). True once active.
+
+        ``budget_share``: the share of a wall-clock budget already spent (None = no budget). A run that
+        its time budget will stop before ``start`` attaches once ``start_fraction`` of the budget is
+        spent instead, so QAT still covers the end of the run (never before ``not_before``).
+        """
+        by_time = budget_share is not None and budget_share >= self.config.start_fraction and step >= self.not_before
+        if not self.active and (step >= self.start or by_time) and self.started_at is None:
             self.attach(masks)
             self.started_at = step
         if self.active:

@@ -696,7 +696,11 @@ def train_loop(
     loss_acc = torch.zeros((), device=device)
     for step in range(total_steps):
         if qat is not None:
-            qat.maybe_attach(step, sparsity.masks if sparsity is not None else None)
+            # with a time budget QAT also starts at start_fraction of the budget, so a run cut short by time
+            # still ends on the INT4 grid (the masks must be final first; host clock only, no sync)
+            share = ((time.perf_counter() - t0) / config.time_budget_s
+                     if config.time_budget_s is not None and (sparsity is None or sparsity.frozen) else None)
+            qat.maybe_attach(step, sparsity.masks if sparsity is not None else None, share)
             if compiled is not None and qat.active:
                 # QAT swaps each linear's forward; the compiled layers traced the plain one, so the
                 # final phase runs eager (the first start_fraction of the steps kept the compiled speed)
