@@ -434,6 +434,10 @@ def check(args: argparse.Namespace) -> None:
     from adbatch.training import TrainConfig, train_on_index
     from adbatch.training.checkpoint import read_training_record
 
+    wanted = set(args.methods.split(","))  # checked before minutes of training, not after
+    unknown = wanted - {"off64", "auto64", "old64", "off1024"}
+    if unknown:
+        raise SystemExit(f"--methods: unknown {sorted(unknown)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -507,10 +511,6 @@ def check(args: argparse.Namespace) -> None:
     dense = model.to(device)
     if device == "cuda":
         dense = dense.to(torch.bfloat16)
-    wanted = set(args.methods.split(","))
-    unknown = wanted - {"off64", "auto64", "old64", "off1024"}
-    if unknown:
-        raise SystemExit(f"--methods: unknown {sorted(unknown)}")
     # (key, row name, engine, verify, batch); off1024 is the GPU default batch, timed on the GPU only
     menu = [("off64", "new off @64", new, "off", 64), ("auto64", "new auto @64", new, "auto", 64),
             ("old64", "old off @64", old, "off", 64), ("off1024", "new off @1024", new, "off", 1024)]
