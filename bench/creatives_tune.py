@@ -24,7 +24,9 @@ once, so a cut run keeps its rows):
    ``runs/example_refresh/index``; its titles from that corpus) with the pairs mixed in as creative
    examples, ``--shared-epochs`` (1) of the targeting training's defaults; skipped without the index.
 7. ``tuned-e4``: the separate shape with twice the default epochs.
-8. ``tuned-block<N>`` (any N: 0 or >= 2): the ``tuned`` model again with ``CreativeConfig.prompt_ngram_block
+8. ``tuned-qat`` / ``tuned-qat-compressed``: the separate shape with the targeting training's QAT final
+   phase (``QuantAwareConfig()``), then compressed as 3. (the stage's rule: on the grid the record names).
+9. ``tuned-block<N>`` (any N: 0 or >= 2): the ``tuned`` model again with ``CreativeConfig.prompt_ngram_block
    = N`` (0 = off; the default is 6): how the prompt-copy share trades against ROUGE when the decoder may
    not repeat shorter runs of the prompt.
 
@@ -174,30 +176,38 @@ def compress(src: Path, out: Path, device: str) -> dict[str, Any]:
     from adbatch.compress.calibration import calibrate, load_calibration_texts, token_blocks
     from adbatch.compress.checkpoint import save_compressed
     from adbatch.compress.linear import SequentialExecutor, compress_
+    from adbatch.compress.recipe import follow_training_qat
     from adbatch.models import load_causal_lm
+    from adbatch.training.checkpoint import read_training_record
     from pipelines.compress import CompressJobConfig
 
     job = CompressJobConfig()
+    # the stage's rule: a model trained with QAT is quantized on the grid its record names
+    ccfg, qat_note = follow_training_qat(job.compress, read_training_record(src))
     cal = job.calibration.replace(device=device) if device.startswith("cuda") else job.calibration
     t0 = time.perf_counter()
     model, tok = load_causal_lm(str(src), dtype=torch.float32, device="cpu")
-    stats = calibrate(model, token_blocks(tok, load_calibration_texts(cal), cal.seq_len), cal, job.compress.skip_modules)
+    stats = calibrate(model, token_blocks(tok, load_calibration_texts(cal), cal.seq_len), cal, ccfg.skip_modules)
     t1 = time.perf_counter()
-    recipe = compress_(model, job.compress, stats, SequentialExecutor(device if device.startswith("cuda") else None))
+    recipe = compress_(model, ccfg, stats, SequentialExecutor(device if device.startswith("cuda") else None))
     save_compressed(model, tok, recipe, out)
     del model
     _free()
     return {"calibrate_s": round(t1 - t0, 2), "compress_s": round(time.perf_counter() - t1, 2),
-            "summary": recipe.summary()}
+            "summary": recipe.summary(), "qat_note": qat_note}
 
 
 def tune(src: str, pairs: Any, out: Path, device: str, epochs: float | None, lr: float | None,
-         smoke: bool) -> dict[str, Any]:
-    """The separate shape: :func:`tune_creatives` with the library defaults (+ overrides)."""
+         smoke: bool, qat: bool = False) -> dict[str, Any]:
+    """The separate shape: :func:`tune_creatives` with the library defaults (+ overrides); ``qat``: with
+    the targeting training's QAT defaults (``QuantAwareConfig()``: INT4 g128, the last 20 % of the steps)."""
     from adbatch.training.creatives import CreativeTuneConfig, tune_creatives
+    from adbatch.training.quant_aware import QuantAwareConfig
 
     cfg = CreativeTuneConfig(enabled=True)
     train = cfg.train.replace(**{k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None})
+    if qat:
+        train = train.replace(qat=QuantAwareConfig())
     if smoke:
         train = train.replace(batch_tokens=1024)
     _, _, summary = tune_creatives(pairs, out, cfg.replace(train=train), init_model=src, device=device, progress=False)
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "budget_s": args.budget_s}
     outputs: dict[str, list[str]] = {}
     folders = {"base": base_folder, "tuned": work / "tuned", "tuned-keep-copies": work / "tuned_keep",
-               "tuned-e4": work / "tuned_e4", "shared": work / "shared"}
+               "tuned-e4": work / "tuned_e4", "shared": work / "shared", "tuned-qat": work / "tuned_qat"}
     spent: dict[str, float] = {}
 
     def save() -> None:
@@ -386,10 +396,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def p_base() -> None:
         evaluate_into("base", ModelSpec(model=str(base_folder)))
 
-    def p_tuned(name: str, keep_copies: bool = False, epochs: float | None = args.epochs) -> Callable[[], None]:
+    def p_tuned(name: str, keep_copies: bool = False, epochs: float | None = args.epochs,
+                qat: bool = False) -> Callable[[], None]:
         def run() -> None:
             p = train_pairs(train_csv, test_rows, keep_copies=True) if keep_copies else pairs
-            t = tune(str(base_folder), p, folders[name], device, epochs, args.lr, args.smoke)
+            t = tune(str(base_folder), p, folders[name], device, epochs, args.lr, args.smoke, qat=qat)
             state["extra"][name] = {**t, "pairs": p.stats}
             evaluate_into(name, ModelSpec(model=str(folders[name])),
                           {"train_s": t["train"]["seconds"], "train_steps": t["train"]["steps"]})
@@ -427,7 +438,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "base": p_base, "tuned": p_tuned("tuned"), "tuned-compressed": p_compressed("tuned-compressed", "tuned"),
         "base-compressed": p_compressed("base-compressed", "base"),
         "tuned-keep-copies": p_tuned("tuned-keep-copies", keep_copies=True), "shared": p_shared,
-        "tuned-e4": p_tuned("tuned-e4", epochs=2 * (args.epochs or default_epochs))}
+        "tuned-e4": p_tuned("tuned-e4", epochs=2 * (args.epochs or default_epochs)),
+        "tuned-qat": p_tuned("tuned-qat", qat=True),
+        "tuned-qat-compressed": p_compressed("tuned-qat-compressed", "tuned-qat")}
     wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
     for name in wanted:
         block = name.removeprefix("tuned-block")

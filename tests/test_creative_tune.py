@@ -149,6 +149,28 @@ def test_separate_shape_trains_saves_and_serves_with_the_tuned_prompt(tok, tmp_p
     assert text == direct[0][0][0] and text.strip() and pairs.headlines[0].startswith(text.strip())
 
 
+def test_creative_fine_tune_with_qat_records_the_grid_compress_follows(tok, tmp_path):
+    from adbatch.compress import CompressConfig
+    from adbatch.compress.recipe import GroupPolicy, follow_training_qat
+    from adbatch.training.quant_aware import QuantAwareConfig
+
+    pairs = headline_pairs(ROWS, HeadlinePairsConfig())
+    train = CreativeTrainConfig(epochs=4, lr=1e-3, batch_tokens=512, warmup_fraction=0.0,
+                                qat=QuantAwareConfig(enabled=True, start_fraction=0.5, group_size=32))
+    out = tmp_path / "creative_qat"
+    _, _, summary = tune_creatives(pairs, out, CreativeTuneConfig(enabled=True, train=train), model=tiny(tok),
+                                   tokenizer=tok.__class__.from_pretrained(tok.name_or_path), device="cpu",
+                                   progress=False)
+    record = json.loads((out / "adbatch_training.json").read_text())
+    assert record["qat"] == summary["qat"] and record["qat"]["group_size"] == 32
+    assert 1 <= record["qat"]["steps"] <= summary["train"]["steps"] // 2 + 1
+    cfg, note = follow_training_qat(CompressConfig(), record)
+    assert cfg.group_policy is GroupPolicy.UNIFORM and cfg.reference_group_size == 32 and not cfg.clip_search
+    assert note and "QAT" in note
+    with pytest.raises(ConfigError):  # sparsity stays refused for the creative fine-tune
+        CreativeTuneConfig(train=CreativeTrainConfig(sparsity=train.sparsity.replace(enabled=True))).validate()
+
+
 def test_train_layers_freezes_all_but_the_top_layers(tok):
     model = tiny(tok)
     n = freeze_below(model, 1)

@@ -57,9 +57,10 @@ class CreativeTrainConfig(TrainConfig):
     lr: float = dataclasses.field(default=1e-4, metadata={"help": "peak learning rate"})
     batch_tokens: int = dataclasses.field(default=8192, metadata={"help": "padded tokens per micro-batch"})
     log_every: int = dataclasses.field(default=10, metadata={"help": "log every this many steps"})
-    # measured without QAT (bench/RESULTS.md "Creatives on the H200"); QAT on it is not measured yet
+    # the creative model is served dense by default; QAT is for one that will be compressed (the compress
+    # stage then quantizes on the grid the record names, as for the targeting model)
     qat: QuantAwareConfig = dataclasses.field(default_factory=lambda: QuantAwareConfig(enabled=False), metadata={
-        "help": "quantization-aware final phase (off for the creative fine-tune: not measured there)"})
+        "help": "quantization-aware final phase (for a creative model that will be compressed)"})
 
 
 def _default_creative_train() -> CreativeTrainConfig:
@@ -114,8 +115,8 @@ class CreativeTuneConfig(ConfigBase):
             raise ConfigError(f"CreativeTuneConfig.train_layers must be >= 1 or None, got {self.train_layers}")
         if self.repeat < 1:
             raise ConfigError(f"CreativeTuneConfig.repeat must be >= 1, got {self.repeat}")
-        if self.train.sparsity.enabled or self.train.qat.enabled or self.train.distill.enabled:
-            raise ConfigError("CreativeTuneConfig.train: sparsity / QAT / distillation are not supported for the "
+        if self.train.sparsity.enabled or self.train.distill.enabled:
+            raise ConfigError("CreativeTuneConfig.train: sparsity / distillation are not supported for the "
                               "creative fine-tune (the compress stage compresses the result)")
 
 
@@ -372,11 +373,12 @@ def tune_creatives(
     data = {"creative": len(examples), "tokens": int(examples.offsets[-1]),
             "target_tokens": examples.num_target_tokens(), "trainable_params": trainable}
     summary = {"task": "creatives", "data": data, "train": stats.summary(model, torch.device(device)),
-               "prepare_seconds": round(prep_s, 3), "losses": stats.losses, "creative": creative_record(config, pairs)}
+               "prepare_seconds": round(prep_s, 3), "losses": stats.losses, "creative": creative_record(config, pairs),
+               "qat": stats.qat}
     if out_dir is not None and rank == 0:
         record = {"trained_on_index": None, "task": "creatives", "init_model": str(init_model) if init_model else "default",
                   "config": config.train.to_dict(), "train": summary["train"], "data": data,
-                  "creative": summary["creative"]}
+                  "creative": summary["creative"], "qat": stats.qat}  # the compress stage follows its grid
         save_trained(model, tokenizer, out_dir, record)
         summary["model_dir"] = str(out_dir)
     return model, tokenizer, summary
