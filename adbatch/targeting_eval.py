@@ -167,14 +167,17 @@ class EmbeddingRanker:
 
 
 def minilm_faiss_baseline(ad_ids: Sequence[Hashable], titles: list[str], qrels: Mapping[str, Mapping[Hashable, float]],
-                          *, k: int = 10, device: str = "cpu", backend: SearchBackend | None = None) -> dict[str, float]:
-    """Embed the catalogue, then :func:`evaluate_targeting` the MiniLM exact-search ranker.
+                          *, k: int = 10, device: str = "cpu", backend: SearchBackend | None = None,
+                          ad_embeddings: Any = None) -> dict[str, float]:
+    """Embed the catalogue (unless ``ad_embeddings``, float32 ``[len(ad_ids), 384]`` from
+    :func:`embed_texts`, are given), then :func:`evaluate_targeting` the MiniLM exact-search ranker.
 
     The returned dict adds ``index_seconds`` (catalogue embedding + index build).
     """
     encoder = load_minilm(device=device)
     t0 = time.perf_counter()
-    ranker = EmbeddingRanker(encoder, ad_ids, embed_texts(encoder, titles), k=k, backend=backend)
+    emb = embed_texts(encoder, titles) if ad_embeddings is None else ad_embeddings
+    ranker = EmbeddingRanker(encoder, ad_ids, emb, k=k, backend=backend)
     index_s = time.perf_counter() - t0
     out = evaluate_targeting(ranker, qrels, ks=(1, k))
     out["index_seconds"] = index_s

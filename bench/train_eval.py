@@ -60,7 +60,7 @@ def prepare(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
     sub_emb = Path(args.emb) / f"minilm_{args.size}.npz"  # MiniLM of the subset; computed here when absent
-    plans = [(str(args.size), args.size, sub_emb, SCHEMES, 0.0)]
+    plans = [] if args.no_subset else [(str(args.size), args.size, sub_emb, SCHEMES, 0.0)]
     if args.churn:  # the next night's subset, partly changed: warm start vs from scratch
         plans.append((f"{args.size}c{round(100 * args.churn)}", args.size, sub_emb, ("text",), args.churn))
     if not args.no_full:
@@ -123,12 +123,22 @@ def baseline(args: argparse.Namespace) -> None:
     from adbatch.datasets import HomeDepotConfig, QuerySplit, load_home_depot
     from adbatch.targeting_eval import minilm_faiss_baseline
 
+    import numpy as np
+
+    from adbatch.targeting_eval import embed_texts, load_minilm
+
     size = None if args.catalogue == "full" else int(args.catalogue)
     data = load_home_depot(HomeDepotConfig(csv_path=args.csv, catalogue_size=size))
-    out = minilm_faiss_baseline(data.catalogue.column("ad_id").to_pylist(), data.catalogue.column("title").to_pylist(),
-                                data.qrels[QuerySplit.TEST])
-    out["catalogue"] = data.catalogue.num_rows
+    ids, titles = data.catalogue.column("ad_id").to_pylist(), data.catalogue.column("title").to_pylist()
+    t0 = time.perf_counter()
+    emb = embed_texts(load_minilm(), titles)
+    embed_s = time.perf_counter() - t0
     Path(args.emb).mkdir(parents=True, exist_ok=True)
+    # the same vectors cluster the catalogue's index in ``prepare`` (``--full-emb`` / ``--emb``)
+    np.savez(Path(args.emb) / f"minilm_{args.catalogue}.npz", ad_id=np.asarray(ids, np.int64), emb=emb)
+    out = minilm_faiss_baseline(ids, titles, data.qrels[QuerySplit.TEST], ad_embeddings=emb)
+    out["index_seconds"] += embed_s
+    out["catalogue"] = data.catalogue.num_rows
     (Path(args.emb) / f"minilm_{args.catalogue}_baseline.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
 
@@ -411,8 +421,8 @@ def generated_samples(model_dir: Path, n: int = 12) -> list[list[Any]] | None:
 def check(args: argparse.Namespace) -> None:
     """The product's own recipe on a trained model, end to end (one device call, no Ray):
 
-    1. ``train_on_index`` with ``TrainConfig()`` (the ``adbatch train`` defaults) on the 5,000-title
-       ``text`` index and the train-split labelled queries; tokens/s and MFU from its summary;
+    1. ``train_on_index`` with ``TrainConfig()`` (the ``adbatch train`` defaults) on the ``--catalogue``'s
+       ``text`` index (5,000 titles, or the full 54,667) and the train-split labelled queries; tokens/s and MFU from its summary;
     2. test-query quality and speed, bf16, 10 beams, top 10: the new engine ``off`` and ``auto``
        and the engine before issue 16 (``.carry/baseline_decoding``, ``off``), each at query batch
        64, plus new ``off`` at the GPU default batch (1,024) for speed;
@@ -450,7 +460,8 @@ def check(args: argparse.Namespace) -> None:
     bundle = Path(args.bundle)
     if (bundle / "prepare.json").is_file():
         results["prepare"] = json.loads((bundle / "prepare.json").read_text())  # MiniLM + FAISS there
-    data = load_bundle(bundle, "5000")
+    cat = args.catalogue  # "5000" or "full": the bundle's titles_<cat>.parquet, index_<cat>_text, ...
+    data = load_bundle(bundle, cat)
     index = data["indexes"]["text"]
     cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048)
     cfg = cfg.replace(pseudo_queries=cfg.pseudo_queries.replace(source=args.query_source))
@@ -523,7 +534,7 @@ def check(args: argparse.Namespace) -> None:
     # 3. the compress stage with its defaults, calibrated on the served index and queries
     from pipelines.compress import CompressJobConfig, run_compress
 
-    queries = bundle / "train_5000.parquet"  # the train-split (query, ad_id) pairs
+    queries = bundle / f"train_{cat}.parquet"  # the train-split (query, ad_id) pairs
     from adbatch.compress import CompressConfig
 
     # "compressed" = the compress stage's own defaults; the others override CompressConfig fields
@@ -532,8 +543,8 @@ def check(args: argparse.Namespace) -> None:
     for vname, overrides in variants.items():
         t0 = time.perf_counter()
         comp_dir = Path(args.work) / f"compressed-{vname}"
-        csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / "index_5000_text", queries=queries,
-                                              ads=bundle / "titles_5000.parquet", out=comp_dir, use_ray=False,
+        csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / f"index_{cat}_text", queries=queries,
+                                              ads=bundle / f"titles_{cat}.parquet", out=comp_dir, use_ray=False,
                                               layer_device=device if device == "cuda" else None,
                                               compress=CompressConfig.from_dict(overrides)))
         results["compress"][vname] = {"overrides": overrides, "wall_s": round(time.perf_counter() - t0, 1),
@@ -795,6 +806,7 @@ def main(argv: list[str] | None = None) -> None:
     pp.add_argument("--churn", type=float, default=0.0,
                     help="also the subset with this share replaced ('<size>c<pct>', text ids: warm-start runs)")
     pp.add_argument("--no-full", action="store_true", help="skip the full 54,667-title catalogue")
+    pp.add_argument("--no-subset", action="store_true", help="only the full catalogue (a bundle of its own)")
     pp.add_argument("--bundle", required=True)
     sw = sub.add_parser("sweep")
     sw.add_argument("--bundle", required=True)
@@ -813,6 +825,7 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("--bundle", required=True)
     ck.add_argument("--out", required=True)
     ck.add_argument("--work", default="/tmp/adbatch_check")
+    ck.add_argument("--catalogue", default="5000", help="the bundle's catalogue: 5000 or full (its text index)")
     ck.add_argument("--model", default=None)
     ck.add_argument("--smoke", action="store_true")
     ck.add_argument("--beams", type=int, default=10)
