@@ -154,6 +154,22 @@ def test_group_size_choice_respects_budget_and_prefers_sensitive_rows():
     assert float(qr.error.sum()) < float(uni.error.sum())
 
 
+@pytest.mark.parametrize("clip", [False, True])
+def test_adaptive_rows_taken_from_the_pricing_passes_equal_a_fresh_pass_per_size(clip):
+    # the adaptive path reuses the per-size passes it priced the choice with; a fresh quantize_fixed
+    # of each chosen size's rows must give the same bits, values and errors
+    from adbatch.compress.quantization import _quantize_with_sizes
+
+    g = _gen(11)
+    v = torch.randn(48, 300, generator=g)  # 300: a partial last group at every size
+    sens = torch.rand(48, 300, generator=g) + 0.1
+    qr = quantize_rows(v, sens, GroupPolicy.ADAPTIVE, (32, 64, 128, 256), 128, clip_search=clip)
+    assert len(set(qr.group_size.tolist())) > 1  # more than one size chosen: the gather is exercised
+    fresh = _quantize_with_sizes(v, sens, qr.group_size, clip)
+    for name in ("q", "scale", "zero", "group_size", "dequant", "error"):
+        assert torch.equal(getattr(qr, name), getattr(fresh, name)), name
+
+
 def test_choose_group_sizes_exact_small_case():
     # two rows; row 0 gains a lot from g32, row 1 nothing; budget allows one row at g32
     sizes = (32, 256)

@@ -199,16 +199,23 @@ def quantize_rows(values: torch.Tensor, weight: torch.Tensor | None, policy: Gro
     policy = GroupPolicy(policy)
     if policy is GroupPolicy.UNIFORM:
         chosen = torch.full((rows,), reference_size, dtype=torch.int32, device=values.device)
-    else:
-        sizes = tuple(sorted(sizes))
-        err = torch.stack([quantize_fixed(values, g, weight, clip_search)[4] for g in sizes])  # [S, N]
-        budget = float(row_bits(kept, torch.full((rows,), reference_size)).sum())
-        chosen = choose_group_sizes(err, sizes, kept, budget)
-    return _quantize_with_sizes(values, weight, chosen, clip_search)
+        return _quantize_with_sizes(values, weight, chosen, clip_search)
+    # every row at every size prices the choice; the chosen rows are then taken from these passes
+    # (not quantized again: with the clip search a pass is 21 trial grids). The dequantized values
+    # are not kept per size (4 float32 copies of the layer); they are rebuilt from q, scale, zero.
+    sizes = tuple(sorted(sizes))
+    per_size = {g: quantize_fixed(values, g, weight, clip_search) for g in sizes}
+    per_size = {g: (q, sc, zs, er) for g, (q, sc, zs, _, er) in per_size.items()}
+    err = torch.stack([per_size[g][3] for g in sizes])  # [S, N]
+    budget = float(row_bits(kept, torch.full((rows,), reference_size)).sum())
+    chosen = choose_group_sizes(err, sizes, kept, budget)
+    return _quantize_with_sizes(values, weight, chosen, clip_search, per_size)
 
 
 def _quantize_with_sizes(values: torch.Tensor, weight: torch.Tensor | None, chosen: torch.Tensor,
-                         clip_search: bool) -> QuantizedRows:
+                         clip_search: bool, per_size: dict[int, tuple] | None = None) -> QuantizedRows:
+    """Rows quantized at their ``chosen`` sizes: from ``per_size`` (size -> ``quantize_fixed`` of every
+    row at that size, as ``(q, scale, zero, error)``) when given, else by one pass per distinct size."""
     rows, kept = values.shape
     dev = values.device
     chosen = chosen.to(dev)
@@ -223,8 +230,13 @@ def _quantize_with_sizes(values: torch.Tensor, weight: torch.Tensor | None, chos
     # one vectorized pass per distinct size (at most 4), not per row
     for g in sorted(set(chosen.tolist())):
         sel = torch.nonzero(chosen == g).squeeze(1)
-        w = weight[sel] if weight is not None else None
-        qs, sc, zs, dq, er = quantize_fixed(values[sel], int(g), w, clip_search)
+        if per_size is None:
+            w = weight[sel] if weight is not None else None
+            qs, sc, zs, dq, er = quantize_fixed(values[sel], int(g), w, clip_search)
+        else:
+            qs, sc, zs, er = (t[sel] for t in per_size[int(g)])
+            # quantize_fixed's own arithmetic, (q - zero) * scale in float32: the same values bit for bit
+            dq = (qs.float() - zs.float().repeat_interleave(int(g), 1)[:, :kept]) * sc.float().repeat_interleave(int(g), 1)[:, :kept]
         q[sel], deq[sel], error[sel] = qs, dq, er
         slots = (ptr[sel].unsqueeze(1) + torch.arange(sc.shape[1], device=dev).unsqueeze(0)).reshape(-1)
         scale[slots] = sc.reshape(-1)
