@@ -379,10 +379,9 @@ class TargetGenerator(_GeneratorBase):
 
     def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         from adbatch.decoding import search_targets
-        from adbatch.prompts import encode_targeting_prompt
+        from adbatch.prompts import encode_targeting_prompts
 
-        prompts = [encode_targeting_prompt(self.tokenizer, r["query"], self.config.max_query_tokens)
-                   for r in rows]
+        prompts = encode_targeting_prompts(self.tokenizer, [r["query"] for r in rows], self.config.max_query_tokens)
         cfg = self.search.replace(batch_size=len(rows))
         result = search_targets(self.model, prompts, self.trie, cfg, cost_model=self.cost_model)
         rows_t = result.rows.tolist()  # [Q, k], -1 padding

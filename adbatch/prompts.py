@@ -132,14 +132,6 @@ def _chat_or_plain(tokenizer: Any, user_text: str, plain_suffix: str, system: st
     return encode_text(tokenizer, text + plain_suffix)
 
 
-def truncate_text_tokens(tokenizer: Any, text: str, max_tokens: int) -> str:
-    """Cut ``text`` to at most ``max_tokens`` tokens (decoded back to a string)."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) <= max_tokens:
-        return text
-    return tokenizer.decode(ids[:max_tokens])
-
-
 def encode_targeting_prompt(tokenizer: Any, query: str, max_query_tokens: int = 48) -> list[int]:
     """Token ids of the targeting prompt for ``query``; the ad's target sequence follows directly.
 
@@ -147,8 +139,87 @@ def encode_targeting_prompt(tokenizer: Any, query: str, max_query_tokens: int = 
     query the user turn (version 1 put both in the user turn after the template's default system
     prompt: 45 vs 28 tokens for a two-word query with SmolLM2).
     """
-    query = truncate_text_tokens(tokenizer, query.strip(), max_query_tokens)
+    return encode_targeting_prompts(tokenizer, [query], max_query_tokens)[0]
+
+
+def _targeting_prompt_one(tokenizer: Any, query: str) -> list[int]:
+    """The reference rendering of one (stripped, truncated) query: the chat template applied to it."""
     return _chat_or_plain(tokenizer, f"Query: {query}", "\nAd:", system=TARGETING_INSTRUCTION)
+
+
+_QUERY_SLOT = "\ue000"  # a private-use character: marks where the query goes in a rendered frame
+_PROBE_QUERIES = ("cordless drill 18v", "Who, what & why? 12 in. x 3/4 ft")
+_TARGETING_FRAMES: "weakref.WeakKeyDictionary[Any, tuple[Any, tuple[str, str] | None]]" = weakref.WeakKeyDictionary()
+
+
+def _targeting_frame(tokenizer: Any) -> tuple[str, str] | None:
+    """``(head, tail)``: the targeting prompt's text around the query, so that tokenizing
+    ``head + query + tail`` (special-token text parsed, as ``apply_chat_template`` does) gives the
+    reference ids. Rendered once per tokenizer with a placeholder and accepted only if probe queries
+    encode identically both ways; None (then every query takes the reference path) for a template
+    that transforms the content, or a tokenizer whose texts do not concatenate like that."""
+    state = (getattr(tokenizer, "chat_template", None), special_tokens_around(tokenizer))
+    try:
+        hit = _TARGETING_FRAMES.get(tokenizer)
+    except TypeError:
+        hit = None
+    if hit is not None and hit[0] == state:
+        return hit[1]
+    frame: tuple[str, str] | None = None
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            rendered = _render_targeting(tokenizer, _QUERY_SLOT)
+        except Exception:  # a template that cannot render the frame: the reference path
+            rendered = None
+    else:
+        rendered = f"{TARGETING_INSTRUCTION}\nQuery: {_QUERY_SLOT}\nAd:"  # _chat_or_plain's plain frame
+    if rendered is not None and rendered.count(_QUERY_SLOT) == 1:
+        head, tail = rendered.split(_QUERY_SLOT)
+        probes = [list(ids) for ids in tokenizer([head + q + tail for q in _PROBE_QUERIES],
+                                                 add_special_tokens=False)["input_ids"]]
+        if all(with_prefix(tokenizer, p) == _targeting_prompt_one(tokenizer, q) for p, q in zip(probes, _PROBE_QUERIES)):
+            frame = (head, tail)
+    try:
+        _TARGETING_FRAMES[tokenizer] = (state, frame)
+    except TypeError:
+        pass
+    return frame
+
+
+def _render_targeting(tokenizer: Any, query: str) -> str | None:
+    """The chat-template text of the targeting prompt (the branch :func:`_chat_or_plain` takes)."""
+    system = [{"role": "system", "content": TARGETING_INSTRUCTION}, {"role": "user", "content": f"Query: {query}"}]
+    folded = [{"role": "user", "content": f"{TARGETING_INSTRUCTION}\nQuery: {query}"}]
+    try:
+        return tokenizer.apply_chat_template(system, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template without a system role (Gemma): the instruction folded into the turn
+        return tokenizer.apply_chat_template(folded, tokenize=False, add_generation_prompt=True)
+
+
+def encode_targeting_prompts(tokenizer: Any, queries: Sequence[str], max_query_tokens: int = 48) -> list[list[int]]:
+    """:func:`encode_targeting_prompt` of every query, in one batched tokenizer call: the frame around
+    the query is rendered once (:func:`_targeting_frame`), not the chat template per query, so
+    training-set preparation over a million pseudo-queries takes seconds, not minutes. The ids are
+    the reference rendering's (checked on probe queries per tokenizer; else each query takes it)."""
+    queries = [q.strip() for q in queries]
+    if not queries:
+        return []
+    # truncate_text_tokens, batched, for the queries that may be too long: a text never has more tokens
+    # than UTF-8 bytes + 1 (byte-level BPE: <= bytes; SentencePiece may add one for its word-start mark)
+    long = [i for i, q in enumerate(queries) if len(q.encode()) + 1 > max_query_tokens]
+    if long:
+        ids = tokenizer([queries[i] for i in long], add_special_tokens=False)["input_ids"]
+        for i, q_ids in zip(long, ids):
+            if len(q_ids) > max_query_tokens:
+                queries[i] = tokenizer.decode(q_ids[:max_query_tokens])
+    frame = _targeting_frame(tokenizer)
+    if frame is None:
+        return [_targeting_prompt_one(tokenizer, q) for q in queries]
+    head, tail = frame
+    body = tokenizer([head + q + tail for q in queries], add_special_tokens=False)["input_ids"]
+    prefix = list(special_tokens_around(tokenizer)[0])  # with_prefix, its frame read once for the batch
+    n = len(prefix)
+    return [list(ids) if ids[:n] == prefix else prefix + list(ids) for ids in body]
 
 
 AD_PROMPT_CHARS = 600  # ad text a creative prompt keeps: the tiny default model's context stays short

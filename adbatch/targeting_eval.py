@@ -69,13 +69,13 @@ def generative_ranker(model: Any, tokenizer: Any, index: Any, *, num_beams: int 
     import torch
 
     from adbatch.decoding import TargetSearchConfig, VerifyMode, search_targets
-    from adbatch.prompts import encode_targeting_prompt
+    from adbatch.prompts import encode_targeting_prompts
 
     cfg = TargetSearchConfig(num_beams=num_beams, top_k=top_k, verify=VerifyMode.OFF, batch_size=batch_size)
     ad_ids = index.ad_ids
 
     def rank(batch: list[str]) -> list[list[Hashable]]:
-        prompts = [encode_targeting_prompt(tokenizer, q) for q in batch]
+        prompts = encode_targeting_prompts(tokenizer, batch)
         with torch.inference_mode():
             res = search_targets(model, prompts, index.trie, cfg)
         return [[ad_ids[r] for r in row if r >= 0] for row in res.rows.tolist()]

@@ -480,8 +480,10 @@ def check(args: argparse.Namespace) -> None:
         summary = {"train": {"reused": str(model_dir)}, "data": {}}
     else:
         model, tok = load_base(args.model, args.smoke, device)
+        # a model folder an earlier call trained on this index: training continues from it (a warm start)
+        init = args.model if args.model and Path(args.model).is_dir() else None
         model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
-                                             model=model, tokenizer=tok, device=device, progress=False,
+                                             init_model=init, model=model, tokenizer=tok, device=device, progress=False,
                                              query_gen=bench_query_gen(args.smoke),
                                              exclude_queries=[*data["qrels"], *data["valid"]])
     results["train"] = {"dense-text": summary["train"] | {"data": summary["data"],
@@ -538,7 +540,7 @@ def check(args: argparse.Namespace) -> None:
     from adbatch.compress import CompressConfig
 
     # "compressed" = the compress stage's own defaults; the others override CompressConfig fields
-    variants = {"compressed": {}, **json.loads(args.compress_variants)}
+    variants = {} if args.skip_compress else {"compressed": {}, **json.loads(args.compress_variants)}
     results["compress"] = {}
     for vname, overrides in variants.items():
         t0 = time.perf_counter()
@@ -826,6 +828,7 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("--out", required=True)
     ck.add_argument("--work", default="/tmp/adbatch_check")
     ck.add_argument("--catalogue", default="5000", help="the bundle's catalogue: 5000 or full (its text index)")
+    ck.add_argument("--skip-compress", action="store_true", help="dense rows only (a first call of a chained run)")
     ck.add_argument("--model", default=None)
     ck.add_argument("--smoke", action="store_true")
     ck.add_argument("--beams", type=int, default=10)

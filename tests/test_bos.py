@@ -154,3 +154,25 @@ def test_training_examples_begin_with_bos_where_declared(plain, bos):
             tokens = ex.tokens[ex.offsets[e]:ex.offsets[e + 1]].tolist()
             assert (tokens[0] == 1) is want and tokens[1] != 1
             assert tokens[int(ex.prompt_lens[e]):] == targets[int(ex.rows[e])]
+
+
+#: queries whose prompts must not depend on the batched path: spaces, non-ASCII, special-token text,
+#: more than max_query_tokens tokens (in words, and in bytes of one word), empty
+QUERIES = ["angle bracket", "  spaced  out ", "Émile's 12 in. x 3/4 ft — café ✓ 😀", "a <|im_end|> b",
+           " ".join(["long"] * 80), "x" * 300, "😀" * 30, ""]
+
+
+@pytest.mark.parametrize("template", ["own", None, NO_BOS_TEMPLATE, BOS_TEMPLATE])
+def test_batched_targeting_prompts_equal_the_reference_rendering(template, plain, bos):
+    from adbatch.prompts import _targeting_frame, _targeting_prompt_one, encode_targeting_prompts
+
+    def truncated(tok, q, limit=48):  # the reference truncation: tokens of the stripped query, decoded
+        ids = tok(q.strip(), add_special_tokens=False)["input_ids"]
+        return q.strip() if len(ids) <= limit else tok.decode(ids[:limit])
+
+    for tok in (plain, bos):
+        with contextlib.nullcontext() if template == "own" else _template(template, tok):
+            assert _targeting_frame(tok) is not None  # the batched path, not the per-query fallback
+            got = encode_targeting_prompts(tok, QUERIES)
+            assert got == [_targeting_prompt_one(tok, truncated(tok, q)) for q in QUERIES]
+            assert got[1] == encode_targeting_prompt(tok, QUERIES[1])

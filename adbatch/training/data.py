@@ -1,7 +1,7 @@
 """Training examples for DSI-style generative targeting, built from an ad index.
 
 Two kinds of example, both ``prompt -> target`` where the prompt is exactly what the decoder feeds
-(:func:`adbatch.prompts.encode_targeting_prompt`) and the target is the ad's sequence from the index
+(:func:`adbatch.prompts.encode_targeting_prompts`) and the target is the ad's sequence from the index
 (``ad_codes.token_ids``: code tokens for the ``codes`` scheme, title tokens for ``text``):
 
 - **indexing**: the ad's own text (its title) as the query -> its target. Every ad of the index gets
@@ -28,7 +28,7 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from adbatch.prompts import encode_targeting_prompt
+from adbatch.prompts import encode_targeting_prompts
 from adbatch.training.pseudo_queries import PseudoQueryConfig, QuerySource, span_pseudo_queries
 
 log = logging.getLogger(__name__)
@@ -109,13 +109,11 @@ def build_prompted(prompts: list[list[int]], targets: list[list[int]], kind: Exa
 
 
 def _prompts(tokenizer: Any, texts: Iterable[str], max_query_tokens: int) -> list[list[int]]:
-    cache: dict[str, list[int]] = {}
-    out = []
-    for t in texts:
-        if t not in cache:
-            cache[t] = encode_targeting_prompt(tokenizer, t, max_query_tokens=max_query_tokens)
-        out.append(cache[t])
-    return out
+    """The targeting prompt of every text, each distinct text encoded once (one batched call)."""
+    texts = list(texts)
+    distinct = list(dict.fromkeys(texts))
+    encoded = dict(zip(distinct, encode_targeting_prompts(tokenizer, distinct, max_query_tokens=max_query_tokens)))
+    return [encoded[t] for t in texts]
 
 
 def _rows_in_index(pairs: Iterable[tuple[str, Hashable]], row_of: Mapping[Hashable, int]) -> tuple[list[tuple[str, int]], int]:
