@@ -173,7 +173,7 @@ def _targeting_frame(tokenizer: Any) -> tuple[str, str] | None:
             rendered = None
     else:
         rendered = f"{TARGETING_INSTRUCTION}\nQuery: {_QUERY_SLOT}\nAd:"  # _chat_or_plain's plain frame
-    if rendered is not None and rendered.count(_QUERY_SLOT) == 1:
+    if isinstance(rendered, str) and rendered.count(_QUERY_SLOT) == 1:
         head, tail = rendered.split(_QUERY_SLOT)
         probes = [list(ids) for ids in tokenizer([head + q + tail for q in _PROBE_QUERIES],
                                                  add_special_tokens=False)["input_ids"]]
@@ -186,8 +186,10 @@ def _targeting_frame(tokenizer: Any) -> tuple[str, str] | None:
     return frame
 
 
-def _render_targeting(tokenizer: Any, query: str) -> str | None:
-    """The chat-template text of the targeting prompt (the branch :func:`_chat_or_plain` takes)."""
+def _render_targeting(tokenizer: Any, query: str) -> Any:
+    """The chat-template text of the targeting prompt, following the branch :func:`_chat_or_plain`
+    takes (system turn, else the instruction folded into the user turn); the probe check in
+    :func:`_targeting_frame` is what makes the two agree, not this mirror."""
     system = [{"role": "system", "content": TARGETING_INSTRUCTION}, {"role": "user", "content": f"Query: {query}"}]
     folded = [{"role": "user", "content": f"{TARGETING_INSTRUCTION}\nQuery: {query}"}]
     try:
@@ -204,9 +206,10 @@ def encode_targeting_prompts(tokenizer: Any, queries: Sequence[str], max_query_t
     queries = [q.strip() for q in queries]
     if not queries:
         return []
-    # truncate_text_tokens, batched, for the queries that may be too long: a text never has more tokens
-    # than UTF-8 bytes + 1 (byte-level BPE: <= bytes; SentencePiece may add one for its word-start mark)
-    long = [i for i, q in enumerate(queries) if len(q.encode()) + 1 > max_query_tokens]
+    # the query cut to max_query_tokens tokens (decoded back), batched, for the queries that may be too
+    # long: an ASCII text has at most one token per character plus one (SentencePiece's word-start mark;
+    # no normalizer expands ASCII); any other text is tokenized to know
+    long = [i for i, q in enumerate(queries) if not q.isascii() or len(q) + 1 > max_query_tokens]
     if long:
         ids = tokenizer([queries[i] for i in long], add_special_tokens=False)["input_ids"]
         for i, q_ids in zip(long, ids):

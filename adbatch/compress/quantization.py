@@ -204,8 +204,10 @@ def quantize_rows(values: torch.Tensor, weight: torch.Tensor | None, policy: Gro
     # (not quantized again: with the clip search a pass is 21 trial grids). The dequantized values
     # are not kept per size (4 float32 copies of the layer); they are rebuilt from q, scale, zero.
     sizes = tuple(sorted(sizes))
-    per_size = {g: quantize_fixed(values, g, weight, clip_search) for g in sizes}
-    per_size = {g: (q, sc, zs, er) for g, (q, sc, zs, _, er) in per_size.items()}
+    per_size = {}
+    for g in sizes:  # each size's float32 dequant is dropped at once: one layer copy alive, not four
+        q, sc, zs, _, er = quantize_fixed(values, g, weight, clip_search)
+        per_size[g] = (q, sc, zs, er)
     err = torch.stack([per_size[g][3] for g in sizes])  # [S, N]
     budget = float(row_bits(kept, torch.full((rows,), reference_size)).sum())
     chosen = choose_group_sizes(err, sizes, kept, budget)
