@@ -92,6 +92,26 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+#: Ray Train's placement-group cleaner asks the state API (served by the dashboard) every second whether
+#: the train controller lives, and warns each time it cannot. A local cluster here runs without the
+#: dashboard, so the answer never comes: ~200 identical lines in one example refresh, none of them news.
+_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+_CLEANER_NOISE = "Failed to query Ray Train Controller actor state"
+
+
+class _DropStateApiNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_CLEANER_NOISE)
+
+
+def quiet_state_api_warnings() -> None:
+    """Worker setup hook of the local cluster: drops that one warning (only it; the cleaner's other
+    messages and every other logger are untouched). The cleaner still runs and still cleans up."""
+    logger = logging.getLogger(_CLEANER_LOGGER)
+    if not any(isinstance(f, _DropStateApiNoise) for f in logger.filters):
+        logger.addFilter(_DropStateApiNoise())
+
+
 def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     if not address:
         prefer_loopback_ray()  # before the first `import ray` of this process, if this is it
@@ -111,7 +131,8 @@ def init_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     if _ray_reads_loopback():  # the processes Ray starts must agree with this driver on the address
         env[LOOPBACK_NODE_ENV] = "0"
     with _environ(env):
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"worker_process_setup_hook": quiet_state_api_warnings})
     session = _session_dir()
     if session is not None:
         _mark_session(session)
