@@ -14,9 +14,8 @@ once, so a cut run keeps its rows):
    headline) pairs of ``--train-csv`` (slogan ``valid.csv``; rows whose description or headline equals a
    test row's are skipped and counted); then the same evaluation, from the tuned prompt the model declares.
 3. ``tuned-compressed`` / 4. ``base-compressed``: the compress stage's defaults (``CompressJobConfig()``:
-   calibration on the bundled corpus sample, adaptive INT4) through the library verbs the stage
-   calls (``calibrate`` -> ``compress_`` -> ``save_compressed``; calibration and per-layer math on the GPU),
-   loaded back as a compressed checkpoint (``ModelSpec(compressed=...)``, the Triton kernels on CUDA).
+   calibration on the bundled corpus sample, adaptive INT4) through the stage itself (``run_compress``, no
+   Ray; calibration and per-layer math on the GPU), loaded back as a compressed checkpoint (``ModelSpec(compressed=...)``, the Triton kernels on CUDA).
 5. ``tuned-keep-copies``: the separate shape trained on every pair (``max_copy_fraction`` 1.0: the 39 % of
    valid.csv headlines that copy half their words from the description kept).
 6. ``shared``: the ``shared`` shape -- :func:`adbatch.training.train_on_index` on ``--shared-index`` (an
@@ -170,31 +169,19 @@ def _free() -> None:
 
 
 def compress(src: Path, out: Path, device: str) -> dict[str, Any]:
-    """The compress stage's defaults (CompressJobConfig()) through its library verbs; returns timings."""
-    import torch
-
-    from adbatch.compress.calibration import calibrate, load_calibration_texts, token_blocks
-    from adbatch.compress.checkpoint import save_compressed
-    from adbatch.compress.linear import SequentialExecutor, compress_
-    from adbatch.compress.recipe import follow_training_qat
-    from adbatch.models import load_causal_lm
-    from adbatch.training.checkpoint import read_training_record
-    from pipelines.compress import CompressJobConfig
+    """The compress stage itself: ``run_compress`` with ``CompressJobConfig()``'s defaults (calibration on
+    the bundled corpus sample; a QAT model on the grid its record names), no Ray, calibration and
+    per-layer math on the GPU when there is one. Returns its timings, summary and QAT note."""
+    from pipelines.compress import CompressJobConfig, run_compress
 
     job = CompressJobConfig()
-    # the stage's rule: a model trained with QAT is quantized on the grid its record names
-    ccfg, qat_note = follow_training_qat(job.compress, read_training_record(src))
-    cal = job.calibration.replace(device=device) if device.startswith("cuda") else job.calibration
-    t0 = time.perf_counter()
-    model, tok = load_causal_lm(str(src), dtype=torch.float32, device="cpu")
-    stats = calibrate(model, token_blocks(tok, load_calibration_texts(cal), cal.seq_len), cal, ccfg.skip_modules)
-    t1 = time.perf_counter()
-    recipe = compress_(model, ccfg, stats, SequentialExecutor(device if device.startswith("cuda") else None))
-    save_compressed(model, tok, recipe, out)
-    del model
+    on_gpu = device.startswith("cuda")
+    res = run_compress(job.replace(model=str(src), out=out, use_ray=False, layer_device=device if on_gpu else None,
+                                   calibration=job.calibration.replace(device=device) if on_gpu else job.calibration))
     _free()
-    return {"calibrate_s": round(t1 - t0, 2), "compress_s": round(time.perf_counter() - t1, 2),
-            "summary": recipe.summary(), "qat_note": qat_note}
+    t = res["timings_s"]
+    return {"calibrate_s": t.get("calibrate", 0.0), "compress_s": t.get("compress", 0.0),
+            "summary": res["summary"], "qat_note": res["group_policy"]["note"], "quality": res["quality"]}
 
 
 def tune(src: str, pairs: Any, out: Path, device: str, epochs: float | None, lr: float | None,
