@@ -96,6 +96,19 @@ def _apply_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     return with_prefix(tokenizer, list(ids))
 
 
+def _messages(turns: Sequence[tuple[str, str | None]], system: str | None, system_turn: bool) -> list[dict[str, str]]:
+    """Chat messages of ``(user, assistant or None)`` turns: ``system`` as the system turn, or (a
+    template without one) folded into the first user turn."""
+    msgs = [{"role": "system", "content": system}] if system_turn and system is not None else []
+    for i, (user, assistant) in enumerate(turns):
+        if i == 0 and system is not None and not system_turn:
+            user = f"{system}\n{user}"
+        msgs.append({"role": "user", "content": user})
+        if assistant is not None:
+            msgs.append({"role": "assistant", "content": assistant})
+    return msgs
+
+
 def _chat_or_plain(tokenizer: Any, user_text: str, plain_suffix: str, system: str | None = None,
                    examples: Sequence[tuple[str, str]] = ()) -> list[int]:
     """Chat-template ids of one user turn (``system`` as the system turn when given), or a plain frame.
@@ -107,25 +120,14 @@ def _chat_or_plain(tokenizer: Any, user_text: str, plain_suffix: str, system: st
     as ``user + plain_suffix + " " + assistant`` and a blank line.
     """
     turns = [*examples, (user_text, None)]
-
-    def messages(system_turn: bool) -> list[dict[str, str]]:
-        msgs = [{"role": "system", "content": system}] if system_turn else []
-        for i, (user, assistant) in enumerate(turns):
-            if i == 0 and system is not None and not system_turn:
-                user = f"{system}\n{user}"
-            msgs.append({"role": "user", "content": user})
-            if assistant is not None:
-                msgs.append({"role": "assistant", "content": assistant})
-        return msgs
-
     template = getattr(tokenizer, "chat_template", None)
     if template:
         if system is not None:
             try:
-                return _apply_template(tokenizer, messages(True))
+                return _apply_template(tokenizer, _messages(turns, system, True))
             except Exception:  # jinja raise_exception("System role not supported") and the like
                 pass
-        return _apply_template(tokenizer, messages(False))
+        return _apply_template(tokenizer, _messages(turns, system, False))
     text = "".join(f"{u}{plain_suffix} {a}\n\n" for u, a in examples) + user_text
     if system is not None:
         text = f"{system}\n{text}"
@@ -187,15 +189,16 @@ def _targeting_frame(tokenizer: Any) -> tuple[str, str] | None:
 
 
 def _render_targeting(tokenizer: Any, query: str) -> Any:
-    """The chat-template text of the targeting prompt, following the branch :func:`_chat_or_plain`
-    takes (system turn, else the instruction folded into the user turn); the probe check in
-    :func:`_targeting_frame` is what makes the two agree, not this mirror."""
-    system = [{"role": "system", "content": TARGETING_INSTRUCTION}, {"role": "user", "content": f"Query: {query}"}]
-    folded = [{"role": "user", "content": f"{TARGETING_INSTRUCTION}\nQuery: {query}"}]
+    """The chat-template text of the targeting prompt: the same messages and branch as
+    :func:`_chat_or_plain` (system turn, else the instruction folded into the user turn), rendered
+    instead of tokenized; the probe check in :func:`_targeting_frame` confirms the ids agree."""
+    turns = [(f"Query: {query}", None)]
     try:
-        return tokenizer.apply_chat_template(system, tokenize=False, add_generation_prompt=True)
-    except Exception:  # a template without a system role (Gemma): the instruction folded into the turn
-        return tokenizer.apply_chat_template(folded, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(_messages(turns, TARGETING_INSTRUCTION, True), tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # a template without a system role (Gemma)
+        return tokenizer.apply_chat_template(_messages(turns, TARGETING_INSTRUCTION, False), tokenize=False,
+                                             add_generation_prompt=True)
 
 
 def encode_targeting_prompts(tokenizer: Any, queries: Sequence[str], max_query_tokens: int = 48) -> list[list[int]]:
