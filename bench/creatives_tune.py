@@ -24,7 +24,9 @@ once, so a cut run keeps its rows):
    examples, ``--shared-epochs`` (1) of the targeting training's defaults; skipped without the index.
 7. ``tuned-e4``: the separate shape with twice the default epochs.
 8. ``tuned-qat`` / ``tuned-qat-compressed``: the separate shape with the targeting training's QAT final
-   phase (``QuantAwareConfig()``), then compressed as 3. (the stage's rule: on the grid the record names).
+   phase (``QuantAwareConfig()``), then compressed as 3. (the stage's rule: on the grid the record names);
+   ``tuned-qat-s<start>[-e<epochs>]`` (+ ``-compressed``): QAT from that share of the steps on (0 = all of
+   them), over that many epochs (default: the fine-tune's).
 9. ``tuned-block<N>`` (any N: 0 or >= 2): the ``tuned`` model again with ``CreativeConfig.prompt_ngram_block
    = N`` (0 = off; the default is 6): how the prompt-copy share trades against ROUGE when the decoder may
    not repeat shorter runs of the prompt.
@@ -52,6 +54,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -185,16 +188,17 @@ def compress(src: Path, out: Path, device: str) -> dict[str, Any]:
 
 
 def tune(src: str, pairs: Any, out: Path, device: str, epochs: float | None, lr: float | None,
-         smoke: bool, qat: bool = False) -> dict[str, Any]:
-    """The separate shape: :func:`tune_creatives` with the library defaults (+ overrides); ``qat``: with
-    the targeting training's QAT defaults (``QuantAwareConfig()``: INT4 g128, the last 20 % of the steps)."""
+         smoke: bool, qat_start: float | None = None) -> dict[str, Any]:
+    """The separate shape: :func:`tune_creatives` with the library defaults (+ overrides); ``qat_start``:
+    with the targeting training's QAT (``QuantAwareConfig()``: INT4 g128) from this share of the steps on
+    (its default 0.8: the last 20 %)."""
     from adbatch.training.creatives import CreativeTuneConfig, tune_creatives
     from adbatch.training.quant_aware import QuantAwareConfig
 
     cfg = CreativeTuneConfig(enabled=True)
     train = cfg.train.replace(**{k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None})
-    if qat:
-        train = train.replace(qat=QuantAwareConfig())
+    if qat_start is not None:
+        train = train.replace(qat=QuantAwareConfig(start_fraction=qat_start))
     if smoke:
         train = train.replace(batch_tokens=1024)
     _, _, summary = tune_creatives(pairs, out, cfg.replace(train=train), init_model=src, device=device, progress=False)
@@ -384,10 +388,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         evaluate_into("base", ModelSpec(model=str(base_folder)))
 
     def p_tuned(name: str, keep_copies: bool = False, epochs: float | None = args.epochs,
-                qat: bool = False) -> Callable[[], None]:
+                qat_start: float | None = None) -> Callable[[], None]:
         def run() -> None:
             p = train_pairs(train_csv, test_rows, keep_copies=True) if keep_copies else pairs
-            t = tune(str(base_folder), p, folders[name], device, epochs, args.lr, args.smoke, qat=qat)
+            t = tune(str(base_folder), p, folders[name], device, epochs, args.lr, args.smoke, qat_start=qat_start)
             state["extra"][name] = {**t, "pairs": p.stats}
             evaluate_into(name, ModelSpec(model=str(folders[name])),
                           {"train_s": t["train"]["seconds"], "train_steps": t["train"]["steps"]})
@@ -420,19 +424,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           creative={"prompt_ngram_block": block})
         return run
 
+    from adbatch.training.quant_aware import QuantAwareConfig
+
     default_epochs = __import__("adbatch.training.creatives", fromlist=["x"])._default_creative_train().epochs
     phases: dict[str, Callable[[], None]] = {
         "base": p_base, "tuned": p_tuned("tuned"), "tuned-compressed": p_compressed("tuned-compressed", "tuned"),
         "base-compressed": p_compressed("base-compressed", "base"),
         "tuned-keep-copies": p_tuned("tuned-keep-copies", keep_copies=True), "shared": p_shared,
         "tuned-e4": p_tuned("tuned-e4", epochs=2 * (args.epochs or default_epochs)),
-        "tuned-qat": p_tuned("tuned-qat", qat=True),
+        "tuned-qat": p_tuned("tuned-qat", qat_start=QuantAwareConfig().start_fraction),
         "tuned-qat-compressed": p_compressed("tuned-qat-compressed", "tuned-qat")}
     wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
     for name in wanted:
         block = name.removeprefix("tuned-block")
         if name.startswith("tuned-block") and block.isdigit():
             phases[name] = p_block(name, int(block))
+        # tuned-qat-s<start>[-e<epochs>][-compressed]: QAT from that share of the steps, over that many epochs
+        m = re.fullmatch(r"(tuned-qat-s([0-9.]+)(?:-e([0-9.]+))?)(-compressed)?", name)
+        if m:
+            tuned_name = m.group(1)
+            folders.setdefault(tuned_name, work / tuned_name.replace("-", "_").replace(".", "p"))
+            phases[name] = (p_compressed(name, tuned_name) if m.group(4) else
+                            p_tuned(name, epochs=float(m.group(3)) if m.group(3) else args.epochs,
+                                    qat_start=float(m.group(2))))
     unknown = [p for p in wanted if p not in phases]
     if unknown:
         ap.error(f"unknown phase(s) {unknown}; known: {list(phases)}")

@@ -397,16 +397,17 @@ def run(args: argparse.Namespace) -> None:
     finish(results, out)
 
 
-def bench_query_gen(smoke: bool) -> Any:
+def bench_query_gen(smoke: bool, overrides: dict[str, Any] | None = None) -> Any:
     """The query generator's config: ``adbatch train``'s default (``TrainJobConfig.query_gen``), or a tiny
     one for ``--smoke`` (two fine-tune steps, one 3-token query per ad, no nucleus sort: the CPU plumbing
-    check still samples all 5,000 ads, ~5 min on two busy cores)."""
+    check still samples all 5,000 ads, ~5 min on two busy cores); ``overrides``: fields replaced on it
+    (``check --query-gen-json``, recorded in the results)."""
     from adbatch.training.query_generation import QueryGenConfig, QueryGenTrainConfig
 
-    if not smoke:
-        return QueryGenConfig()
-    return QueryGenConfig(queries_per_ad=1, max_new_tokens=3, top_p=1.0, batch_size=256, min_pairs=1,
-                          train=QueryGenTrainConfig(max_steps=2, batch_tokens=2048))
+    cfg = QueryGenConfig() if not smoke else QueryGenConfig(
+        queries_per_ad=1, max_new_tokens=3, top_p=1.0, batch_size=256, min_pairs=1,
+        train=QueryGenTrainConfig(max_steps=2, batch_tokens=2048))
+    return cfg.replace(**overrides) if overrides else cfg
 
 
 def generated_samples(model_dir: Path, n: int = 12) -> list[list[Any]] | None:
@@ -473,6 +474,8 @@ def check(args: argparse.Namespace) -> None:
     results["train_config"] = cfg.to_dict()
     if args.train_budget_s:
         cfg = cfg.replace(time_budget_s=args.train_budget_s)
+    query_gen = bench_query_gen(args.smoke, json.loads(args.query_gen_json))
+    results["query_gen_config"] = query_gen.to_dict()
     t0 = time.perf_counter()
     model_dir = Path(args.work) / "trained"  # saved by the library, as ``adbatch train`` saves it
     if args.reuse_trained and read_training_record(model_dir) is not None:  # a warm machine's earlier call
@@ -484,7 +487,7 @@ def check(args: argparse.Namespace) -> None:
         init = args.model if args.model and Path(args.model).is_dir() else None
         model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
                                              init_model=init, model=model, tokenizer=tok, device=device, progress=False,
-                                             query_gen=bench_query_gen(args.smoke),
+                                             query_gen=query_gen,
                                              exclude_queries=[*data["qrels"], *data["valid"]])
     results["train"] = {"dense-text": summary["train"] | {"data": summary["data"],
                                                           "wall_s": round(time.perf_counter() - t0, 1)}}
@@ -844,6 +847,8 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("--methods", default="off64,auto64,old64,off1024",
                     help="dense rows to test (the compressed default gets off64/auto64/off1024 of them, other "
                          "variants off64): off64, auto64, old64 (pre-issue-16 engine), off1024")
+    ck.add_argument("--query-gen-json", default="{}",
+                    help='JSON QueryGenConfig overrides for generated / mix, e.g. \'{"queries_per_ad": 5}\'')
     ck.add_argument("--query-source", choices=("spans", "generated", "mix"), default="spans",
                     help="pseudo-queries of the training: spans (the default recipe) | generated (a query "
                          "generator tuned on the train pairs) | mix (both)")

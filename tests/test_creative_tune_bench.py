@@ -20,12 +20,13 @@ def test_smoke_runs_every_phase_and_reports_each_metric(tmp_path):
     bench = _bench()
     out = tmp_path / "ct.json"
     state = bench.main(["--smoke", "--out-json", str(out), "--work", str(tmp_path / "work"),
-                        "--phases", "base,tuned,tuned-compressed,shared,tuned-block2,tuned-qat,tuned-qat-compressed"])
+                        "--phases", "base,tuned,tuned-compressed,shared,tuned-block2,tuned-qat,tuned-qat-compressed,"
+                                   "tuned-qat-s0-e1,tuned-qat-s0-e1-compressed"])
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(state["rows"], default=str))
     assert not state["not_run"], state["not_run"]
     rows = {r["phase"]: r for r in state["rows"]}
     assert list(rows) == ["base", "tuned", "tuned-compressed", "shared", "tuned-block2", "tuned-qat",
-                          "tuned-qat-compressed"]
+                          "tuned-qat-compressed", "tuned-qat-s0-e1", "tuned-qat-s0-e1-compressed"]
     assert rows["tuned-block2"]["prompt_ngram_block"] == 2 and "prompt_ngram_block" not in rows["tuned"]
     # base reads the few-shot prompt; the tuned models (the compressed checkpoint too) declare the tuned one
     assert rows["base"]["prompt"] == "few_shot"
@@ -35,6 +36,11 @@ def test_smoke_runs_every_phase_and_reports_each_metric(tmp_path):
     assert state["extra"]["tuned-qat"]["train"]["steps"] >= 1
     assert "QAT" in state["extra"]["tuned-qat-compressed"]["qat_note"]
     assert state["extra"]["tuned-compressed"]["qat_note"] is None
+    # tuned-qat-s<start>-e<epochs>: QAT from that share of the steps, over that many epochs
+    assert state["extra"]["tuned-qat"]["config"]["qat"]["start_fraction"] == 0.8
+    assert state["extra"]["tuned-qat-s0-e1"]["config"]["qat"]["start_fraction"] == 0.0
+    assert state["extra"]["tuned-qat-s0-e1"]["config"]["epochs"] == 1.0
+    assert "QAT" in state["extra"]["tuned-qat-s0-e1-compressed"]["qat_note"]
     expected = {"distinct1", "distinct2", "copy_share", "empty_share", "headlines_per_s"}
     expected |= {"rouge1", "rouge2", "rougeL"} if "rouge" not in state["skipped_metrics"] else set()
     expected |= {"bleu"} if "bleu" not in state["skipped_metrics"] else set()

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 #: bumped whenever what this module does with the same inputs changes (cleaning rules, the round-trip
 #: rule, the fine-tune's examples): part of :func:`generation_key`, so older caches are not reused
-QUERY_GEN_VERSION = 1
+QUERY_GEN_VERSION = 2  # 2: the samples are drawn from a bf16 copy of the generator on a GPU
 #: the generated queries' file in a model folder (and, prefixed ``.<folder>.``, its staging copy beside it)
 GENERATED_QUERIES_FILE = "generated_queries.parquet"
 _META_KEY = b"adbatch_generated_queries"
@@ -510,6 +510,12 @@ def build_generated_queries(
     else:
         info["fine_tune"] = tune_query_generator(model, tokenizer, pairs, config, device=device, rank=rank,
                                                  world_size=world_size, progress=progress)
+    if str(device).startswith("cuda"):
+        # serving's dtype on a GPU (adbatch.models.load_causal_lm): the fine-tune keeps fp32 weights, the
+        # N x ads samples do not need them and a bf16 step moves half the bytes
+        import torch
+
+        model.to(torch.bfloat16)
     out = generate_queries(model, tokenizer, ad_ids, ad_texts, config,
                            origin=QueryOrigin.ZERO_SHOT if zero_shot else QueryOrigin.TUNED, rank=rank,
                            world_size=world_size, progress=progress)
