@@ -190,15 +190,13 @@ def compress(src: Path, out: Path, device: str) -> dict[str, Any]:
 def tune(src: str, pairs: Any, out: Path, device: str, epochs: float | None, lr: float | None,
          smoke: bool, qat_start: float | None = None) -> dict[str, Any]:
     """The separate shape: :func:`tune_creatives` with the library defaults (+ overrides); ``qat_start``:
-    with the targeting training's QAT (``QuantAwareConfig()``: INT4 g128) from this share of the steps on
-    (its default 0.8: the last 20 %)."""
+    the creative fine-tune's own QAT config turned on, from this share of the steps on."""
     from adbatch.training.creatives import CreativeTuneConfig, tune_creatives
-    from adbatch.training.quant_aware import QuantAwareConfig
 
     cfg = CreativeTuneConfig(enabled=True)
     train = cfg.train.replace(**{k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None})
     if qat_start is not None:
-        train = train.replace(qat=QuantAwareConfig(start_fraction=qat_start))
+        train = train.replace(qat=train.qat.replace(enabled=True, start_fraction=qat_start))
     if smoke:
         train = train.replace(batch_tokens=1024)
     _, _, summary = tune_creatives(pairs, out, cfg.replace(train=train), init_model=src, device=device, progress=False)

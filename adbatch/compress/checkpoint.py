@@ -31,6 +31,7 @@ from torch import nn
 from adbatch.artifacts import atomic_path, build_manifest, read_manifest, sha256_file, write_json_atomic
 from adbatch.compress.linear import CompressedLinear, _set_module
 from adbatch.compress.recipe import CompressionRecipe
+from adbatch.models import serving_dtype
 from kernels.nm_int4 import PackedNMInt4
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
     manifest = verify_checkpoint(d)
     recipe = CompressionRecipe.from_dict(json.loads((d / RECIPE_NAME).read_text()))
     if dtype is None:
-        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        dtype = serving_dtype(device)
     hf_config = AutoConfig.from_pretrained(d, local_files_only=True)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     tensors: dict[str, torch.Tensor] = {}

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.models import serving_dtype
 from adbatch.training.quant_aware import QuantAwareConfig
 from adbatch.training.trainer import TrainConfig
 
@@ -510,12 +511,8 @@ def build_generated_queries(
     else:
         info["fine_tune"] = tune_query_generator(model, tokenizer, pairs, config, device=device, rank=rank,
                                                  world_size=world_size, progress=progress)
-    if str(device).startswith("cuda"):
-        # serving's dtype on a GPU (adbatch.models.load_causal_lm): the fine-tune keeps fp32 weights, the
-        # N x ads samples do not need them and a bf16 step moves half the bytes
-        import torch
-
-        model.to(torch.bfloat16)
+    # the fine-tune keeps fp32 weights; the N x ads samples are drawn in serving's dtype (bf16 on a GPU)
+    model.to(serving_dtype(device))
     out = generate_queries(model, tokenizer, ad_ids, ad_texts, config,
                            origin=QueryOrigin.ZERO_SHOT if zero_shot else QueryOrigin.TUNED, rank=rank,
                            world_size=world_size, progress=progress)
