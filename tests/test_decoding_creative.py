@@ -171,6 +171,32 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert torch.bincount(tok, minlength=3).tolist() == [625, 375, 0]
 
 
+def test_nucleus_is_cut_among_the_top_candidates():
+    """The nucleus comes from a top-k of NUCLEUS_CANDIDATES, not a full sort: on a peaked row it draws
+    exactly the tokens the full-vocabulary cut draws; on a flat row (its top candidates hold < top_p) it
+    draws only among those candidates."""
+    from adbatch.decoding.creative import NUCLEUS_CANDIDATES, _sample
+
+    V, n = 3 * NUCLEUS_CANDIDATES, 512
+    u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    gen = torch.Generator().manual_seed(0)
+    peaked = torch.log_softmax(torch.randn(V, generator=gen) * 4, -1).expand(n, V)
+    cfg = CreativeConfig(strategy="sample", temperature=1.0, top_p=0.9)
+    tok = _sample(peaked, cfg, u)
+    # the reference: the whole vocabulary sorted, the same inverse CDF over vocabulary order
+    p = peaked[0].exp()
+    sp, si = p.sort(descending=True)
+    keep = torch.zeros(V).scatter_(0, si, sp.masked_fill(sp.cumsum(0) - sp > 0.9, 0.0))
+    ref = torch.searchsorted(keep.cumsum(0), (u * keep.sum())[:, None]).view(-1).clamp(max=V - 1)
+    assert torch.equal(tok, ref)
+    m = 4 * NUCLEUS_CANDIDATES  # an even grid of u over (0, 1]: every candidate of a flat row is drawn
+    # near-flat with a strict order (no ties for top-k to break): its top candidates hold ~1/3 < top_p
+    flat = (-torch.arange(V, dtype=torch.float32) * 1e-6).log_softmax(-1).expand(m, V)
+    drawn = _sample(flat, cfg, (torch.arange(m, dtype=torch.float32) + 0.5) / m).unique()
+    top = flat[0].topk(NUCLEUS_CANDIDATES).indices
+    assert torch.isin(drawn, top).all() and len(drawn) == NUCLEUS_CANDIDATES
+
+
 def test_ban_repeated_ngrams_bans_exactly_the_tokens_that_complete_a_seen_ngram():
     from adbatch.decoding.creative import ban_repeated_ngrams
 

@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 #: bumped whenever what this module does with the same inputs changes (cleaning rules, the round-trip
 #: rule, the fine-tune's examples): part of :func:`generation_key`, so older caches are not reused
-QUERY_GEN_VERSION = 2  # 2: the samples are drawn from a bf16 copy of the generator on a GPU
+QUERY_GEN_VERSION = 3  # 2: the samples are drawn from a bf16 copy of the generator on a GPU; 3: the nucleus
+#                        is cut among the top 1,024 tokens (adbatch.decoding.creative.NUCLEUS_CANDIDATES)
 #: the generated queries' file in a model folder (and, prefixed ``.<folder>.``, its staging copy beside it)
 GENERATED_QUERIES_FILE = "generated_queries.parquet"
 _META_KEY = b"adbatch_generated_queries"
