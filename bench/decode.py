@@ -740,7 +740,7 @@ def load_home_depot(path: Path, n_titles: int, n_queries: int, seed: int = 0):
 
 def run_cpu_bench(args, report: Report, budget: Budget) -> None:
     from adbatch.models import load_causal_lm
-    from adbatch.prompts import encode_targeting_prompt
+    from adbatch.prompts import encode_targeting_prompts
 
     model, tok = load_causal_lm()
     titles, qtexts = load_home_depot(Path(args.home_depot), args.titles, 16)
@@ -749,7 +749,7 @@ def run_cpu_bench(args, report: Report, budget: Budget) -> None:
     seqs = [tok(t, add_special_tokens=False)["input_ids"][:40] + [eos] for t in titles]
     trie = Trie.from_sequences(seqs)
     report.note("cpu", f"SmolLM2-135M fp32, Home Depot trie: {trie}; repeats {args.repeats} (median)")
-    queries = [encode_targeting_prompt(tok, q) for q in qtexts]
+    queries = encode_targeting_prompts(tok, qtexts)
     # small calibration: the shared 2-core CPU is slow (context 32, up to 32 rows / 512 tokens)
     cost = calibrate_cost(model, args.out / "calibration", False, rows=(1, 8, 32), tokens=(16, 128, 512),
                           context_len=32, repeats=1)

@@ -440,7 +440,7 @@ def check(args: argparse.Namespace) -> None:
     import torch
 
     from adbatch.generation import ModelSpec, load_model
-    from adbatch.prompts import encode_targeting_prompt
+    from adbatch.prompts import encode_targeting_prompts
     from adbatch.targeting_eval import evaluate_targeting
     from adbatch.training import TrainConfig, train_on_index
     from adbatch.training.checkpoint import read_training_record
@@ -505,7 +505,7 @@ def check(args: argparse.Namespace) -> None:
         tcfg = mod.TargetSearchConfig(num_beams=args.beams, top_k=10, verify=verify, batch_size=batch)
 
         def rank(qs: list[str]) -> list[list[Any]]:
-            prompts = [encode_targeting_prompt(tok, q) for q in qs]
+            prompts = encode_targeting_prompts(tok, qs)  # one batched call, the same ids
             with torch.inference_mode():
                 res = mod.search_targets(m, prompts, index.trie, tcfg)
             return [[index.ad_ids[r] for r in row if r >= 0] for row in res.rows.tolist()]
