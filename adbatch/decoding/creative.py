@@ -99,13 +99,20 @@ def _sample(logp: torch.Tensor, cfg: CreativeConfig, u: torch.Tensor | None) -> 
     if cfg.strategy is CreativeStrategy.GREEDY:
         return logp.argmax(-1)
     probs = torch.softmax(logp / cfg.temperature, -1)
-    if cfg.top_p < 1.0:
-        sp, si = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), -1)  # sorted, most likely first
-        drop = sp.cumsum(-1) - sp > cfg.top_p  # keep the smallest prefix reaching top_p
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+    if cfg.top_p >= 1.0:
+        return _inverse_cdf(probs, u)
+    sp, si = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), -1)  # sorted, most likely first
+    drop = sp.cumsum(-1) - sp > cfg.top_p  # keep the smallest prefix reaching top_p
+    # the CDF runs over the candidates in vocabulary order (as over the whole vocabulary, whose cut
+    # tokens add zeros): [R, K] work, not a scatter and a cumsum over [R, V]
+    si, order = si.sort(-1)
+    return si.gather(1, _inverse_cdf(sp.masked_fill(drop, 0.0).gather(1, order), u)[:, None])[:, 0]
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``probs: Float32[R, N]`` (unnormalised) -> ``Long[R]``: per row the first column whose cumulative
+    mass reaches ``u * total``."""
     cdf = probs.cumsum(-1)
-    # the first token whose cumulative mass reaches u * total (total < 1 after the nucleus cut)
     tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).view(-1)
     return tok.clamp_(max=probs.shape[-1] - 1)
 
