@@ -257,13 +257,16 @@ class Trie:
         deg = (self.child_ptr[safe + 1] - self.child_ptr[safe]).long()
         return torch.where(n >= 0, deg, torch.zeros_like(deg))
 
-    def children_padded(self, nodes: torch.Tensor, width: int | None = None
+    def children_padded(self, nodes: torch.Tensor, width: int | None = None, check_width: bool = True
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Children of a batch of nodes, right-padded with -1.
 
         Args:
             nodes: ``Long[B]`` node ids; -1 entries get no children.
             width: pad width ``C``; default the largest degree in the batch (one device sync).
+            check_width: refuse a ``width`` below the batch's largest degree (one device sync).
+                A caller that knows the degrees on the host already (beam search, every step)
+                passes False: children past ``width`` would be silently dropped otherwise.
         Returns:
             ``(tokens Long[B, C], child_nodes Long[B, C])`` with tokens ascending per row.
         """
@@ -271,7 +274,7 @@ class Trie:
         deg = self.degree(n)
         if width is None:
             width = int(deg.max()) if n.numel() else 0
-        elif n.numel() and int(deg.max()) > width:
+        elif check_width and n.numel() and int(deg.max()) > width:
             raise ValueError(f"width={width} < largest degree {int(deg.max())} in the batch")
         start = self.child_ptr[n.clamp(min=0)].long()                       # [B]
         offs = torch.arange(width, device=self.device, dtype=torch.int64)   # [C]

@@ -190,7 +190,8 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     for t in range(max_steps):
         S = Qb * B
         q_of_slot = torch.arange(S, device=dev) // B
-        tok, child = trie.children_padded(s_node, width=width)            # [S, C]
+        # width: the largest degree among the beams, known from the last step's sync (no check)
+        tok, child = trie.children_padded(s_node, width=width, check_width=False)  # [S, C]
         C = tok.shape[1]
         csafe = child.clamp(min=0)
         cand = s_score[:, None] + exact_logprobs_of(logits, lse, logit_row[:, None].expand(S, C), tok)
@@ -270,9 +271,12 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
         s_score = torch.where(alive, run_s, NEG_INF)
         s_virtual, s_vbase = run_virtual, new_vbase
         width = max(int(host[5][h_alive].max()), 1)
+        stats["width_max"] = max(stats["width_max"], width)
+        stats["width_sum"] += width
         if not cont.any() or t + 1 >= max_steps:
             break
-        cont_t = torch.from_numpy(cont).to(dev)
+        # = pending & ~verify on the device (verified slots turned virtual above): no upload
+        cont_t = alive & ~run_virtual
         tokens = torch.where(cont_t, run_t, 0)
         # Query rows with no real beam left are final (virtual beams' terminals are all in the
         # pool): once they are half the bucket or more, continue on a smaller one.
@@ -315,7 +319,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
 def _new_stats(cfg: TargetSearchConfig) -> dict[str, Any]:
     return {"mode": cfg.verify.value, "queries": 0, "prefill_rows": 0, "steps": 0, "decode_rows": 0,
             "verify_passes": 0, "beams_verified": 0, "compactions": 0, "rows_computed": 0, "verify_tokens": 0, "tree_tokens_sum": 0,
-            "tree_tokens_max": 0, "verified_depths": Counter()}
+            "tree_tokens_max": 0, "width_max": 0, "width_sum": 0, "verified_depths": Counter()}
 
 
 def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: TargetSearchConfig,
