@@ -217,3 +217,32 @@ def test_no_prompts_gives_an_empty_result():
     for mode in VerifyMode:
         res = search_targets(model, [], trie, TargetSearchConfig(verify=mode, top_k=3))
         assert res.rows.shape == (0, 3) and res.scores.shape == (0, 3) and res.stats["queries"] == 0
+
+
+def test_prepared_trie_is_made_once_per_trie_and_device(case):
+    """Captured selection graphs read the trie's device arrays by address: one copy per trie."""
+    from adbatch.decoding.beam_search import _prepared_trie
+
+    _, _, _, trie, _ = case
+    a = _prepared_trie(trie, torch.device("cpu"))
+    assert _prepared_trie(trie, torch.device("cpu")) is a
+    assert a[0] is trie  # already on the device: not copied
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mode", [VerifyMode.OFF, VerifyMode.AUTO])
+def test_captured_selection_equals_eager_on_cuda(monkeypatch, mode):
+    """The graph-replayed per-step selection gives the eager selection's rows and scores exactly."""
+    import adbatch.decoding.beam_search as bs
+
+    model = make_tiny_llama(vocab_size=48, seed=0).cuda().eval()
+    seqs, prompts = _random_case(1, n_seq=200, max_len=9, n_prompts=40)
+    trie = Trie.from_sequences(seqs)
+    cfg = TargetSearchConfig(num_beams=4, top_k=6, verify=mode, batch_size=8)
+    captured = [search_targets(model, prompts, trie, cfg, CHEAP_VERIFY) for _ in range(3)]  # keys replayed
+    monkeypatch.setattr(bs, "CAPTURE_MAX_WIDTH", 0)  # every step's selection eager
+    eager = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY)
+    for res in captured:
+        assert torch.equal(res.rows, eager.rows)
+        assert torch.equal(res.scores, eager.scores)
+    assert any(k[0] == "captured" for k in bs.engine_for(model)._graphs)

@@ -23,8 +23,10 @@ bookkeeping need.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -40,6 +42,24 @@ from adbatch.decoding.tree_verify import TrieAux, final_scores, verify_trees
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
+#: candidate widths up to this are selected by a replayed graph on CUDA; wider steps (a wide trie
+#: level) run eagerly: their [rows, width] work outweighs the launches, and a captured graph would
+#: keep its [rows, width] temporaries in its memory pool
+CAPTURE_MAX_WIDTH = 256
+
+_PREPARED: "weakref.WeakKeyDictionary[Any, dict[str, tuple[Any, TrieAux]]]" = weakref.WeakKeyDictionary()
+
+
+def _prepared_trie(trie: Any, dev: torch.device) -> tuple[Any, TrieAux]:
+    """The trie on ``dev`` and its :class:`TrieAux`, made once per (trie, device) and kept while
+    the trie lives: captured selection graphs read their arrays by address, and the copy + derived
+    arrays of a full-catalogue trie (943k nodes) would otherwise be rebuilt on every call."""
+    per_trie = _PREPARED.setdefault(trie, {})
+    hit = per_trie.get(str(dev))
+    if hit is None:
+        moved = trie if trie.device == dev else trie.to(dev)
+        hit = per_trie[str(dev)] = (moved, TrieAux(moved))
+    return hit
 
 
 @dataclasses.dataclass
@@ -143,6 +163,67 @@ def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
     return out
 
 
+def _trie_arrays(trie: Any, aux: TrieAux) -> tuple[torch.Tensor, ...]:
+    """The trie tensors :func:`_expand_beams` reads (a captured graph reads them by address)."""
+    return (trie.child_ptr, trie.child_tokens, trie.child_ids, aux.degree, aux.is_terminal, aux.depth,
+            aux.fed, aux.height, aux.sub)
+
+
+def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.Tensor, B: int, C: int,
+                  length_penalty: float, s_node: torch.Tensor, s_score: torch.Tensor, pool_s: torch.Tensor,
+                  pool_n: torch.Tensor, logit_row: torch.Tensor, s_virtual: torch.Tensor,
+                  s_vbase: torch.Tensor, vraw: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """One step's selection over ``S = Qb * B`` beam slots (fixed shapes, no host sync: on CUDA it
+    is replayed as a graph, see :meth:`DecodeEngine.run_captured`).
+
+    Every slot's trie children (padded to ``C``) are scored ``s_score + log p`` from ``logits [R, V]``
+    / ``lse`` at row ``logit_row[slot]``; virtual slots read their subtree's known raw scores from
+    ``vraw`` (None: no slot is virtual). Terminal children among a query's top ``B`` enter the pool
+    ``pool_s / pool_n [Qb, P]``; the top ``B`` children that can grow are the next beams.
+
+    Returns ``(pool_s, pool_n, run_s, run_c, run_t, alive, parent_slot, run_virtual, host)``: the new
+    pool, per new slot ``[S]`` its score, node, token, liveness, parent slot and virtual flag, and
+    ``host Long[7, S]`` (alive, virtual, fed, height, sub, degree, depth of the node): the step's one
+    GPU->CPU read.
+    """
+    S = s_node.shape[0]
+    Qb = S // B
+    tok, child = trie.children_padded(s_node, width=C, check_width=False)    # [S, C]
+    cand = s_score[:, None] + exact_logprobs_of(logits, lse, logit_row[:, None].expand(S, C), tok)
+    virt = s_virtual[:, None].expand(S, C)
+    if vraw is not None:
+        cand = torch.where(virt, vraw[(s_vbase[:, None] + child.clamp(min=0)).clamp(0, vraw.numel() - 1)], cand)
+    cand = torch.where((tok >= 0) & (s_node[:, None] >= 0), cand, NEG_INF)
+    flat_s, flat_t, flat_c = cand.view(Qb, B * C), tok.view(Qb, B * C), child.view(Qb, B * C)
+    flat_v = virt.reshape(Qb, B * C)
+
+    # Finished: terminal children among the query's top-B candidates (HF's rule); virtual ones take
+    # their rank but are in the pool already. (C >= 1, so a query has at least B candidates.)
+    top_s, top_i = flat_s.topk(B, dim=1)
+    top_c = flat_c.gather(1, top_i)
+    fin = (torch.isfinite(top_s) & (top_c >= 0) & aux.is_terminal[top_c.clamp(min=0)]
+           & ~flat_v.gather(1, top_i))
+    fin_s = torch.where(fin, final_scores(top_s, aux.depth[top_c.clamp(min=0)], length_penalty), NEG_INF)
+    pool_s, pool_n = _merge_pool(pool_s, pool_n, fin_s, torch.where(fin, top_c, -1))
+
+    # Running: the top-B candidates that can still grow.
+    grow = (flat_c >= 0) & (aux.degree[flat_c.clamp(min=0)] > 0)
+    run_s, run_i = torch.where(grow, flat_s, NEG_INF).topk(B, dim=1)        # [Qb, B]
+    alive = torch.isfinite(run_s)
+    if length_penalty == 0.0:  # bound: descendants score <= the beam; drop beams that cannot enter
+        alive &= run_s > pool_s[:, -1:]
+    run_c = flat_c.gather(1, run_i).reshape(-1)
+    run_t = flat_t.gather(1, run_i).reshape(-1)
+    run_s, alive = run_s.reshape(-1), alive.reshape(-1)
+    q_of_slot = torch.arange(S, device=s_node.device) // B
+    parent_slot = q_of_slot * B + run_i.reshape(-1) // C
+    run_virtual = s_virtual[parent_slot] & alive
+    nsafe = run_c.clamp(min=0)
+    host = torch.stack([alive.long(), run_virtual.long(), aux.fed[nsafe], aux.height[nsafe],
+                        aux.sub[nsafe], aux.degree[nsafe], aux.depth[nsafe]])
+    return pool_s, pool_n, run_s, run_c, run_t, alive, parent_slot, run_virtual, host
+
+
 @torch.no_grad()
 def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, trie: Any,
                   cfg: TargetSearchConfig, cost: CostModel | None, pad_id: int,
@@ -179,6 +260,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     width = max(aux.root_degree, 1)
     pool_s = torch.full((Qb, P), NEG_INF, device=dev)
     pool_n = torch.full((Qb, P), -1, dtype=torch.long, device=dev)
+    has_virtual = False  # set once a verification pass turns slots virtual (then steps stay eager)
     stats["prefill_rows"] += Q
     clock.mark("prefill")
 
@@ -189,48 +271,21 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
 
     for t in range(max_steps):
         S = Qb * B
-        q_of_slot = torch.arange(S, device=dev) // B
-        # width: the largest degree among the beams, known from the last step's sync (no check)
-        tok, child = trie.children_padded(s_node, width=width, check_width=False)  # [S, C]
-        C = tok.shape[1]
-        csafe = child.clamp(min=0)
-        cand = s_score[:, None] + exact_logprobs_of(logits, lse, logit_row[:, None].expand(S, C), tok)
-        virt = s_virtual[:, None].expand(S, C)
-        cand = torch.where(virt, vraw[(s_vbase[:, None] + csafe).clamp(0, vraw.numel() - 1)], cand)
-        cand = torch.where((tok >= 0) & (s_node[:, None] >= 0), cand, NEG_INF)
-        flat_s, flat_t, flat_c = cand.view(Qb, B * C), tok.view(Qb, B * C), child.view(Qb, B * C)
-        flat_v = virt.reshape(Qb, B * C)
-        k1 = min(B, B * C)
-
-        # Finished: terminal children among the query's top-B candidates (HF's rule); virtual
-        # ones take their rank but are in the pool already.
-        top_s, top_i = flat_s.topk(k1, dim=1)
-        top_c = flat_c.gather(1, top_i)
-        fin = (torch.isfinite(top_s) & (top_c >= 0) & aux.is_terminal[top_c.clamp(min=0)]
-               & ~flat_v.gather(1, top_i))
-        fin_s = torch.where(fin, final_scores(top_s, aux.depth[top_c.clamp(min=0)], lp_pen), NEG_INF)
-        pool_s, pool_n = _merge_pool(pool_s, pool_n, fin_s, torch.where(fin, top_c, -1))
-
-        # Running: the top-B candidates that can still grow.
-        grow = (flat_c >= 0) & (aux.degree[flat_c.clamp(min=0)] > 0)
-        run_s, run_i = torch.where(grow, flat_s, NEG_INF).topk(k1, dim=1)  # [Qb, k1]
-        alive = torch.isfinite(run_s)
-        if lp_pen == 0.0:  # bound: descendants score <= the beam; drop beams that cannot enter
-            alive &= run_s > pool_s[:, -1:]
-        if k1 < B:
-            pad = B - k1
-            run_s = torch.cat([run_s, torch.full((Qb, pad), NEG_INF, device=dev)], 1)
-            run_i = torch.cat([run_i, torch.zeros((Qb, pad), dtype=torch.long, device=dev)], 1)
-            alive = torch.cat([alive, torch.zeros((Qb, pad), dtype=torch.bool, device=dev)], 1)
-        run_c = flat_c.gather(1, run_i).reshape(-1)
-        run_t = flat_t.gather(1, run_i).reshape(-1)
-        run_s, alive = run_s.reshape(-1), alive.reshape(-1)
-        parent_slot = q_of_slot * B + run_i.reshape(-1) // C
-        run_virtual = s_virtual[parent_slot] & alive
-        nsafe = run_c.clamp(min=0)
+        # width: the largest degree among the beams, known from the last step's sync; on CUDA a
+        # power of two (few captured shapes; the padding columns are -1 children, never chosen)
+        C = (1 << (width - 1).bit_length()) if engine.graphs_enabled else width
+        state = {"s_node": s_node, "s_score": s_score, "pool_s": pool_s, "pool_n": pool_n,
+                 "logit_row": logit_row, "s_virtual": s_virtual, "s_vbase": s_vbase}
+        expand = functools.partial(_expand_beams, trie=trie, aux=aux, logits=logits, lse=lse, B=B, C=C,
+                                   length_penalty=lp_pen)
+        if t > 0 and not has_virtual and C <= CAPTURE_MAX_WIDTH:  # graph-replayed: reads this bucket's step-graph logits in place
+            outs = engine.run_captured(("expand", Qb, C, lp_pen), expand, state,
+                                       read_only=(logits, lse, *_trie_arrays(trie, aux)))
+        else:  # the prefill's logits, verified subtrees' scores (vraw grows) or a wide level: eager
+            outs = expand(**state, vraw=vraw)
+        pool_s, pool_n, run_s, run_c, run_t, alive, parent_slot, run_virtual, host_dev = outs
         # The step's one GPU->CPU sync: everything the trigger and the bookkeeping need.
-        host = torch.stack([alive.long(), run_virtual.long(), aux.fed[nsafe], aux.height[nsafe],
-                            aux.sub[nsafe], aux.degree[nsafe], aux.depth[nsafe]]).cpu().numpy()
+        host = host_dev.cpu().numpy()
         h_alive, h_virtual = host[0].astype(bool), host[1].astype(bool)
         pending = h_alive & ~h_virtual
         if not pending.any():
@@ -258,7 +313,9 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
             offset = vraw.numel()
             vraw = torch.cat([vraw, raw.reshape(-1)])
             new_vbase[v_slots] = offset + torch.arange(vs.size, device=dev) * sub_max - run_c[v_slots]
+            run_virtual = run_virtual.clone()  # (a captured graph's output buffer otherwise)
             run_virtual[v_slots] = True
+            has_virtual = True
             stats["verify_passes"] += 1
             stats["beams_verified"] += int(vs.size)
             stats["verify_tokens"] += int(vs.size) * fed_max
@@ -348,9 +405,7 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     if trie.vocab_upper_bound > vocab:
         raise ValueError(f"trie uses token ids up to {trie.vocab_upper_bound - 1} but the model's "
                          f"vocabulary has {vocab} entries")
-    if trie.device != dev:
-        trie = trie.to(dev)
-    aux = TrieAux(trie)
+    trie, aux = _prepared_trie(trie, dev)
     if config.verify is VerifyMode.AUTO and cost_model is None and prompts:
         cost_model = load_or_calibrate(model)
     pad_id = getattr(model.config, "pad_token_id", None)

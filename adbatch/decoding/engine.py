@@ -147,9 +147,10 @@ def _shape_key(mod: Any) -> tuple:
 @dataclass
 class _Graph:
     graph: Any
-    logits: torch.Tensor
-    lse: torch.Tensor
+    logits: torch.Tensor | None
+    lse: torch.Tensor | None
     inputs: dict[str, torch.Tensor] | None = None  # a tree pass's static inputs (steps use the engine's)
+    outputs: tuple[torch.Tensor, ...] = ()         # run_captured's outputs
 
 
 class DecodeEngine:
@@ -188,7 +189,9 @@ class DecodeEngine:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._tree_pool = None
-        self._eager_trees: set[tuple] = set()  # tree shapes whose capture failed
+        self._host_pool = None  # graphs of the search's own per-step tensor work (run_captured)
+        self._seen_keys: dict[tuple, int] = {}
+        self._eager_keys: set[tuple] = set()  # tree shapes / captured keys whose capture failed
         self.graphs_enabled = self.device.type == "cuda"
         self.ops = _Ops(self.device.type == "cuda" if fused is None else fused)
         # rotary + K/V cache write as one kernel needs the projections' raw outputs: models with
@@ -230,7 +233,8 @@ class DecodeEngine:
             # grow to cover both: shapes seen before keep fitting (fewer reallocations / captures)
             Q, Lp, S = max(Q, self.Qmax), max(Lp, self.Lp), max(S, self.S)
         self._graphs.clear()
-        self._pool = self._tree_pool = None
+        self._pool = self._tree_pool = self._host_pool = None
+        self._seen_keys = {}
         self.kp = self.vp = []
         self.ks = self.vs = self.anc = None
         if self.device.type == "cuda":
@@ -583,6 +587,51 @@ class DecodeEngine:
         self.capture_seconds += time.perf_counter() - t0
         return out
 
+    # -------------------------------------------------------------- the caller's step work
+    def run_captured(self, key: tuple, fn: Any, inputs: dict[str, torch.Tensor],
+                     read_only: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
+        """``fn(**inputs)`` (a tuple of tensors, graph-safe: fixed shapes, no host syncs) replayed
+        as a CUDA graph per ``key`` (the caller's shape key): the beam search's per-step selection
+        is ~60 small ops whose launches cost more than their math at beam-search row counts.
+
+        ``inputs`` are copied into the graph's own buffers before each replay. ``read_only``:
+        tensors ``fn`` reads in place (e.g. a step graph's logits), named in the key by address, so a
+        replay reads whatever those buffers hold now. The outputs are the graph's buffers, valid
+        until the next replay of this key. CPU, and the first two uses of a key, run ``fn`` eagerly; a
+        key whose capture fails stays eager (logged once)."""
+        gkey = ("captured", key, tuple((t.data_ptr(), tuple(t.shape)) for t in read_only))
+        if not self.graphs_enabled or gkey in self._eager_keys:
+            return fn(**inputs)
+        g = self._graphs.get(gkey)
+        if g is not None:
+            for name, t in inputs.items():
+                g.inputs[name].copy_(t)
+            g.graph.replay()
+            return g.outputs
+        out = fn(**inputs)  # eager (also warms any lazily initialised kernels)
+        # captured at a key's second use: a step's first use of a shape returns its eager outputs,
+        # whose address (in the key) never recurs, and a graph for it would only hold memory
+        self._seen_keys[gkey] = self._seen_keys.get(gkey, 0) + 1
+        if self._seen_keys[gkey] < 2:
+            return out
+        static = {name: t.clone() for name, t in inputs.items()}
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._host_pool):
+                outs = fn(**static)
+        except RuntimeError as exc:
+            log.warning("step work %s not captured (%s); it runs eagerly", key, exc)
+            self._eager_keys.add(gkey)
+            torch.cuda.synchronize(self.device)
+            return out
+        if self._host_pool is None:
+            self._host_pool = graph.pool()
+        self._graphs[gkey] = _Graph(graph, None, None, static, outs)
+        self.capture_seconds += time.perf_counter() - t0
+        return out
+
     # -------------------------------------------------------------- packed vs dense, per bucket
     def _plan_linears(self, rows: int) -> None:
         """For every compressed layer shape, time packed vs dense at ``rows`` rows (graph-replayed)
@@ -681,7 +730,7 @@ class DecodeEngine:
         self._plan_linears(bucket_queries(Vb * Fn))
         body = lambda: self._tree_body(inputs["rows"], inputs["t"], inputs["tokens"], inputs["pos"], inputs["vis"])  # noqa: E731
         out = body()  # the first pass of this shape runs eagerly, then is captured for the next
-        if key in self._eager_trees:
+        if key in self._eager_keys:
             return out[0][:n], out[1][:n]
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
@@ -692,7 +741,7 @@ class DecodeEngine:
                 logits, lse = body()
         except RuntimeError as exc:  # e.g. an attention backend that cannot be captured: stay eager
             log.warning("tree pass %s not captured (%s); it runs eagerly", key[1:], exc)
-            self._eager_trees.add(key)
+            self._eager_keys.add(key)
             torch.cuda.synchronize(self.device)
             return out[0][:n], out[1][:n]
         if self._tree_pool is None:
