@@ -245,4 +245,5 @@ def test_captured_selection_equals_eager_on_cuda(monkeypatch, mode):
     for res in captured:
         assert torch.equal(res.rows, eager.rows)
         assert torch.equal(res.scores, eager.scores)
-    assert any(k[0] == "captured" for k in bs.engine_for(model)._graphs)
+    if mode is VerifyMode.OFF:  # (auto verifies early here: slots turn virtual, later steps are eager)
+        assert any(k[0] == "captured" for k in bs.engine_for(model)._graphs)
