@@ -225,8 +225,17 @@ def test_prepared_trie_is_made_once_per_trie_and_device(case):
 
     _, _, _, trie, _ = case
     a = _prepared_trie(trie, torch.device("cpu"))
-    assert _prepared_trie(trie, torch.device("cpu")) is a
-    assert a[0] is trie  # already on the device: not copied
+    b = _prepared_trie(trie, torch.device("cpu"))
+    assert a[0] is trie and b[0] is trie and a[1] is b[1]  # already on the device: not copied; one TrieAux
+    import gc
+    import weakref
+
+    t2 = Trie.from_sequences([[3, 4, 2], [5, 2]])
+    _prepared_trie(t2, torch.device("cpu"))
+    ref = weakref.ref(t2)
+    del t2
+    gc.collect()
+    assert ref() is None  # the cache does not keep a trie alive
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -47,7 +47,7 @@ NEG_INF = float("-inf")
 #: keep its [rows, width] temporaries in its memory pool
 CAPTURE_MAX_WIDTH = 256
 
-_PREPARED: "weakref.WeakKeyDictionary[Any, dict[str, tuple[Any, TrieAux]]]" = weakref.WeakKeyDictionary()
+_PREPARED: "weakref.WeakKeyDictionary[Any, dict[str, tuple[Any | None, TrieAux]]]" = weakref.WeakKeyDictionary()
 
 
 def _prepared_trie(trie: Any, dev: torch.device) -> tuple[Any, TrieAux]:
@@ -58,8 +58,9 @@ def _prepared_trie(trie: Any, dev: torch.device) -> tuple[Any, TrieAux]:
     hit = per_trie.get(str(dev))
     if hit is None:
         moved = trie if trie.device == dev else trie.to(dev)
-        hit = per_trie[str(dev)] = (moved, TrieAux(moved))
-    return hit
+        # the trie itself is not stored as a value: the weak key would never be released
+        hit = per_trie[str(dev)] = (None if moved is trie else moved, TrieAux(moved))
+    return (trie if hit[0] is None else hit[0]), hit[1]
 
 
 @dataclasses.dataclass
