@@ -6,7 +6,8 @@ Not a test. The model is loaded as ``adbatch generate`` loads it (``--model`` a 
 ``--compressed`` a compressed checkpoint); the prompts are the product's chat-framed targeting prompts
 (``encode_targeting_prompts``) of real query strings (``--queries``: a parquet with a ``query`` column,
 distinct strings sorted, or a qrels JSON's keys); 10 beams, top 10, ``TargetSearchConfig()``'s other
-defaults. Each point is the median of ``--repeats`` passes over the same queries after one warm-up batch
+defaults. Each point is the median of ``--repeats`` passes (one ``search_targets`` call per batch, timed with
+bench/decode.py's runner) over the same queries after one warm-up batch
 (that bucket's graph captures), over ``max(4 x batch, 1024)`` queries (fewer when fewer are given) so
 compaction to smaller buckets is part of the figure. ``--profile`` adds one pass with the search's phase
 clock (it syncs the device at each phase, so it is reported apart).
@@ -40,65 +41,42 @@ def load_queries(path: Path, limit: int) -> list[str]:
     return sorted(q for q in qs if q and q.strip())[:limit]
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_search(model: Any, prompts: list[list[int]], trie: Any, batch: int, verify: str, repeats: int,
-                device: str, profile: bool = False) -> dict[str, Any]:
-    """Median queries/s of ``search_targets`` over ``prompts`` in batches of ``batch``."""
-    import torch
+                profile: bool = False) -> tuple[dict[str, Any], list[list[int]]]:
+    """Median queries/s of ``search_targets`` over ``prompts`` in batches of ``batch`` (bench/decode.py's
+    runner and timed pass: one call per batch, as a generate actor makes), and the last pass's rows."""
+    from bench.decode import device_of, engine_runner, time_pass
+    import adbatch.decoding as ours
 
-    from adbatch.decoding import TargetSearchConfig, search_targets
-
-    cfg = TargetSearchConfig(num_beams=10, top_k=10, verify=verify, batch_size=batch, profile=profile)
-    walls, stats = [], {}
-    with torch.inference_mode():
-        search_targets(model, prompts[:batch], trie, cfg)  # warm-up: this bucket's graphs (and cost model)
-        for _ in range(1 if profile else repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            stats = search_targets(model, prompts, trie, cfg).stats
-            _sync(device)
-            walls.append(time.perf_counter() - t0)
-    med = statistics.median(walls)
-    keep = ("steps", "compactions", "verify_passes", "beams_verified", "width_max")
+    run = engine_runner(ours, model, trie, 10, 10, verify, batch, None, profile)
+    dev = device_of(model)
+    run(prompts[:batch])  # warm-up: this bucket's graphs (and the cost model)
+    passes = [time_pass(run, prompts, batch, dev) for _ in range(1 if profile else repeats)]
+    med = statistics.median(p["time"] for p in passes)
+    stats = passes[-1]["stats"]
     return {"batch": batch, "verify": verify, "profile": profile, "queries": len(prompts),
-            "queries_per_s": round(len(prompts) / med, 1), "runs_s": [round(w, 3) for w in walls],
+            "queries_per_s": round(len(prompts) / med, 1), "runs_s": [round(p["time"], 3) for p in passes],
             "ms_per_step": round(1e3 * med / max(stats.get("steps", 0), 1), 2),
-            **{k: stats[k] for k in keep if k in stats},
-            **{k: round(v, 1) for k, v in stats.items() if k.startswith("ms_")}}
+            **{k: v for k, v in stats.items() if k in ("steps", "verify_passes", "beams_verified") or k.startswith("ms_")}
+            }, passes[-1]["rows"]
 
 
-def hf_side_by_side(model: Any, tok: Any, prompts: list[list[int]], index: Any, device: str) -> dict[str, Any]:
+def hf_side_by_side(model: Any, tok: Any, prompts: list[list[int]], index: Any) -> dict[str, Any]:
     """HF constrained beam search vs ours (``off``, one batch) on the same prompts: q/s and how many of
     HF's top-10 ad rows ours returns too (bf16 near-ties may differ)."""
-    import torch
-
-    from adbatch.decoding import TargetSearchConfig, search_targets
-    from bench.decode import hf_search, rows_of
+    from bench.decode import device_of, hf_runner, time_pass
 
     eos = index.eos_token_id if index.eos_token_id is not None else tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    with torch.inference_mode():
-        hf_search(model, prompts[:2], index.trie, 10, 10, eos, pad)  # warm-up
-        _sync(device)
-        t0 = time.perf_counter()
-        seqs, _ = hf_search(model, prompts, index.trie, 10, 10, eos, pad)
-        _sync(device)
-        hf_s = time.perf_counter() - t0
-    hf_rows = rows_of(index.trie, seqs)
-    ours = time_search(model, prompts, index.trie, len(prompts), "off", 3, device)
-    cfg = TargetSearchConfig(num_beams=10, top_k=10, verify="off", batch_size=len(prompts))
-    with torch.inference_mode():
-        rows = search_targets(model, prompts, index.trie, cfg).rows.tolist()
-    shared = sum(len(set(h) & {r for r in o if r >= 0}) for h, o in zip(hf_rows, rows))
-    return {"queries": len(prompts), "hf_queries_per_s": round(len(prompts) / hf_s, 2),
-            "ours_off_queries_per_s": ours["queries_per_s"], "speedup": round(ours["queries_per_s"] * hf_s / len(prompts), 1),
-            "hf_top10_rows_also_ours": round(shared / max(1, sum(len(h) for h in hf_rows)), 3)}
+    run = hf_runner(model, index.trie, 10, 10, eos, pad)
+    run(prompts[:2])  # warm-up
+    hf = time_pass(run, prompts, len(prompts), device_of(model))
+    ours, rows = time_search(model, prompts, index.trie, len(prompts), "off", 3)
+    shared = sum(len(set(h) & {r for r in o if r >= 0}) for h, o in zip(hf["rows"], rows))
+    return {"queries": len(prompts), "hf_queries_per_s": round(len(prompts) / hf["time"], 2),
+            "ours_off_queries_per_s": ours["queries_per_s"],
+            "speedup": round(ours["queries_per_s"] * hf["time"] / len(prompts), 1),
+            "hf_top10_rows_also_ours": round(shared / max(1, sum(len(h) for h in hf["rows"])), 3)}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -156,12 +134,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for batch in (int(b) for b in args.batches.split(",")):
         n = min(len(prompts), max(4 * batch, 1024))
         for verify in args.verify.split(","):
-            result["rows"].append(time_search(model, prompts[:n], index.trie, batch, verify, args.repeats, device))
+            result["rows"].append(time_search(model, prompts[:n], index.trie, batch, verify, args.repeats)[0])
             print(json.dumps(result["rows"][-1]), flush=True)
         if args.profile:
-            result["rows"].append(time_search(model, prompts[:n], index.trie, batch, "off", 1, device, profile=True))
+            result["rows"].append(time_search(model, prompts[:n], index.trie, batch, "off", 1, profile=True)[0])
     if args.hf_queries:
-        result["hf"] = hf_side_by_side(model, tok, prompts[:args.hf_queries], index, device)
+        result["hf"] = hf_side_by_side(model, tok, prompts[:args.hf_queries], index)
     table = render(result)
     print(table)
     if args.out_json:

@@ -615,22 +615,31 @@ class DecodeEngine:
         if self._seen_keys[gkey] < 2:
             return out
         static = {name: t.clone() for name, t in inputs.items()}
+        captured = self._try_capture(gkey, lambda: fn(**static), "_host_pool")
+        if captured is not None:
+            self._graphs[gkey] = _Graph(captured[0], None, None, static, captured[1])
+        return out
+
+    def _try_capture(self, key: tuple, body: Any, pool: str) -> tuple[Any, Any] | None:
+        """Capture ``body()`` as a CUDA graph in the engine's memory pool named ``pool``
+        (``"_tree_pool"`` / ``"_host_pool"``, created by the first capture in it). Returns ``(graph,
+        body's outputs)``; None when capture fails (e.g. an attention backend that cannot be
+        captured): the key then stays eager, logged once."""
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._host_pool):
-                outs = fn(**static)
+            with torch.cuda.graph(graph, pool=getattr(self, pool)):
+                outs = body()
         except RuntimeError as exc:
-            log.warning("step work %s not captured (%s); it runs eagerly", key, exc)
-            self._eager_keys.add(gkey)
+            log.warning("%s not captured (%s); it runs eagerly", key, exc)
+            self._eager_keys.add(key)
             torch.cuda.synchronize(self.device)
-            return out
-        if self._host_pool is None:
-            self._host_pool = graph.pool()
-        self._graphs[gkey] = _Graph(graph, None, None, static, outs)
+            return None
+        if getattr(self, pool) is None:
+            setattr(self, pool, graph.pool())
         self.capture_seconds += time.perf_counter() - t0
-        return out
+        return graph, outs
 
     # -------------------------------------------------------------- packed vs dense, per bucket
     def _plan_linears(self, rows: int) -> None:
@@ -732,22 +741,11 @@ class DecodeEngine:
         out = body()  # the first pass of this shape runs eagerly, then is captured for the next
         if key in self._eager_keys:
             return out[0][:n], out[1][:n]
-        t0 = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # tree graphs share their own pool: a tree pass must not overwrite the step's outputs
-            with torch.cuda.graph(graph, pool=self._tree_pool):
-                logits, lse = body()
-        except RuntimeError as exc:  # e.g. an attention backend that cannot be captured: stay eager
-            log.warning("tree pass %s not captured (%s); it runs eagerly", key[1:], exc)
-            self._eager_keys.add(key)
-            torch.cuda.synchronize(self.device)
-            return out[0][:n], out[1][:n]
-        if self._tree_pool is None:
-            self._tree_pool = graph.pool()
-        self._graphs[key] = _Graph(graph, logits, lse, inputs)
-        self.capture_seconds += time.perf_counter() - t0
+        # tree graphs have their own pool: a tree pass must not overwrite the step's outputs
+        captured = self._try_capture(key, body, "_tree_pool")
+        if captured is not None:
+            graph, (logits, lse) = captured
+            self._graphs[key] = _Graph(graph, logits, lse, inputs)
         return out[0][:n], out[1][:n]
 
     def _tree_body(self, rows: torch.Tensor, t: int | torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
