@@ -19,6 +19,10 @@ from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C", bound="ConfigBase")
 
+#: every adbatch process's log lines (the CLI driver and the Ray actors it starts): timestamped, so one
+#: job's log reads as a timeline across processes
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or out of range."""

@@ -37,6 +37,7 @@ first requests; the report says how many ran. Results: printed and written to ``
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import hashlib
 import json
@@ -442,6 +443,7 @@ def run_cli(args: argparse.Namespace, work: Path, state: dict[str, Any], deadlin
     log.info("cli: %s", " ".join(cmd))
     timeout = max(30.0, deadline - _now()) if deadline != float("inf") else None
     t0 = _now()
+    started_at = time.time()  # wall clock: the log's timestamps are wall clock
     timed_out = False
     with logf.open("w") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -457,12 +459,17 @@ def run_cli(args: argparse.Namespace, work: Path, state: dict[str, Any], deadlin
                 rc = proc.wait()
     wall = _now() - t0
     text = logf.read_text(errors="replace")
+    timeline = cli_timeline(text, started_at, wall)
     actor = re.findall(r"generate on Ray: .*", text)
     ray_res = re.findall(r"starting local Ray with .*", text)
     manifest = _read_json(out / "manifest.json") or {}
     res: dict[str, Any] = {"requests": n, "returncode": rc, "timed_out": timed_out,
                            "end_to_end_s": round(wall, 3), "actor": actor[-1] if actor else None,
-                           "local_ray": ray_res[-1] if ray_res else None, "log": str(logf)}
+                           "local_ray": ray_res[-1] if ray_res else None, "log": str(logf),
+                           "timeline_s": timeline}
+    first = _read_json(out / "_progress" / "part-00000.json") or {}
+    if first.get("batch_seconds"):
+        res["first_batch_s"] = first["batch_seconds"][0]
     if manifest:
         thr = manifest.get("throughput", {})
         res.update({
@@ -490,6 +497,40 @@ def run_cli(args: argparse.Namespace, work: Path, state: dict[str, Any], deadlin
     if gpu_here and actor and not res["gpu_actor"]:
         log.warning("torch sees a GPU but the Ray actor was given none (%s): Ray did not detect the GPU", actor[-1])
     state["cli"] = res
+
+
+#: (event, what marks it in the job's log): the driver's and the actor's lines carry LOG_FORMAT's
+#: timestamp, Ray's its own; the first match of each counts (partition_last: the last)
+TIMELINE_EVENTS = (
+    ("validated", r"pipelines\.generate: requests: "),
+    ("ray_start", r"starting local Ray"),
+    ("ray_up", r"Started a local Ray instance"),
+    ("plan", r"generate on Ray: "),
+    ("execution_start", r"Starting execution of Dataset"),
+    ("actor_init", r"generation actor pid \d+: loading"),
+    ("actor_ready", r"generation actor pid \d+: generator ready"),
+    ("partition_first", r"partition \d+ committed"),
+    ("partition_last", r"partition \d+ committed"),
+    ("generate_done", r"generate done: "),
+)
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
+
+
+def cli_timeline(text: str, started_at: float, wall: float) -> dict[str, float]:
+    """Seconds from the CLI process's start to each of :data:`TIMELINE_EVENTS` (those found), and
+    ``exit``: where the fixed cost of a run on Ray goes (Ray start, actor start, model load, ...)."""
+    out: dict[str, float] = {}
+    lines = text.splitlines()
+    for name, pattern in TIMELINE_EVENTS:
+        rx = re.compile(pattern)
+        hits = [ln for ln in lines if rx.search(ln) and _STAMP.search(ln)]
+        if not hits:
+            continue
+        m = _STAMP.search(hits[-1] if name == "partition_last" else hits[0])
+        stamp = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1e3
+        out[name] = round(stamp - started_at, 2)
+    out["exit"] = round(wall, 2)
+    return out
 
 
 # --- compare and report ----------------------------------------------------------------------------
@@ -595,6 +636,11 @@ def report(state: dict[str, Any]) -> str:
                          f"{cli['end_to_end_s']:.1f} s; committed {cli.get('requests_committed')} requests "
                          f"({cli.get('requests_per_s_committed')} req/s counting only those)")
         lines.append(f"           {cli.get('local_ray')} | {cli.get('actor')}")
+        tl = cli.get("timeline_s") or {}
+        if tl:
+            lines.append("           timeline (s from the process start): "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in tl.items())
+                         + (f" | first batch {cli['first_batch_s']:.2f} s" if cli.get("first_batch_s") else ""))
     if lib and cli and cli.get("requests_per_s_end_to_end"):
         lines.append(f"ratio cli/library: end to end {cli['requests_per_s_end_to_end'] / lib['requests_per_s_end_to_end']:.3f}"
                      f"; cli generate phase / library generation "

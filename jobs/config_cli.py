@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from adbatch.config import ConfigBase, ConfigError, load_config_file
+from adbatch.config import LOG_FORMAT, ConfigBase, ConfigError, load_config_file
 
 _MISSING = object()
 
@@ -104,7 +104,6 @@ def config_from_args(
     return cls.from_dict(data)
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_manifest, claim_output,
                                sha256_file, sha256_json, sha256_paths, write_json_atomic,
                                write_parquet_atomic)
-from adbatch.config import ConfigBase, ConfigError
+from adbatch.config import LOG_FORMAT, ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
 from adbatch.generation import (DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
                                 TargetGenerator, answers_to_output, check_model_index, default_batch_size,
@@ -148,8 +148,13 @@ class GeneratorActor:
 
     def __init__(self, task: str, spec: dict[str, Any], index: str | None, decoding: dict[str, Any],
                  gen: dict[str, Any]) -> None:
-        logging.basicConfig(level=logging.INFO)
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        t0 = time.perf_counter()
+        log.info("generation actor pid %d: loading the %s generator", os.getpid(), task)
         self.generator = build_generator(GenerateTask(task), ModelSpec(**spec), index, decoding, gen)
+        # the job's log reads as a timeline: the driver's "Starting execution" line to this one is the
+        # actor's process start and imports, this line's seconds its model / index load
+        log.info("generation actor pid %d: generator ready in %.2f s", os.getpid(), time.perf_counter() - t0)
         self.calls = 0
 
     def __call__(self, batch: pa.Table) -> pa.Table:
