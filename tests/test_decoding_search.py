@@ -256,3 +256,39 @@ def test_captured_selection_equals_eager_on_cuda(monkeypatch, mode):
         assert torch.equal(res.scores, eager.scores)
     if mode is VerifyMode.OFF:  # (auto verifies early here: slots turn virtual, later steps are eager)
         assert any(k[0] == "captured" for k in bs.engine_for(model)._graphs)
+
+
+def test_trigger_rule_graphed_retires_whole_queries():
+    """Graph-replayed steps run every slot row of the bucket: a pass pays only when it retires whole
+    queries, enough for a smaller bucket (or all of them)."""
+    cfg = TargetSearchConfig(verify="auto", max_tree_tokens=50, max_tokens_per_pass=1000)
+    B = 2
+    # 4 queries x 2 beams, all pending, height 10; step cost flat in rows (launch-bound), pass cheap
+    pending = np.ones(8, dtype=bool)
+    height = np.full(8, 10)
+    fed = np.array([5, 5, 6, 6, 40, 40, 60, 60])      # query 3's trees exceed the per-beam cap
+    flat = CostModel([1, 100], [2.0, 2.0], [1, 1000], [1.0, 5.0])
+    got = _choose_verified(pending, fed, height, cfg, flat, B, graphed=True)
+    # the eager rule would take single beams; a flat step saves nothing there: only a whole search end
+    # (impossible: query 3 does not fit) or a smaller bucket -- the same step cost -- could pay
+    assert not got.any()
+    # steps cost in proportion to rows: retiring queries 0-2 leaves one query (bucket 4 -> 1), the most
+    # saved; with a pass capped at 100 tokens (queries 0-2 need 6 x 40) only 0-1 go (bucket 4 -> 2)
+    linear = CostModel([1, 8], [1.0, 8.0], [1, 1000], [1.0, 5.0])
+    got = _choose_verified(pending, fed, height, cfg, linear, B, graphed=True)
+    assert got.tolist() == [True] * 6 + [False] * 2
+    capped = cfg.replace(max_tokens_per_pass=100)
+    got = _choose_verified(pending, fed, height, capped, linear, B, graphed=True)
+    assert got.tolist() == [True] * 4 + [False] * 4
+    # a dear pass: nothing
+    dear = CostModel([1, 8], [1.0, 8.0], [1, 1000], [500.0, 900.0])
+    assert not _choose_verified(pending, fed, height, cfg, dear, B, graphed=True).any()
+    # every query fits and the pass is cheaper than the rest of the search: all of it ends now
+    fed_ok = np.array([5, 5, 6, 6, 7, 7, 8, 8])
+    got = _choose_verified(pending, fed_ok, height, cfg, flat, B, graphed=True)
+    assert got.all()
+    # a query whose beams are partly not pending: only its pending ones are verified
+    pend2 = pending.copy()
+    pend2[1] = False
+    got = _choose_verified(pend2, fed_ok, height, cfg, flat, B, graphed=True)
+    assert got.tolist() == pend2.tolist()
