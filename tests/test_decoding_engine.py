@@ -142,3 +142,26 @@ def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results()
     assert routed._dense[id(model.model.layers[0].self_attn.k_proj)].data_ptr() != qkv[0].data_ptr()
     assert routed._dense[id(model.model.layers[0].self_attn.q_proj)].data_ptr() == qkv[0].data_ptr()
     torch.testing.assert_close(run(routed), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_prefill_equals_eager_on_cuda():
+    """The graph-replayed prefill (captured at a bucket's first use) writes the prompt region and
+    returns the logits an eager prefill does, for other prompts of other lengths in the same bucket."""
+    model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2).cuda().eval()
+    first = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    second = [[12, 13], [14, 15, 16, 17, 18], [19]]
+    graphed = DecodeEngine(model)
+    eager = DecodeEngine(model)
+    eager.graphs_enabled = False
+    graphed.prefill(first, 2, 4)                     # eager run + capture
+    logits, lse, qb = graphed.prefill(second, 2, 4)  # replay
+    assert any(k[0] == "prefill" for k in graphed._graphs)
+    ref_logits, ref_lse, ref_qb = eager.prefill(second, 2, 4)
+    assert (qb, ref_qb) == (4, 3)  # graphs run at power-of-two buckets, eager at the exact count
+    torch.testing.assert_close(logits[:3], ref_logits)
+    torch.testing.assert_close(lse[:3], ref_lse)
+    assert torch.equal(graphed.prompt_len[:3], eager.prompt_len[:3])
+    assert torch.equal(graphed.prompt_bias[:3], eager.prompt_bias[:3])
+    for li in range(len(graphed.kp)):
+        torch.testing.assert_close(graphed.kp[li][:3], eager.kp[li][:3])

@@ -258,37 +258,41 @@ def test_captured_selection_equals_eager_on_cuda(monkeypatch, mode):
         assert any(k[0] == "captured" for k in bs.engine_for(model)._graphs)
 
 
-def test_trigger_rule_graphed_retires_whole_queries():
-    """Graph-replayed steps run every slot row of the bucket: a pass pays only when it retires whole
-    queries, enough for a smaller bucket (or all of them)."""
+def _POW2_TREES(fed: int) -> int:  # as a graphed engine pads a pass's trees
+    return max(4, 1 << max(fed - 1, 0).bit_length())
+
+
+def test_trigger_rule_graphed_ends_the_search_or_nothing():
+    """Graph-replayed steps run every slot row of the bucket: a pass pays only when it ends the
+    search (every pending beam verified), priced against steps at the bucket's rows."""
     cfg = TargetSearchConfig(verify="auto", max_tree_tokens=50, max_tokens_per_pass=1000)
     B = 2
-    # 4 queries x 2 beams, all pending, height 10; step cost flat in rows (launch-bound), pass cheap
     pending = np.ones(8, dtype=bool)
     height = np.full(8, 10)
-    fed = np.array([5, 5, 6, 6, 40, 40, 60, 60])      # query 3's trees exceed the per-beam cap
     flat = CostModel([1, 100], [2.0, 2.0], [1, 1000], [1.0, 5.0])
-    got = _choose_verified(pending, fed, height, cfg, flat, B, graphed=True)
-    # the eager rule would take single beams; a flat step saves nothing there: only a whole search end
-    # (impossible: query 3 does not fit) or a smaller bucket -- the same step cost -- could pay
-    assert not got.any()
-    # steps cost in proportion to rows: retiring queries 0-2 leaves one query (bucket 4 -> 1), the most
-    # saved; with a pass capped at 100 tokens (queries 0-2 need 6 x 40) only 0-1 go (bucket 4 -> 2)
-    linear = CostModel([1, 8], [1.0, 8.0], [1, 1000], [1.0, 5.0])
-    got = _choose_verified(pending, fed, height, cfg, linear, B, graphed=True)
-    assert got.tolist() == [True] * 6 + [False] * 2
-    capped = cfg.replace(max_tokens_per_pass=100)
-    got = _choose_verified(pending, fed, height, capped, linear, B, graphed=True)
-    assert got.tolist() == [True] * 4 + [False] * 4
-    # a dear pass: nothing
-    dear = CostModel([1, 8], [1.0, 8.0], [1, 1000], [500.0, 900.0])
-    assert not _choose_verified(pending, fed, height, cfg, dear, B, graphed=True).any()
-    # every query fits and the pass is cheaper than the rest of the search: all of it ends now
+    # the eager rule takes the smallest trees alone; here a beam left pending keeps every step: none
+    fed = np.array([5, 5, 6, 6, 40, 40, 60, 60])      # query 3's trees exceed the per-beam cap
+    assert _choose_verified(pending, fed, height, cfg, CostModel([1, 100], [50.0, 50.0], [1, 1000], [1.0, 2.0])).any()
+    assert not _choose_verified(pending, fed, height, cfg, flat, B, tree_width=_POW2_TREES).any()
+    # every beam fits and the pass (8 x 8 tokens) costs less than 10 steps: all of it ends now
     fed_ok = np.array([5, 5, 6, 6, 7, 7, 8, 8])
-    got = _choose_verified(pending, fed_ok, height, cfg, flat, B, graphed=True)
-    assert got.all()
-    # a query whose beams are partly not pending: only its pending ones are verified
-    pend2 = pending.copy()
-    pend2[1] = False
-    got = _choose_verified(pend2, fed_ok, height, cfg, flat, B, graphed=True)
-    assert got.tolist() == pend2.tolist()
+    assert _choose_verified(pending, fed_ok, height, cfg, flat, B, tree_width=_POW2_TREES).all()
+    # a pass dearer than the steps left, or over the per-pass cap: nothing
+    dear = CostModel([1, 100], [2.0, 2.0], [1, 1000], [25.0, 30.0])
+    assert not _choose_verified(pending, fed_ok, height, cfg, dear, B, tree_width=_POW2_TREES).any()
+    assert not _choose_verified(pending, fed_ok, height, cfg.replace(max_tree_tokens=8, max_tokens_per_pass=32), flat, B,
+                                tree_width=_POW2_TREES).any()
+    # steps priced at the bucket's rows, not the pending ones: 1 pending beam of 4 queries' bucket
+    pend1 = np.zeros(8, dtype=bool)
+    pend1[0] = True
+    rowcost = CostModel([1, 8], [1.0, 8.0], [1, 1000], [25.0, 30.0])
+    assert not _choose_verified(pend1, fed_ok, height, cfg, rowcost, B, tree_width=_POW2_TREES).any()  # 1 query: 2 rows
+    pend4 = np.zeros(8, dtype=bool)
+    pend4[[0, 2, 4, 6]] = True                       # one beam of each query: the bucket of 4 (8 rows)
+    assert _choose_verified(pend4, fed_ok, height, cfg, rowcost, B, tree_width=_POW2_TREES).tolist() == pend4.tolist()
+    # the pass is priced at its padded width: trees of 9 tokens run as 16 (8 x 16 = 128 tokens, not 72)
+    fed9 = np.full(8, 9)
+    lin = CostModel([1, 100], [2.0, 2.0], [0, 1000], [0.0, 200.0])   # 0.2 ms per pass token
+    assert 0.2 * 72 < 10 * 2.0 < 0.2 * 128
+    assert not _choose_verified(pending, fed9, height, cfg, lin, B, tree_width=_POW2_TREES).any()
+    assert _choose_verified(pending, fed9, height, cfg, lin, B, tree_width=lambda f: f).all()

@@ -28,7 +28,7 @@ import logging
 import time
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -126,7 +126,7 @@ class _PhaseClock:
 
 def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
                      cfg: TargetSearchConfig, cost: CostModel | None, beams: int = 1,
-                     graphed: bool = False) -> np.ndarray:
+                     tree_width: Callable[[int], int] | None = None) -> np.ndarray:
     """Host-side trigger over the step's new real beams (flat slot arrays, ``beams`` slots per
     query). Returns a Bool mask.
 
@@ -137,23 +137,21 @@ def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
     ``always``: every beam that fits the caps (smallest trees first). ``auto`` prices a pass against
     the decode work it retires, which depends on how steps run:
 
-    - eager steps (``graphed=False``, CPU) compute only the rows decoded on, so each verified beam
+    - eager steps (``tree_width=None``, CPU) compute only the rows decoded on, so each verified beam
       saves its share of every step it no longer needs: (1) when every pending beam fits and one pass
       over all of them costs less than the rest of the search (``max height x step_ms(rows)``), verify
       all (the search ends now); (2) otherwise the smallest trees first, as many as keep the pass
       cheaper than ``sum(height) x step_ms(rows) / rows``;
-    - graph-replayed steps (``graphed=True``) run every slot row of the query bucket, so a verified
-      beam saves nothing while its query still has a beam to decode: only retiring whole queries
-      helps, once enough of them go for the steps to run at a smaller bucket (or none are left). See
-      :func:`_retire_queries`.
+    - graph-replayed steps (``tree_width``: the engine's, which pads each tree of a captured pass) run every slot row of the query bucket, so a verified
+      beam saves nothing while its query still has a beam to decode: see :func:`_retire_queries`.
     """
     out = np.zeros_like(pending)
     if cfg.verify is VerifyMode.OFF or not pending.any():
         return out
     fits = pending & (fed <= cfg.max_tree_tokens)
-    if cfg.verify is VerifyMode.AUTO and graphed:
+    if cfg.verify is VerifyMode.AUTO and tree_width is not None:
         assert cost is not None, "verify=auto needs a cost model"
-        return _retire_queries(pending, fits, fed, height, cfg, cost, beams)
+        return _retire_queries(pending, fits, fed, height, cfg, cost, beams, tree_width)
     idx = np.flatnonzero(fits)
     if idx.size == 0:
         return out
@@ -177,52 +175,27 @@ def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
 
 
 def _retire_queries(pending: np.ndarray, fits: np.ndarray, fed: np.ndarray, height: np.ndarray,
-                    cfg: TargetSearchConfig, cost: CostModel, beams: int) -> np.ndarray:
-    """``auto`` for graph-replayed steps: verify every pending beam of the ``j`` queries with the
-    smallest trees, for the ``j`` that saves the most decode time net of the pass, if any does.
+                    cfg: TargetSearchConfig, cost: CostModel, beams: int,
+                    tree_width: Callable[[int], int]) -> np.ndarray:
+    """``auto`` for graph-replayed steps: verify every pending beam, ending the search now, when all
+    of them fit and the pass costs less than the steps left (the largest height x one step at the
+    query bucket's rows: a step runs every slot row of the bucket, however few are still pending).
+    The pass is priced at the tokens it runs: every tree padded to ``tree_width`` of the largest.
 
-    With ``L`` queries still decoding, steps run at ``bucket(L)`` queries (a power of two); retiring
-    ``j`` of them makes the remaining steps run at ``bucket(L - j)``, so only ``j = L - b`` for the
-    smaller buckets ``b`` (and ``j = L``: the search ends) can pay. Net saving of a ``j``: the steps
-    the search still takes at ``bucket(L)`` (the live queries' largest height), less those the rest
-    takes at ``bucket(L - j)`` (its largest height), less the pass."""
+    A pass that retires only some queries could pay too, once enough of them go for the steps to run
+    at a smaller bucket; it is not taken: the steps after a pass run their selection eagerly (the
+    verified beams' scores grow its inputs), which this cost model does not price. Taken, it made
+    ``auto`` 0.88-0.91x ``off`` on the default model (H200, 64-2,048 queries, bench/decode.py)."""
     out = np.zeros_like(pending)
-    Qb = pending.size // beams
-    pend_q, fits_q = pending.reshape(Qb, beams), fits.reshape(Qb, beams)
-    live = np.flatnonzero(pend_q.any(1))
-    whole = live[(fits_q[live] | ~pend_q[live]).all(1)]      # every pending beam of the query fits
-    if whole.size == 0:
+    if not fits[pending].all():
         return out
-    fed_q = np.where(pend_q, fed.reshape(Qb, beams), 0)
-    h_q = np.where(pend_q, height.reshape(Qb, beams), 0).max(1)
-    n_q = pend_q.sum(1)
-    order = whole[np.argsort(fed_q[whole].max(1), kind="stable")]
-    tokens = np.cumsum(n_q[order]) * np.maximum.accumulate(fed_q[order].max(1))   # pass of the first j
-    rest = np.setdiff1d(live, whole, assume_unique=True)
-    h_rest_fixed = int(h_q[rest].max()) if rest.size else 0
-    suffix_h = np.maximum.accumulate(h_q[order][::-1])[::-1]                       # max over order[j:]
-    L = live.size
-    h_all = int(h_q[live].max())                  # steps the search still takes without a pass
-    step_now = float(cost.step_cost(bucket_queries(L) * beams))
-    best, best_j = 0.0, 0
-    for j in sorted({L - b for b in _smaller_buckets(bucket_queries(L))} | {L}):
-        if j < 1 or j > order.size or tokens[j - 1] > cfg.max_tokens_per_pass:
-            continue
-        # after the pass the rest runs its own largest height at the smaller bucket (j = L: nothing)
-        h_after = max(h_rest_fixed, int(suffix_h[j]) if j < order.size else 0)
-        step_after = float(cost.step_cost(bucket_queries(L - j) * beams)) if L > j else 0.0
-        net = h_all * step_now - h_after * step_after - float(cost.verify_cost(tokens[j - 1]))
-        if net > best:
-            best, best_j = net, j
-    if best_j:
-        q = order[:best_j]
-        out.reshape(Qb, beams)[q] = pend_q[q]
+    Qb = pending.size // beams
+    live = int(pending.reshape(Qb, beams).any(1).sum())
+    tokens = int(pending.sum()) * tree_width(int(fed[pending].max()))
+    step = float(cost.step_cost(bucket_queries(live) * beams))
+    if tokens <= cfg.max_tokens_per_pass and float(cost.verify_cost(tokens)) < int(height[pending].max()) * step:
+        out[pending] = True
     return out
-
-
-def _smaller_buckets(bucket: int) -> list[int]:
-    """The powers of two below ``bucket`` (the query buckets a search can shrink to), 1 included."""
-    return [1 << k for k in range(max(bucket.bit_length() - 1, 0))]
 
 
 def _trie_arrays(trie: Any, aux: TrieAux) -> tuple[torch.Tensor, ...]:
@@ -352,7 +325,8 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
         pending = h_alive & ~h_virtual
         if not pending.any():
             break  # only virtual beams left: their candidates are all in the pool
-        verify = _choose_verified(pending, host[2], host[3], cfg, cost, B, engine.graphs_enabled)
+        verify = _choose_verified(pending, host[2], host[3], cfg, cost, B,
+                                  engine.tree_width if engine.graphs_enabled else None)
         cont = pending & ~verify
         clock.mark("select")
 
