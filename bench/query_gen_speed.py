@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository (its kernels, not bench/kernels.py)
 
 
 def _profile(fn: Any, device: str, top: int = 12) -> dict[str, Any]:
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from adbatch.training.query_generation import (QueryGenConfig, QueryGenTrainConfig, generate_queries,
                                                    query_pairs, tune_query_generator)
-    from train_eval import load_base, load_bundle
+    from bench.train_eval import load_base, load_bundle
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     data = load_bundle(Path(args.bundle), args.catalogue)

@@ -26,8 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+# the repository first: this script's own folder (bench/, on the path as the script's) holds a
+# kernels.py that would shadow the kernels package
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import adbatch.decoding as ours  # noqa: E402
+from bench.decode import device_of, engine_runner, time_pass  # noqa: E402
 
 
 def load_queries(path: Path, limit: int) -> list[str]:
@@ -45,9 +49,6 @@ def time_search(model: Any, prompts: list[list[int]], trie: Any, batch: int, ver
                 profile: bool = False) -> tuple[dict[str, Any], list[list[int]]]:
     """Median queries/s of ``search_targets`` over ``prompts`` in batches of ``batch`` (bench/decode.py's
     runner and timed pass: one call per batch, as a generate actor makes), and the last pass's rows."""
-    from bench.decode import device_of, engine_runner, time_pass
-    import adbatch.decoding as ours
-
     run = engine_runner(ours, model, trie, 10, 10, verify, batch, None, profile)
     dev = device_of(model)
     run(prompts[:batch])  # warm-up: this bucket's graphs (and the cost model)

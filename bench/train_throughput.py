@@ -91,8 +91,7 @@ def synthetic_index(tok: Any, n_ads: int, seed: int) -> tuple[Any, dict[int, str
 
 def bundle_index(bundle: Path, catalogue: str, scheme: str, max_ads: int | None) -> tuple[Any, dict, list]:
     """The bundle's index (its first ``max_ads`` ads), ad titles and the labelled pairs of those ads."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from train_eval import load_bundle  # bench/train_eval.py: the bundle's reader
+    from bench.train_eval import load_bundle  # the bundle's reader
 
     data = load_bundle(bundle, catalogue)
     if scheme not in data["indexes"]:

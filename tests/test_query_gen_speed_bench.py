@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,7 +15,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    sys.path.insert(0, str(REPO / "bench"))  # the bench imports its sibling train_eval
     spec = importlib.util.spec_from_file_location("query_gen_speed", REPO / "bench" / "query_gen_speed.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +16,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    sys.path.insert(0, str(REPO / "bench"))
     spec = importlib.util.spec_from_file_location("targeting_speed", REPO / "bench" / "targeting_speed.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -42,3 +42,12 @@ def test_smoke_times_each_batch_and_mode_and_compares_with_hf(tmp_path):
     assert len(profiled) == 2 and all(r["ms_decode"] > 0 and r["ms_select"] > 0 for r in profiled)
     hf = got["hf"]
     assert hf["queries"] == 3 and hf["hf_queries_per_s"] > 0 and 0.0 <= hf["hf_top10_rows_also_ours"] <= 1.0
+
+
+def test_runs_as_a_script():
+    """As the device runs it (``python3 bench/targeting_speed.py``): a fresh interpreter, bench/ on
+    the path, where bench/kernels.py must not shadow the kernels package."""
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "targeting_speed.py"), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--hf-queries" in done.stdout
