@@ -134,24 +134,27 @@ def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
     would feed; ``height``: decode steps each still needs. Trees in one pass are right-padded to
     the largest, so a pass of ``n`` beams costs ``verify_ms(n * largest fed)``.
 
-    ``always``: every beam that fits the caps (smallest trees first). ``auto`` prices a pass against
-    the decode work it retires, which depends on how steps run:
+    ``always``: every beam that fits the caps (smallest trees first). ``auto``: (1) when every
+    pending beam fits and one pass over all of them costs less than the rest of the search
+    (``max height`` steps), verify all: the search ends now; (2) otherwise take the smallest trees
+    first, as many as keep the pass cheaper than the decode work they retire, each beam charged its
+    share of a step (``height x step_ms(rows) / rows``). What a pass and a step cost depends on how
+    steps run:
 
-    - eager steps (``tree_width=None``, CPU) compute only the rows decoded on, so each verified beam
-      saves its share of every step it no longer needs: (1) when every pending beam fits and one pass
-      over all of them costs less than the rest of the search (``max height x step_ms(rows)``), verify
-      all (the search ends now); (2) otherwise the smallest trees first, as many as keep the pass
-      cheaper than ``sum(height) x step_ms(rows) / rows``;
-    - graph-replayed steps (``tree_width``: the engine's, which pads each tree of a captured pass) run every slot row of the query bucket, so a verified
-      beam saves nothing while its query still has a beam to decode: see :func:`_retire_queries`.
+    - eager steps (``tree_width=None``, CPU) compute only the pending rows, and a pass feeds each
+      tree as it is;
+    - graph-replayed steps (``tree_width``: the engine's) run every slot row of the query bucket, and
+      a captured pass pads each tree to ``tree_width`` of the largest. A verified beam then saves
+      nothing while its query still has a beam to decode, so only (1) applies. A pass retiring enough
+      whole queries for a smaller bucket could pay too, but the steps after a pass run their selection
+      eagerly (the verified beams' scores grow its inputs), which this cost model does not price:
+      taken, such passes made ``auto`` 0.88-0.91x ``off`` on the default model (H200, 64-2,048
+      queries, bench/decode.py).
     """
     out = np.zeros_like(pending)
     if cfg.verify is VerifyMode.OFF or not pending.any():
         return out
     fits = pending & (fed <= cfg.max_tree_tokens)
-    if cfg.verify is VerifyMode.AUTO and tree_width is not None:
-        assert cost is not None, "verify=auto needs a cost model"
-        return _retire_queries(pending, fits, fed, height, cfg, cost, beams, tree_width)
     idx = np.flatnonzero(fits)
     if idx.size == 0:
         return out
@@ -163,38 +166,22 @@ def _choose_verified(pending: np.ndarray, fed: np.ndarray, height: np.ndarray,
         return out
     assert cost is not None, "verify=auto needs a cost model"
     rows = int(pending.sum())
-    step = float(cost.step_cost(rows))
-    if idx.size == rows and within[-1] and float(cost.verify_cost(padded[-1])) < height[idx].max() * step:
+    if tree_width is None:
+        all_tokens, step = int(padded[-1]), float(cost.step_cost(rows))
+    else:
+        live = int(pending.reshape(-1, beams).any(1).sum())
+        all_tokens = idx.size * tree_width(int(fed[idx[-1]]))
+        step = float(cost.step_cost(bucket_queries(live) * beams))
+    if (idx.size == rows and all_tokens <= cfg.max_tokens_per_pass
+            and float(cost.verify_cost(all_tokens)) < height[idx].max() * step):
         out[idx] = True
+        return out
+    if tree_width is not None:
         return out
     saved = np.cumsum(height[idx]) * (step / rows)
     ok = within & (cost.verify_cost(padded) < saved)
     if ok.any():
         out[idx[: int(np.flatnonzero(ok)[-1]) + 1]] = True
-    return out
-
-
-def _retire_queries(pending: np.ndarray, fits: np.ndarray, fed: np.ndarray, height: np.ndarray,
-                    cfg: TargetSearchConfig, cost: CostModel, beams: int,
-                    tree_width: Callable[[int], int]) -> np.ndarray:
-    """``auto`` for graph-replayed steps: verify every pending beam, ending the search now, when all
-    of them fit and the pass costs less than the steps left (the largest height x one step at the
-    query bucket's rows: a step runs every slot row of the bucket, however few are still pending).
-    The pass is priced at the tokens it runs: every tree padded to ``tree_width`` of the largest.
-
-    A pass that retires only some queries could pay too, once enough of them go for the steps to run
-    at a smaller bucket; it is not taken: the steps after a pass run their selection eagerly (the
-    verified beams' scores grow its inputs), which this cost model does not price. Taken, it made
-    ``auto`` 0.88-0.91x ``off`` on the default model (H200, 64-2,048 queries, bench/decode.py)."""
-    out = np.zeros_like(pending)
-    if not fits[pending].all():
-        return out
-    Qb = pending.size // beams
-    live = int(pending.reshape(Qb, beams).any(1).sum())
-    tokens = int(pending.sum()) * tree_width(int(fed[pending].max()))
-    step = float(cost.step_cost(bucket_queries(live) * beams))
-    if tokens <= cfg.max_tokens_per_pass and float(cost.verify_cost(tokens)) < int(height[pending].max()) * step:
-        out[pending] = True
     return out
 
 

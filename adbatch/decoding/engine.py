@@ -32,7 +32,6 @@ sandwich norms, sliding-window layers, scaled embeddings). Others are refused wi
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import weakref
@@ -433,28 +432,21 @@ class DecodeEngine:
         Qb, Lp = self.bucket(Q), self.Lp
         # left-padded ids in one host array and one copy (-1 = padding); padding queries get one
         # visible (pad) key, which keeps their rows finite
-        lens = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=Q)
         ids = np.full((Qb, Lp), -1, dtype=np.int64)
-        cols = Lp - np.repeat(lens, lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
-        ids[np.repeat(np.arange(Q), lens), cols] = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64,
-                                                               count=int(lens.sum()))
+        for i, p in enumerate(prompts):  # once per prompt at prefill, not per step
+            ids[i, Lp - len(p):] = p
         ids[Q:, -1] = pad_id
         self.in_prompt[:Qb].copy_(torch.from_numpy(ids))
-        if self.graphs_enabled:  # eager passes choose packed vs dense at their own row count too
-            self._plan_linears(bucket_queries(Qb * Lp))
-        else:
-            logits, lse = self._prefill_body(Qb, pad_id)
-            return logits, lse, Qb
+        if not self.graphs_enabled:
+            return (*self._prefill_body(Qb, pad_id), Qb)
+        self._plan_linears(bucket_queries(Qb * Lp))  # eager passes choose packed vs dense at their own row count too
         key = ("prefill", Qb, pad_id)
         g = self._graphs.get(key)
         if g is not None:
             g.graph.replay()
             return g.logits, g.lse, Qb
         logits, lse = self._prefill_body(Qb, pad_id)  # this IS the prefill; captured for the next ones
-        captured = None if key in self._eager_keys else self._try_capture(
-            key, lambda: self._prefill_body(Qb, pad_id), "_prefill_pool")
-        if captured is not None:
-            self._graphs[key] = _Graph(captured[0], *captured[1])
+        self._capture_into(key, lambda: self._prefill_body(Qb, pad_id), "_prefill_pool")
         return logits, lse, Qb
 
     def _prefill_body(self, Qb: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -600,19 +592,11 @@ class DecodeEngine:
             return g.logits, g.lse
         # First use of this shape: choose each compressed layer's path at this row count, run the
         # step eagerly (this IS the step: its ancestry update and K/V writes are real), then capture
-        # it for the next uses (capture records kernels, it does not run them).
+        # it for the next uses (capture records kernels, it does not run them). Every step graph
+        # shares one memory pool (they replay one at a time).
         self._plan_linears(R)
         out = self._step_body(Qb)
-        t0 = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        # every step graph shares the first one's memory pool (they replay one at a time)
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, lse = self._step_body(Qb)
-        if self._pool is None:
-            self._pool = graph.pool()
-        self._graphs[key] = _Graph(graph, logits, lse)
-        self.capture_seconds += time.perf_counter() - t0
+        self._capture_into(key, lambda: self._step_body(Qb), "_pool")
         return out
 
     # -------------------------------------------------------------- the caller's step work
@@ -648,9 +632,20 @@ class DecodeEngine:
             self._graphs[gkey] = _Graph(captured[0], None, None, static, captured[1])
         return out
 
+    def _capture_into(self, key: tuple, body: Any, pool: str, inputs: dict[str, torch.Tensor] | None = None) -> None:
+        """Capture a forward ``body() -> (logits, lse)`` under ``key`` (a step, prefill or tree pass;
+        ``inputs``: a tree pass's static inputs), unless its capture failed before."""
+        if key in self._eager_keys:
+            return
+        captured = self._try_capture(key, body, pool)
+        if captured is not None:
+            graph, (logits, lse) = captured
+            self._graphs[key] = _Graph(graph, logits, lse, inputs)
+
     def _try_capture(self, key: tuple, body: Any, pool: str) -> tuple[Any, Any] | None:
         """Capture ``body()`` as a CUDA graph in the engine's memory pool named ``pool``
-        (``"_tree_pool"`` / ``"_host_pool"``, created by the first capture in it). Returns ``(graph,
+        (``"_pool"`` / ``"_prefill_pool"`` / ``"_tree_pool"`` / ``"_host_pool"``, created by the first
+        capture in it). Returns ``(graph,
         body's outputs)``; None when capture fails (e.g. an attention backend that cannot be
         captured): the key then stays eager, logged once."""
         t0 = time.perf_counter()
@@ -767,13 +762,8 @@ class DecodeEngine:
         self._plan_linears(bucket_queries(Vb * Fn))
         body = lambda: self._tree_body(inputs["rows"], inputs["t"], inputs["tokens"], inputs["pos"], inputs["vis"])  # noqa: E731
         out = body()  # the first pass of this shape runs eagerly, then is captured for the next
-        if key in self._eager_keys:
-            return out[0][:n], out[1][:n]
         # tree graphs have their own pool: a tree pass must not overwrite the step's outputs
-        captured = self._try_capture(key, body, "_tree_pool")
-        if captured is not None:
-            graph, (logits, lse) = captured
-            self._graphs[key] = _Graph(graph, logits, lse, inputs)
+        self._capture_into(key, body, "_tree_pool", inputs)
         return out[0][:n], out[1][:n]
 
     def _tree_body(self, rows: torch.Tensor, t: int | torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
