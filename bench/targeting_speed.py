@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import adbatch.decoding as ours  # noqa: E402
-from bench.decode import device_of, engine_runner, time_pass  # noqa: E402
+from bench.decode import device_of, engine_runner, hf_runner, time_pass  # noqa: E402
 
 
 def load_queries(path: Path, limit: int) -> list[str]:
@@ -65,8 +65,6 @@ def time_search(model: Any, prompts: list[list[int]], trie: Any, batch: int, ver
 def hf_side_by_side(model: Any, tok: Any, prompts: list[list[int]], index: Any) -> dict[str, Any]:
     """HF constrained beam search vs ours (``off``, one batch) on the same prompts: q/s and how many of
     HF's top-10 ad rows ours returns too (bf16 near-ties may differ)."""
-    from bench.decode import device_of, hf_runner, time_pass
-
     eos = index.eos_token_id if index.eos_token_id is not None else tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     run = hf_runner(model, index.trie, 10, 10, eos, pad)
