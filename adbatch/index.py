@@ -41,6 +41,7 @@ from adbatch.clustering import (
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.corpus import Corpus, CorpusConfig, read_corpus
 from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
+from adbatch.models import tokenizer_fingerprint
 from adbatch.semantic_ids import ID_RENDER_VERSION, IdScheme, RenderConfig, RenderedIds, render_ids
 from adbatch.trie import Trie
 
@@ -135,15 +136,6 @@ def load_tokenizer(name: str | None) -> tuple[Any, str]:
 
     folder = resolve_model(name)
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True), str(folder)
-
-
-def tokenizer_fingerprint(tokenizer: Any, below: int | None = None) -> str:
-    """sha256 of the vocabulary (token -> id), so an index can tell tokenizers apart; ``below``: only
-    ids under it (a model trained on a ``codes`` index has the code tokens added above the base)."""
-    vocab = tokenizer.get_vocab().items()
-    if below is not None:
-        vocab = [(tok, i) for tok, i in vocab if i < below]
-    return sha256_json(sorted(vocab, key=lambda kv: kv[1]))
 
 
 def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True) -> np.ndarray:

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from adbatch.artifacts import atomic_path, sha256_file
+from adbatch.artifacts import atomic_path, sha256_file, sha256_json
 
 log = logging.getLogger(__name__)
 
@@ -221,3 +221,28 @@ def load_causal_lm(
     lm.to(device)
     lm.eval()
     return lm, tok
+
+
+def tokenizer_fingerprint(tokenizer: Any, below: int | None = None) -> str:
+    """sha256 of the vocabulary (token -> id), so an index can tell tokenizers apart; ``below``: only
+    ids under it (a model trained on a ``codes`` index has the code tokens added above the base)."""
+    return _vocab_fingerprint(tokenizer.get_vocab().items(), below)
+
+
+def tokenizer_file_fingerprint(folder: str | Path, below: int | None = None) -> str | None:
+    """:func:`tokenizer_fingerprint` of the vocabulary in ``folder/tokenizer.json`` (added tokens
+    included), read with ``tokenizers`` alone; None when the folder has no readable tokenizer.json."""
+    import tokenizers
+
+    path = Path(folder) / "tokenizer.json"
+    try:
+        vocab = tokenizers.Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    except Exception:  # missing or unparsable file: tokenizers raises a bare Exception for both
+        return None
+    return _vocab_fingerprint(vocab.items(), below)
+
+
+def _vocab_fingerprint(vocab: Any, below: int | None) -> str:
+    if below is not None:
+        vocab = [(tok, i) for tok, i in vocab if i < below]
+    return sha256_json(sorted(vocab, key=lambda kv: kv[1]))

@@ -645,6 +645,10 @@ def report(state: dict[str, Any]) -> str:
         lines.append(f"ratio cli/library: end to end {cli['requests_per_s_end_to_end'] / lib['requests_per_s_end_to_end']:.3f}"
                      f"; cli generate phase / library generation "
                      f"{(cli.get('requests_per_s_generate_phase') or 0) / lib['requests_per_s_generate']:.3f}")
+        if lib.get("process_wall_s"):
+            # a user's script that calls the library also pays Python start, imports and writing
+            lines.append(f"ratio cli/library process ({lib['process_wall_s']:.1f} s from its start to its exit): "
+                         f"{lib['process_wall_s'] / cli['end_to_end_s']:.3f}")
     cmp_ = state.get("compare")
     if cmp_:
         if cmp_.get("only_cli_committed_partitions"):

@@ -38,7 +38,10 @@ def _load(command: str) -> tuple[type, Callable[[Any], dict[str, Any]]]:
     return getattr(module, cls_name), getattr(module, fn_name)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser. ``only``: the subcommand being run; the others get their help line but not
+    their config flags, so running one stage does not import every stage's modules (importing them
+    all cost ``adbatch generate``'s driver seconds of start-up: torch, transformers, faiss)."""
     parser = argparse.ArgumentParser(prog="adbatch", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     add_debug_argument(parser)
@@ -46,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, _, _, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_common_arguments(p)
+        if only is not None and name != only:
+            continue
         try:
             cls, _ = _load(name)
         except ImportError as exc:  # the stage's module is unavailable in this install
@@ -62,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipelines.ray_runtime import prefer_loopback_ray
 
     prefer_loopback_ray()  # before any stage module imports Ray
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the first word naming a subcommand is the one that runs (no option of ours takes such a value)
+    parser = build_parser(only=next((a for a in argv if a in COMMANDS), None))
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:

@@ -334,3 +334,43 @@ def test_a_new_prompt_rendering_is_a_new_run_not_a_resume(monkeypatch):
     assert generator_fingerprint(GenerateTask.TARGETS, TargetSearchConfig(), gc) == before[GenerateTask.TARGETS]
     monkeypatch.setattr(adbatch.prompts, "TARGETING_PROMPT_VERSION", adbatch.prompts.TARGETING_PROMPT_VERSION + 1)
     assert generator_fingerprint(GenerateTask.TARGETS, TargetSearchConfig(), gc) != before[GenerateTask.TARGETS]
+
+
+def test_the_drivers_checks_import_neither_torch_nor_transformers(assets, tmp_path):
+    """A Ray run's driver parses its flags, validates requests and checks the model against the index, then
+    hands the work to its actors: it never decodes. Building every stage's flags (their modules), importing
+    torch + triton (the decoding package) and loading the tokenizer through transformers made that cost the
+    H200 run's driver seconds before Ray started.
+    The tokenizer.json fingerprint it uses instead equals the one transformers' tokenizer gives."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from adbatch.models import tokenizer_file_fingerprint, tokenizer_fingerprint
+
+    tok = AutoTokenizer.from_pretrained(str(assets["model"]), local_files_only=True)
+    assert tokenizer_file_fingerprint(assets["model"]) == tokenizer_fingerprint(tok)
+    assert tokenizer_file_fingerprint(assets["model"], below=100) == tokenizer_fingerprint(tok, below=100)
+    assert tokenizer_file_fingerprint(tmp_path) is None  # no tokenizer.json: the caller loads the tokenizer
+
+    req = target_requests(tmp_path / "req.parquet", n=3)
+    script = f"""
+import sys
+import jobs.cli, pipelines.generate
+jobs.cli.build_parser(only="generate").parse_args(["generate", "--task", "targets", "--requests", "r", "--out", "o"])
+from adbatch.artifacts import read_manifest
+from adbatch.generation import ModelSpec, check_model_index
+from adbatch.requests import GenerateTask, RequestValidationConfig, validate_requests
+v = validate_requests({str(req)!r}, GenerateTask.TARGETS, RequestValidationConfig())
+spec = ModelSpec(model={str(assets["model"])!r})
+spec.identity()
+check_model_index(spec, {str(assets["index"])!r}, read_manifest({str(assets["index"])!r}))
+assert v.accepted.num_rows == 3
+print(sorted(m for m in ("torch", "transformers", "triton") if m in sys.modules))
+"""
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

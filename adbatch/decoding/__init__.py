@@ -1,10 +1,39 @@
 """Decoding: trie-constrained batched beam search with prefix-tree parallel verification
-(targeting) and free-text generation (creatives). See docs/decoding.md."""
+(targeting) and free-text generation (creatives). See docs/decoding.md.
 
-from adbatch.decoding.beam_search import TargetSearchResult, search_targets
+The configs import without torch: a generate job's driver validates them and hands them to its
+actors, and never decodes itself (importing torch + triton there cost it seconds of start-up). The
+verbs load their modules on first use (PEP 562).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from adbatch.decoding.config import CreativeConfig, CreativeStrategy, TargetSearchConfig, VerifyMode
-from adbatch.decoding.cost_model import CostModel, calibrate, load_or_calibrate
-from adbatch.decoding.creative import generate_creatives
+
+#: public name -> the submodule that defines it (imported at first access)
+_LAZY = {
+    "TargetSearchResult": "beam_search", "search_targets": "beam_search",
+    "CostModel": "cost_model", "calibrate": "cost_model", "load_or_calibrate": "cost_model",
+    "generate_creatives": "creative",
+}
+
+if TYPE_CHECKING:
+    from adbatch.decoding.beam_search import TargetSearchResult, search_targets
+    from adbatch.decoding.cost_model import CostModel, calibrate, load_or_calibrate
+    from adbatch.decoding.creative import generate_creatives
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CostModel", "CreativeConfig", "CreativeStrategy", "TargetSearchConfig", "TargetSearchResult",

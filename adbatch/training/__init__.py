@@ -10,15 +10,34 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Hashable, Iterable, Mapping
+import importlib
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Mapping
 
 from adbatch.training.checkpoint import (IndexMismatchError, check_index_compat, load_masks,
                                          read_training_record, save_trained)
-from adbatch.training.distill import DistillConfig
 from adbatch.training.pseudo_queries import QuerySource
-from adbatch.training.quant_aware import QuantAwareConfig
-from adbatch.training.sparsity import SparsityScheduleConfig
-from adbatch.training.trainer import TrainConfig
+
+# The configs below live beside the torch code that reads them. They load at first access (PEP 562),
+# so a process that only checks a model's training record (a generate job's driver imports
+# adbatch.training.checkpoint) does not import torch.
+_LAZY = {"DistillConfig": "distill", "QuantAwareConfig": "quant_aware",
+         "SparsityScheduleConfig": "sparsity", "TrainConfig": "trainer"}
+
+if TYPE_CHECKING:
+    from adbatch.training.distill import DistillConfig
+    from adbatch.training.quant_aware import QuantAwareConfig
+    from adbatch.training.sparsity import SparsityScheduleConfig
+    from adbatch.training.trainer import TrainConfig
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "DistillConfig", "train_on_index", "check_index_compat",
            "IndexMismatchError", "read_training_record", "load_masks", "save_trained", "scheme_name"]
@@ -55,12 +74,12 @@ def default_ad_texts(index: Any) -> dict[Hashable, str]:
 def check_index_tokenizer(tokenizer: Any, index: Any) -> None:
     """Refuse a tokenizer whose base vocabulary (ids below the manifest's ``base_vocab_size``; code tokens
     a warm-start model added above it do not count) is not the one the index's ``token_ids`` were
-    built with (the manifest's ``tokenizer_fingerprint``, see :func:`adbatch.index.tokenizer_fingerprint`).
+    built with (the manifest's ``tokenizer_fingerprint``, see :func:`adbatch.models.tokenizer_fingerprint`).
     Indexes without a fingerprint are not checked."""
     want = (index.manifest or {}).get("tokenizer_fingerprint")
     if want is None:
         return
-    from adbatch.index import tokenizer_fingerprint
+    from adbatch.models import tokenizer_fingerprint
 
     if tokenizer_fingerprint(tokenizer, below=int(index.manifest.get("base_vocab_size", len(tokenizer)))) != want:
         raise ValueError(f"the model's tokenizer is not the one index {str(index.index_hash)[:12]} was built with "

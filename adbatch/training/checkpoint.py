@@ -15,9 +15,10 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from adbatch.artifacts import code_version, write_json_atomic
 
@@ -49,6 +50,7 @@ def save_trained(model: Any, tokenizer: Any, out_dir: str | Path, record: Mappin
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     if masks:
+        import torch
         from safetensors.torch import save_file
 
         save_file({k: v.to(torch.uint8).cpu().contiguous() for k, v in masks.items()}, str(tmp / MASKS_FILE))
