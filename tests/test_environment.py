@@ -45,3 +45,17 @@ def test_a_tokenizer_and_config_load_with_our_kernels_package_on_the_path(tmp_pa
     LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, vocab_size=64).save_pretrained(tmp_path)
     assert AutoConfig.from_pretrained(str(tmp_path), local_files_only=True).model_type == "llama"
+
+
+def test_lazy_package_members_load_on_first_access_and_unknown_names_still_fail():
+    """adbatch.decoding / adbatch.training defer their torch modules (adbatch.lazy): a deferred name
+    resolves to the submodule's object, and a misspelt one is an AttributeError, not None."""
+    import adbatch.decoding as decoding
+    import adbatch.training as training
+    from adbatch.decoding.beam_search import search_targets
+    from adbatch.training.trainer import TrainConfig
+
+    assert decoding.search_targets is search_targets and training.TrainConfig is TrainConfig
+    with pytest.raises(AttributeError, match="no attribute 'search_target'"):
+        decoding.search_target  # noqa: B018
+    assert set(decoding.__all__) <= set(dir(decoding)) | set(decoding._LAZY)

@@ -8,10 +8,10 @@ verbs load their modules on first use (PEP 562).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from adbatch.decoding.config import CreativeConfig, CreativeStrategy, TargetSearchConfig, VerifyMode
+from adbatch.lazy import lazy_members
 
 #: public name -> the submodule that defines it (imported at first access)
 _LAZY = {
@@ -25,15 +25,7 @@ if TYPE_CHECKING:
     from adbatch.decoding.cost_model import CostModel, calibrate, load_or_calibrate
     from adbatch.decoding.creative import generate_creatives
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_members(__name__, _LAZY)
 
 __all__ = [
     "CostModel", "CreativeConfig", "CreativeStrategy", "TargetSearchConfig", "TargetSearchResult",

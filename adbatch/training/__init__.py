@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-import importlib
 from typing import TYPE_CHECKING, Any, Hashable, Iterable, Mapping
 
+from adbatch.lazy import lazy_members
 from adbatch.training.checkpoint import (IndexMismatchError, check_index_compat, load_masks,
                                          read_training_record, save_trained)
 from adbatch.training.pseudo_queries import QuerySource
@@ -29,15 +29,7 @@ if TYPE_CHECKING:
     from adbatch.training.sparsity import SparsityScheduleConfig
     from adbatch.training.trainer import TrainConfig
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_members(__name__, _LAZY)
 
 __all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "DistillConfig", "train_on_index", "check_index_compat",
            "IndexMismatchError", "read_training_record", "load_masks", "save_trained", "scheme_name"]
