@@ -11,6 +11,11 @@ Creative metrics (one implementation each, used by ``adbatch eval`` and the nigh
   consecutive words found verbatim in their prompt covers ``>= 50 %`` of the output's words
   (:func:`prompt_copy_fraction`): "Advertiser: Clearfunds" copies 100 % of itself from the prompt,
   "Clearfunds: loans made simple" 25 %. Empty outputs are not copies; they count in the empty share.
+  Human headlines reuse the ad's words too: 38 % of the slogan test set's references count as copies.
+- prompt-echo share (:func:`prompt_echo_share`): the share of outputs that reproduce the prompt instead
+  of writing from it -- they carry one of the prompt's field labels ("Advertiser: Clearfunds"), repeat the
+  instruction line, or copy ``>= 50 %`` of the prompt's own words in one verbatim run (issue 18's "copy >= 50 % of the prompt").
+  This is the failure of an untuned model echoing its input; 0 % of the slogan references do it.
 - empty share (:func:`empty_share`): outputs with no word.
 
 METEOR here is the *exact + stem* variant: nltk's implementation (unigram alignment, F-mean with
@@ -120,6 +125,40 @@ def prompt_copy_share(outputs: Sequence[str], prompts: Sequence[str], threshold:
     return sum(prompt_copy_fraction(o, p) >= threshold for o, p in zip(outputs, prompts)) / len(outputs)
 
 
+#: a field label at the start of a prompt line ("Advertiser: ...", "Description: ..."): the prompt's frame
+_FIELD_LABEL = re.compile(r"^\s*([A-Za-z][A-Za-z _-]{0,30}):", re.MULTILINE)
+
+
+def prompt_echo(output: str, prompt: str, threshold: float = 0.5) -> bool:
+    """Whether ``output`` echoes ``prompt``: it contains a field label of the prompt's frame (a ``Label:``
+    that starts one of the prompt's lines, matched case-insensitively as ``label:``), or a whole unlabelled
+    prompt line of >= 3 words (the instruction), or its longest verbatim word run shared with the prompt
+    covers ``>= threshold`` of the *prompt's* words."""
+    out = _tokens(output)
+    if not out:
+        return False
+    low = output.lower()
+    if any(f"{m.strip().lower()}:" in low for m in _FIELD_LABEL.findall(prompt)):
+        return True
+    # an unlabelled prompt line (the instruction) of >= 3 words reproduced whole
+    joined = f" {' '.join(out)} "
+    for line in prompt.splitlines():
+        words = _tokens(line)
+        if len(words) >= 3 and not _FIELD_LABEL.match(line) and f" {' '.join(words)} " in joined:
+            return True
+    src = _tokens(prompt)
+    return bool(src) and prompt_copy_fraction(output, prompt) * len(out) >= threshold * len(src)
+
+
+def prompt_echo_share(outputs: Sequence[str], prompts: Sequence[str], threshold: float = 0.5) -> float:
+    """Share of ``outputs`` that :func:`prompt_echo` their prompt."""
+    if len(outputs) != len(prompts):
+        raise ValueError(f"{len(outputs)} outputs vs {len(prompts)} prompts")
+    if not outputs:
+        return 0.0
+    return sum(prompt_echo(o, p, threshold) for o, p in zip(outputs, prompts)) / len(outputs)
+
+
 def empty_share(outputs: Sequence[str]) -> float:
     """Share of ``outputs`` without a single word."""
     return sum(not _tokens(o) for o in outputs) / len(outputs) if outputs else 0.0
@@ -127,12 +166,12 @@ def empty_share(outputs: Sequence[str]) -> float:
 
 def creative_quality(outputs: Sequence[str], references: Sequence[str], prompts: Sequence[str]) -> dict[str, float]:
     """Every creative metric of the report for one variant: ``rouge1``, ``rouge2``, ``rougeL``, ``bleu``,
-    ``meteor``, ``distinct1``, ``distinct2``, ``copy_share``, ``empty_share`` (``prompts``: the text
-    each output was generated from, for the copy share)."""
+    ``meteor``, ``distinct1``, ``distinct2``, ``copy_share``, ``echo_share``, ``empty_share`` (``prompts``:
+    the text each output was generated from, for the copy and echo shares)."""
     return {**rouge_f1(outputs, references), "bleu": corpus_bleu(outputs, references),
             "meteor": meteor_exact_stem(outputs, references), "distinct1": distinct_n(outputs, 1),
             "distinct2": distinct_n(outputs, 2), "copy_share": prompt_copy_share(outputs, prompts),
-            "empty_share": empty_share(outputs)}
+            "echo_share": prompt_echo_share(outputs, prompts), "empty_share": empty_share(outputs)}
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -177,7 +216,8 @@ TARGETING_COLS = [("variant", "variant"), ("scheme", "scheme"), ("verify", "veri
                   ("ms_per_query", "ms/query"), ("note", "note")]
 CREATIVE_COLS = [("variant", "variant"), ("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"), ("rougeL", "ROUGE-L"),
                  ("bleu", "BLEU"), ("meteor", "METEOR (exact+stem)"), ("distinct1", "distinct-1"),
-                 ("distinct2", "distinct-2"), ("copy_share", "copy >= 50% of prompt"), ("empty_share", "empty"),
+                 ("distinct2", "distinct-2"), ("copy_share", "copy: >= 50% of words from prompt"),
+                 ("echo_share", "echo of prompt"), ("empty_share", "empty"),
                  ("examples", "examples"), ("requests_per_s", "requests/s"),
                  ("ms_per_request", "ms/request"), ("note", "note")]
 
@@ -226,9 +266,11 @@ def write_report(out: Path, results: dict[str, Any]) -> dict[str, Path]:
                   "- BLEU: sacrebleu corpus BLEU, one human reference per ad",
                   "- METEOR (exact+stem): nltk METEOR without WordNet synonyms (offline), mean "
                   "over sentences",
-                  "- distinct-1/2: distinct word uni/bigrams over all outputs; copy >= 50% of prompt: share of "
-                  "outputs whose longest verbatim word run from the prompt is >= half their words; empty: "
-                  "share of outputs with no word", ""]
+                  "- distinct-1/2: distinct word uni/bigrams over all outputs; copy: share of outputs whose "
+                  "longest verbatim word run from the prompt is >= half their words (38 % of the human "
+                  "references on this test set); echo: share of outputs that carry a field label of the prompt "
+                  "(\"Advertiser:\") or copy >= half of the prompt's own words; empty: share of outputs with no "
+                  "word", ""]
         rows = c.get("rows", [])
         lines += [_table(rows, CREATIVE_COLS), ""]
         ok = [r for r in rows if r.get("bleu") is not None]
@@ -238,7 +280,8 @@ def write_report(out: Path, results: dict[str, Any]) -> dict[str, Path]:
                       {"ROUGE-L/100": [float(r.get("rougeL") or 0.0) / 100 for r in ok],
                        "BLEU/100": [float(r["bleu"]) / 100 for r in ok],
                        "METEOR": [float(r["meteor"]) for r in ok],
-                       "copy share": [float(r.get("copy_share") or 0.0) for r in ok]},
+                       "copy share": [float(r.get("copy_share") or 0.0) for r in ok],
+                       "echo share": [float(r.get("echo_share") or 0.0) for r in ok]},
                       "Creative quality (slogan test-curated)", "score")
             files["creatives_quality"] = png
             lines += [f"![creatives quality]({png.name})", ""]

@@ -91,7 +91,8 @@ def metric_support() -> dict[str, str | None]:
 
 def quality(hyps: list[str], refs: list[str], prompt_texts: list[str], support: dict[str, str | None]) -> dict[str, Any]:
     """Every creative metric of ``adbatch.report`` whose package is importable."""
-    from adbatch.report import corpus_bleu, distinct_n, empty_share, meteor_exact_stem, prompt_copy_share, rouge_f1
+    from adbatch.report import (corpus_bleu, distinct_n, empty_share, meteor_exact_stem, prompt_copy_share,
+                                prompt_echo_share, rouge_f1)
 
     out: dict[str, Any] = {}
     if support["rouge"] is None:
@@ -101,8 +102,21 @@ def quality(hyps: list[str], refs: list[str], prompt_texts: list[str], support: 
     if support["meteor"] is None:
         out["meteor"] = meteor_exact_stem(hyps, refs)
     out.update({"distinct1": distinct_n(hyps, 1), "distinct2": distinct_n(hyps, 2),
-                "copy_share": prompt_copy_share(hyps, prompt_texts), "empty_share": empty_share(hyps)})
+                "copy_share": prompt_copy_share(hyps, prompt_texts),
+                "echo_share": prompt_echo_share(hyps, prompt_texts), "empty_share": empty_share(hyps)})
     return out
+
+
+def reference_shares(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The copy and echo shares of the human reference headlines against the tuned prompt of their own
+    ad: what a model that writes like the references would score on those two metrics."""
+    from adbatch.prompts import CreativePrompt, creative_prompt_text
+    from adbatch.report import prompt_copy_share, prompt_echo_share
+
+    refs = [r["reference"] for r in rows]
+    prompts = [creative_prompt_text({k: r[k] for k in ("advertiser", "description", "industry")},
+                                    style=CreativePrompt.TUNED) for r in rows]
+    return {"copy_share": prompt_copy_share(refs, prompts), "echo_share": prompt_echo_share(refs, prompts)}
 
 
 def read_slogans(path: Path) -> list[dict[str, Any]]:
@@ -293,14 +307,16 @@ def smoke_index(model_dir: Path, folder: Path) -> Path:
 def markdown(state: dict[str, Any]) -> str:
     cols = [("phase", "variant"), ("prompt", "prompt"), ("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"),
             ("rougeL", "ROUGE-L"), ("bleu", "BLEU"), ("meteor", "METEOR"), ("distinct1", "dist-1"),
-            ("distinct2", "dist-2"), ("copy_share", "copy>=50%"), ("empty_share", "empty"),
+            ("distinct2", "dist-2"), ("copy_share", "copy>=50%"), ("echo_share", "echo"),
+            ("empty_share", "empty"),
             ("headlines_per_s", "headlines/s"), ("examples", "rows")]
 
     def fmt(v: Any) -> str:
         return "–" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
     lines = [f"test rows: {state.get('test_rows')}; train pairs: {state.get('pairs', {}).get('pairs')}; "
-             f"skipped metrics: {state.get('skipped_metrics') or 'none'}", "",
+             f"skipped metrics: {state.get('skipped_metrics') or 'none'}; the human references against their own "
+             f"prompts: {state.get('references')}", "",
              "| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
     for r in state["rows"]:
         lines.append("| " + " | ".join(fmt(r.get(k)) for k, _ in cols) + " |")
@@ -364,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": str(model_src or "default"), "train_csv": str(train_csv), "test_csv": str(test_csv),
         "test_rows": len(test_rows), "pairs": pairs.stats, "batch": batch, "max_new_tokens": args.max_new_tokens,
         "skipped_metrics": {k: v for k, v in support.items() if v}, "rows": [], "extra": {}, "not_run": {},
-        "budget_s": args.budget_s}
+        "budget_s": args.budget_s, "references": reference_shares(test_rows)}
     outputs: dict[str, list[str]] = {}
     folders = {"base": base_folder, "tuned": work / "tuned", "tuned-keep-copies": work / "tuned_keep",
                "tuned-e4": work / "tuned_e4", "shared": work / "shared", "tuned-qat": work / "tuned_qat"}
@@ -374,6 +390,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.out_json:
             args.out_json.parent.mkdir(parents=True, exist_ok=True)
             args.out_json.write_text(json.dumps(state, indent=1, default=str))
+            # every headline of every phase, row-aligned with the test file (metrics can be re-computed offline)
+            args.out_json.with_suffix(".headlines.json").write_text(json.dumps(outputs))
 
     def evaluate_into(name: str, spec: Any, extra: dict[str, Any] | None = None,
                       creative: dict[str, Any] | None = None) -> None:

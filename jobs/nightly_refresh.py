@@ -619,7 +619,7 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
                          f"tops {tops.count(common)}")
     if "creatives" in outputs:
         from adbatch.prompts import creative_prompt_text
-        from adbatch.report import empty_share, prompt_copy_share
+        from adbatch.report import empty_share, prompt_copy_share, prompt_echo_share
 
         req_file = ((_read(work / "generate" / "creatives" / "manifest.json") or {}).get("config") or {}).get("requests")
         made = [r for r in pq.read_table(outputs["creatives"], columns=["ad_id", "variant", "headline"]).to_pylist()
@@ -634,8 +634,10 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
         if known:
             heads = [r["headline"] for r in known]
             style = result.get("creatives_prompt") or "few_shot"
-            share = prompt_copy_share(heads, [creative_prompt_text(ad_of[r["ad_id"]], style=style) for r in known])
-            lines.append(f"  {len(heads)} headlines: {share:.0%} copy >= half of their words from the prompt, "
+            prompts = [creative_prompt_text(ad_of[r["ad_id"]], style=style) for r in known]
+            share = prompt_copy_share(heads, prompts)
+            lines.append(f"  {len(heads)} headlines: {prompt_echo_share(heads, prompts):.0%} echo the prompt (a field "
+                         f"label, or half of its words), {share:.0%} take half of their own words from it, "
                          f"{empty_share(heads):.0%} empty")
     record = _read(Path(result["model"]) / "adbatch_training.json") if result.get("model") else None
     train = (record or {}).get("train") or {}

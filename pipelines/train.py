@@ -61,7 +61,8 @@ class TrainJobConfig(ConfigBase):
         "help": "the query generator, used when train.pseudo_queries.source is generated or mix (tuned on "
                 "queries, the train split)"})
     num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
-    use_gpu: bool = dataclasses.field(default=False, metadata={"help": "one GPU per worker"})
+    use_gpu: bool | None = dataclasses.field(default=None, metadata={
+        "help": "one GPU per worker; unset: yes when the Ray cluster has a GPU for every worker"})
     num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
 
     def validate(self) -> None:
@@ -259,7 +260,8 @@ class CreativeTrainJobConfig(ConfigBase):
     init_model: str | None = dataclasses.field(default=None, metadata={"help": "base model; None = the default"})
     creatives: CreativeTuneConfig = dataclasses.field(default_factory=lambda: CreativeTuneConfig(enabled=True))
     num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
-    use_gpu: bool = dataclasses.field(default=False, metadata={"help": "one GPU per worker"})
+    use_gpu: bool | None = dataclasses.field(default=None, metadata={
+        "help": "one GPU per worker; unset: yes when the Ray cluster has a GPU for every worker"})
     num_cpus: int | None = dataclasses.field(default=None, metadata={"help": "local Ray CPUs (None = all)"})
 
     def validate(self) -> None:
@@ -315,7 +317,18 @@ def run_train_creatives(config: CreativeTrainJobConfig) -> dict[str, Any]:
     return out
 
 
-def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool, num_cpus: int | None, name: str) -> None:
+def resolve_use_gpu(use_gpu: bool | None, num_workers: int) -> bool:
+    """An explicit ``use_gpu``, else whether the running Ray cluster has a GPU for each of ``num_workers``
+    (a refresh started on a GPU machine trains there without a flag; on a CPU machine it trains on CPU)."""
+    if use_gpu is not None:
+        return use_gpu
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0)) >= num_workers
+
+
+def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool | None, num_cpus: int | None,
+         name: str) -> None:
     """Run ``worker(job_dict)`` on ``num_workers`` Ray Train workers; raise if it failed."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -323,6 +336,8 @@ def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool,
     from pipelines.ray_runtime import init_ray
 
     init_ray(num_cpus=num_cpus)
+    use_gpu = resolve_use_gpu(use_gpu, num_workers)
+    log.info("%s: %d Ray Train worker(s), %s", name, num_workers, "one GPU each" if use_gpu else "on CPU")
     storage = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     trainer = TorchTrainer(worker, train_loop_config=job_dict,
                            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),

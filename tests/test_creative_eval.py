@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from adbatch.prompts import creative_prompt_text
+from adbatch.prompts import CreativePrompt
 from adbatch.report import (creative_quality, distinct_n, empty_share, prompt_copy_fraction, prompt_copy_share,
-                            rouge_f1, write_report)
+                            prompt_echo, prompt_echo_share, rouge_f1, write_report)
 from test_generate_support import tiny_model_dir
 
 AD = {"advertiser": "Clearfunds", "description": "Business loans for small firms, decided in a day.",
@@ -49,14 +50,39 @@ def test_prompt_copy_and_empty_shares():
     assert empty_share(outs) == 0.25
     q = creative_quality(outs, ["Loans made simple"] * 4, [prompt] * 4)
     assert set(q) == {"rouge1", "rouge2", "rougeL", "bleu", "meteor", "distinct1", "distinct2", "copy_share",
-                      "empty_share"}
+                      "echo_share", "empty_share"}
     assert q["copy_share"] == 0.5 and q["empty_share"] == 0.25 and q["rouge1"] == pytest.approx(
         100 * (0 + 6 / 7 + 0 + 0) / 4)
 
 
+@pytest.mark.parametrize("style", list(CreativePrompt))
+def test_prompt_echo_flags_the_prompts_frame_not_a_headline_that_reuses_its_words(style):
+    prompt = creative_prompt_text(AD, style=style)
+    assert prompt_echo("Advertiser: Clearfunds", prompt)  # the untuned model's failure: a field label echoed
+    assert prompt_echo("ADVERTISER:Clearfunds loans", prompt)
+    assert prompt_echo("Industry: financial services", prompt)
+    # a headline that reuses the ad's words (as 38 % of the human references do) is not an echo
+    assert not prompt_echo("Clearfunds: loans made simple", prompt)
+    assert not prompt_echo("Business loans for small firms", prompt)
+    assert not prompt_echo("", prompt)
+    # half of the prompt's own words in one verbatim run: the "copies >= 50 % of the prompt"
+    short = "Advertiser: Clearfunds\nDescription: Fast loans"
+    assert prompt_echo("Clearfunds description fast loans today", short)  # run of 4 of the prompt's 5 words
+    assert not prompt_echo("Clearfunds: fast loans", short)  # runs of 1 and 2 words
+
+
+def test_prompt_echo_flags_the_instruction_repeated():
+    prompt = creative_prompt_text(AD, style=CreativePrompt.TUNED)
+    assert prompt_echo("Write an advertising headline for this advertiser", prompt)
+    outs = ["Write an advertising headline for this advertiser", "Loans in a day", "Advertiser: Clearfunds", ""]
+    assert prompt_echo_share(outs, [prompt] * 4) == 0.5
+    with pytest.raises(ValueError, match="prompts"):
+        prompt_echo_share(outs, [prompt])
+
+
 def test_report_lists_every_creative_metric_and_samples(tmp_path):
     row = {"variant": "dense", "rouge1": 12.5, "rouge2": 3.25, "rougeL": 11.0, "bleu": 1.5, "meteor": 0.1,
-           "distinct1": 0.7, "distinct2": 0.9, "copy_share": 0.5, "empty_share": 0.0, "examples": 10,
+           "distinct1": 0.7, "distinct2": 0.9, "copy_share": 0.5, "echo_share": 0.25, "empty_share": 0.0, "examples": 10,
            "requests_per_s": 2.0, "ms_per_request": 500.0, "note": "greedy"}
     samples = [{"advertiser": f"adv {i}", "reference": f"ref {i}", "outputs": {"dense": f"out {i}"}}
                for i in range(10)]
@@ -64,10 +90,10 @@ def test_report_lists_every_creative_metric_and_samples(tmp_path):
                                     "creatives": {"data": "t.csv", "examples": 10, "rows_in_file": 994,
                                                   "rows": [row], "samples": samples}})
     text = files["report"].read_text()
-    for col in ("ROUGE-1", "ROUGE-2", "ROUGE-L", "BLEU", "distinct-1", "distinct-2", "copy >= 50% of prompt",
-                "empty", "requests/s"):
+    for col in ("ROUGE-1", "ROUGE-2", "ROUGE-L", "BLEU", "distinct-1", "distinct-2",
+                "copy: >= 50% of words from prompt", "echo of prompt", "empty", "requests/s"):
         assert f" {col} |" in text
-    assert "| dense | 12.500 | 3.250 | 11.000 | 1.500 | 0.100 | 0.700 | 0.900 | 0.500 | 0.000 | 10 |" in text
+    assert "| dense | 12.500 | 3.250 | 11.000 | 1.500 | 0.100 | 0.700 | 0.900 | 0.500 | 0.250 | 0.000 | 10 |" in text
     assert "first 10 of 994 rows" in text and "35.58 / 18.47 / 33.32" in text
     assert sum(line.startswith("| adv ") for line in text.splitlines()) == 10
 
@@ -134,7 +160,8 @@ def test_refresh_prints_samples_and_what_the_budget_reached(tmp_path):
                          "    2. a2: Shoes For Life", "    3. a3: Sun Power"]
     assert "1 distinct top-1 ads over 2 queries; the most common, a1, tops 2" in text
     assert "  Acme Bakery -> 'Bread Worth Waking Up For' [Bread Daily]" in text
-    assert "  2 headlines: 50% copy >= half of their words from the prompt, 0% empty" in text
+    assert ("  2 headlines: 50% echo the prompt (a field label, or half of its words), 50% take half of their own "
+            "words from it, 0% empty") in text
     assert lines[-1].startswith("this budget reached: 2 optimizer steps (0.16% of an epoch at 76 tokens/s, "
                                 "stopped by the time/step budget); too little for the model to tell the queries "
                                 "apart (a1 tops 2 of 2)")
