@@ -51,6 +51,7 @@ class Stage(str, enum.Enum):
     TRAIN = "train"
     TRAIN_CREATIVES = "train_creatives"
     COMPRESS = "compress"
+    COMPRESS_CREATIVES = "compress_creatives"
     GENERATE_TARGETS = "generate_targets"
     GENERATE_CREATIVES = "generate_creatives"
     EVAL = "eval"
@@ -71,7 +72,8 @@ class CreativesModel(str, enum.Enum):
 
     BASE = "base"  #: the base model the refresh started from (dense)
     SERVED = "served"  #: the same model as targets (trained, compressed if `use = compressed`)
-    #: the creative fine-tune's model (``train.creatives``): the separate creative model (dense), or with
+    #: the creative fine-tune's model (``train.creatives``): the separate creative model (dense unless
+    #: ``generate.creatives_use = compressed``), or with
     #: ``shape = shared`` the served model (compressed if ``use = compressed``)
     TUNED = "tuned"
 
@@ -147,7 +149,14 @@ class GenerateStage(ConfigBase):
     targets: TargetSearchConfig = dataclasses.field(default_factory=TargetSearchConfig)
     creatives: CreativeConfig = dataclasses.field(default_factory=CreativeConfig)
     creatives_model: CreativesModel = dataclasses.field(
-        default=CreativesModel.BASE, metadata={"help": "base | served: which model writes creatives"})
+        default=CreativesModel.BASE, metadata={"help": "base | served | tuned: which model writes creatives"})
+    # dense by default: on the default model the engine runs dense matmuls at the creative buckets either way
+    # (packed loses at its shapes), so the INT4 copy buys no speed and costs 1.3 % ROUGE-L (29.88 vs 30.28,
+    # 994 slogan test rows, H200, bench/RESULTS.md); compressed is for models where the packed kernels win
+    creatives_use: GenerateWith = dataclasses.field(default=GenerateWith.DENSE, metadata={
+        "help": "dense | compressed: how the separate creative model (creatives_model = tuned) is served; "
+                "compressed fine-tunes it with QAT from step 0 and compresses it (stage compress_creatives) "
+                "with the compress stage's settings"})
     validation: RequestValidationConfig = dataclasses.field(default_factory=RequestValidationConfig)
     concurrency: int = dataclasses.field(default=1, metadata={"help": "generation actors"})
     batch_size: int | None = dataclasses.field(
@@ -186,6 +195,12 @@ class RefreshConfig(ConfigBase):
             raise ConfigError(f"RefreshConfig.num_cpus must be >= 1, got {self.num_cpus}")
         if self.generate.creatives_model is CreativesModel.TUNED and not self.train.creatives.enabled:
             raise ConfigError("generate.creatives_model = tuned needs train.creatives.enabled (the creative fine-tune)")
+        if self.generate.creatives_use is GenerateWith.COMPRESSED:
+            separate = self.train.creatives.shape is not CreativeTuneShape.SHARED
+            if not (self.generate.creatives_model is CreativesModel.TUNED and separate and self.compress.enabled):
+                raise ConfigError("generate.creatives_use = compressed serves the separate creative model compressed: "
+                                  "it needs generate.creatives_model = tuned, train.creatives.shape = separate and "
+                                  "compress.enabled (the served and shared models follow generate.use)")
         known = {s.value for s in Stage} | {"all"}
         bad = [s for s in self.force if s not in known]
         if bad:
@@ -455,7 +470,12 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
         from pipelines.train import CreativeTrainJobConfig, run_train_creatives
 
         creative_dir = work / "creative_model"
-        cjob = CreativeTrainJobConfig(out=creative_dir, pairs=pairs_file, init_model=config.model, creatives=tune,
+        ctune = tune
+        if gen.creatives_use is GenerateWith.COMPRESSED and not tune.train.qat.enabled:
+            # served compressed: QAT over the fine-tune (its own start, 0 by default) is what keeps the INT4 copy
+            # within 5 % of dense (RESULTS.md: -1.3 % with it, -7.5 % with QAT on the last 20 % only)
+            ctune = tune.replace(train=tune.train.replace(qat=tune.train.qat.replace(enabled=True)))
+        cjob = CreativeTrainJobConfig(out=creative_dir, pairs=pairs_file, init_model=config.model, creatives=ctune,
                                       num_workers=1, num_cpus=config.num_cpus)
         inputs = {"creative_pairs": pairs_hash, "base_model": base_hash,
                   "creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)}
@@ -465,6 +485,7 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
 
     # --- compress
     compressed_dir: Path | None = None
+    creative_compressed: Path | None = None
     if config.compress.enabled:
         from pipelines.compress import CompressJobConfig, run_compress
 
@@ -494,6 +515,18 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
                 inputs["calibration_queries"] = sha256_file(comp_job.queries)
         runner.run(Stage.COMPRESS, comp_job, inputs, compressed_dir / "manifest.json",
                    lambda: run_compress(comp_job))
+        # the separate creative model, compressed with the same settings (a QAT-trained model is quantized on
+        # the grid its record names); calibration on the compress stage's default texts
+        if creative_dir is not None and gen.creatives_use is GenerateWith.COMPRESSED:
+            creative_compressed = work / "creative_compressed"
+            ccomp_job = comp_job.replace(model=str(creative_dir), out=creative_compressed, calib=calib,
+                                         index=None, ads=None, queries=None)
+            inputs = {"model": creative_in, "packed_format_version": str(FORMAT_VERSION)}
+            if calib:
+                inputs["calib"] = sha256_file(calib)
+            runner.run(Stage.COMPRESS_CREATIVES, ccomp_job, inputs, creative_compressed / "manifest.json",
+                       lambda: run_compress(ccomp_job))
+            creative_in = sha256_file(creative_compressed / "manifest.json")
     use_compressed = compressed_dir is not None and gen.use is GenerateWith.COMPRESSED
     serve_in = sha256_file(compressed_dir / "manifest.json") if use_compressed else model_in
 
@@ -515,9 +548,11 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
         from_creative = creatives and gen.creatives_model is CreativesModel.TUNED and creative_dir is not None
         job = GenerateJobConfig(
             task=task, requests=_abs(path), index=index_dir, out=out,
-            model=(config.model if from_base else str(creative_dir) if from_creative
+            model=(config.model if from_base
+                   else (None if creative_compressed else str(creative_dir)) if from_creative
                    else (None if use_compressed else model_dir)),
-            compressed=compressed_dir if (use_compressed and not from_base and not from_creative) else None,
+            compressed=(creative_compressed if from_creative
+                        else compressed_dir if (use_compressed and not from_base) else None),
             targets=gen.targets, creatives=gen.creatives, validation=gen.validation,
             concurrency=gen.concurrency, batch_size=gen.batch_size, partition_size=gen.partition_size,
             executor=gen.executor, num_cpus=config.num_cpus, overwrite=True, progress=False)
@@ -545,12 +580,13 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
             out=eval_dir, model=base.model or config.model, compressed=base.compressed or compressed_dir,
             creatives=base.creatives.replace(model=base.creatives.model or model_dir))
         if creative_dir is not None and gen.creatives_model is CreativesModel.TUNED:
-            # creatives: the separate creative model (dense; the compressed checkpoint is the targeting model's)
+            # creatives: the separate creative model, dense vs its own compressed copy when it is served so (the
+            # compress stage's checkpoint is the targeting model's)
             eval_job = eval_job.replace(
                 compressed=None, targeting=base.targeting.replace(compressed=base.targeting.compressed or base.compressed
                                                                   or compressed_dir),
                 creatives=base.creatives.replace(model=base.creatives.model or str(creative_dir),
-                                                 compressed=base.creatives.compressed))
+                                                 compressed=base.creatives.compressed or creative_compressed))
         inputs = {"model": base_hash, "served_model": model_in, "read": _eval_inputs(base)}
         if creative_in is not None:
             inputs["creative_model"] = creative_in
@@ -563,6 +599,7 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
     summary.update({
         "index": str(index_dir), "model": model_dir, "compressed": str(compressed_dir) if compressed_dir else None,
         "creative_model": str(creative_dir) if creative_dir else None,
+        "creative_compressed": str(creative_compressed) if creative_compressed else None,
         "creatives_prompt": "tuned" if tuned_prompt else "few_shot",
         "outputs": outputs, "report": report,
         "generate": {k: {"counts": v.get("counts"), "throughput": v.get("throughput")}

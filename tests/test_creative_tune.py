@@ -288,6 +288,77 @@ def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path,
     assert len(trained) == 3
 
 
+def test_refresh_serves_the_creative_model_compressed_when_asked(tmp_path, monkeypatch):
+    """generate.creatives_use = compressed: the creative fine-tune runs with QAT, stage compress_creatives
+    compresses its model with the compress stage's settings, generate-creatives reads that checkpoint, and a
+    new creative model recompresses; the default (dense) serves the creative folder and compresses nothing."""
+    import pipelines.compress
+    import pipelines.generate
+    import pipelines.train
+    from adbatch.artifacts import write_json_atomic
+    from adbatch.config import ConfigError
+    from test_jobs import _refresh_without_ray
+
+    trained, compressed, generated = [], [], []
+
+    def fake_tune(job):
+        trained.append(job)
+        write_json_atomic(Path(job.out) / "adbatch_training.json",
+                          {"trained_on_index": None, "task": "creatives", "train": {"steps": len(trained)},
+                           "creative": {"pairs": {"pairs": 1}}})
+        return {}
+
+    def fake_compress(job):
+        compressed.append(job)
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "compress", "model": str(job.model),
+                                                            "n": len(compressed)})
+        return {}
+
+    def fake_generate(job):
+        generated.append(job)
+        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "generate"})
+        return {}
+
+    nr = _refresh_without_ray(monkeypatch)
+    monkeypatch.setattr(pipelines.train, "run_train_creatives", fake_tune)
+    monkeypatch.setattr(pipelines.compress, "run_compress", fake_compress)
+    monkeypatch.setattr(pipelines.generate, "run_generate", fake_generate)
+    base = {"work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
+            "train": {"enabled": False, "creatives": {"enabled": True}}, "eval": {"enabled": False},
+            "compress": {"eval_texts": 3},
+            "generate": {"targets_requests": None, "creatives_model": "tuned", "creatives_use": "compressed"}}
+    cfg = nr.RefreshConfig.from_dict(base)
+    first = nr.run_refresh(cfg)
+    assert first["stages"]["compress_creatives"]["status"] == "ran"
+    assert trained[-1].creatives.train.qat.enabled and trained[-1].creatives.train.qat.start_fraction == 0.0
+    creative_job = compressed[-1]
+    assert Path(creative_job.model) == Path(first["creative_model"]) and creative_job.eval_texts == 3
+    assert creative_job.index is None and creative_job.queries is None
+    assert generated[-1].model is None and Path(generated[-1].compressed) == Path(first["creative_compressed"])
+    again = nr.run_refresh(cfg)
+    assert again["stages"]["compress_creatives"]["status"] == "skipped"
+    assert again["stages"]["generate_creatives"]["status"] == "skipped"
+    # a retrained creative model is compressed again and its headlines rewritten
+    lr = cfg.replace(train=cfg.train.replace(creatives=cfg.train.creatives.replace(
+        train=cfg.train.creatives.train.replace(lr=3e-4))))
+    third = nr.run_refresh(lr)
+    assert third["stages"]["compress_creatives"]["status"] == "ran"
+    assert third["stages"]["generate_creatives"]["status"] == "ran"
+    # the default serves the creative folder dense and trains without QAT
+    n = len(compressed)
+    dense = nr.RefreshConfig.from_dict({**base, "work": str(tmp_path / "dense"),
+                                        "generate": {**base["generate"], "creatives_use": "dense"}})
+    out = nr.run_refresh(dense)
+    assert "compress_creatives" not in out["stages"] and out["creative_compressed"] is None
+    assert not trained[-1].creatives.train.qat.enabled
+    assert Path(generated[-1].model) == Path(out["creative_model"]) and generated[-1].compressed is None
+    assert len(compressed) == n + 1  # the targeting model's compress stage only
+    with pytest.raises(ConfigError, match="creatives_use = compressed"):
+        nr.RefreshConfig.from_dict({**base, "generate": {**base["generate"], "creatives_model": "base"}})
+    with pytest.raises(ConfigError, match="creatives_use = compressed"):
+        nr.RefreshConfig.from_dict({**base, "compress": {"enabled": False}})
+
+
 def test_run_train_creatives_on_ray_train_writes_a_marked_creative_model(tmp_path, ray_local):
     from test_generate_support import tiny_model_dir
 
