@@ -2,7 +2,7 @@
 
 What it measures, for each variant ``model:no_repeat:prompt_block`` (``model`` = dense | compressed):
 ROUGE-1/2/L, BLEU, METEOR, distinct-1/2, prompt-copy share and empty share
-(:func:`adbatch.report.creative_quality`) of greedy headlines (16 tokens) on
+(:func:`adbatch.eval.report.creative_quality`) of greedy headlines (16 tokens) on
 
 - the example's creative requests (``examples/requests_creatives.parquet``; references = the ads' own
   ``title`` in ``examples/slogan_ads.parquet``), and
@@ -49,12 +49,12 @@ def main() -> None:
     import pyarrow.parquet as pq
     import torch
 
-    from adbatch.datasets import load_slogan_test
+    from adbatch.eval.datasets import load_slogan_test
     from adbatch.decoding.config import CreativeConfig
     from adbatch.decoding.creative import generate_creatives
-    from adbatch.generation import ModelSpec, load_model
-    from adbatch.prompts import creative_prompt_of, creative_prompt_text, encode_creative_prompt, encode_creative_target
-    from adbatch.report import creative_quality
+    from adbatch.serving.generators import ModelSpec, load_model
+    from adbatch.serving.prompts import creative_prompt_of, creative_prompt_text, encode_creative_prompt, encode_creative_target
+    from adbatch.eval.report import creative_quality
     from adbatch.training.creatives import load_headline_pairs
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,7 +7,7 @@ once, so a cut run keeps its rows):
 
 1. ``base``: the model as given (``--model``: GGUF / HF folder; default: the default model) writes a
    headline for every row of ``--test-csv`` (slogan ``test-curated.csv``, 994 rows) from the few-shot
-   prompt, through :class:`adbatch.generation.CreativeGenerator` -- the decode engine, greedy, 16 new
+   prompt, through :class:`adbatch.serving.generators.CreativeGenerator` -- the decode engine, greedy, 16 new
    tokens, as ``adbatch generate`` / ``adbatch eval`` serve it.
 2. ``tuned``: the ``separate`` shape -- :func:`adbatch.training.creatives.tune_creatives` with the
    library's :class:`CreativeTuneConfig` defaults (``--epochs`` / ``--lr`` override) on the (fields ->
@@ -31,7 +31,7 @@ once, so a cut run keeps its rows):
    = N`` (0 = off; the default is 6): how the prompt-copy share trades against ROUGE when the decoder may
    not repeat shorter runs of the prompt.
 
-Metrics per row (``adbatch.report``, as ``adbatch eval``): ROUGE-1/2/L F1 x 100 (rouge-score), BLEU
+Metrics per row (``adbatch.eval.report``, as ``adbatch eval``): ROUGE-1/2/L F1 x 100 (rouge-score), BLEU
 (sacrebleu), METEOR exact+stem (nltk), distinct-1/2, copy >= 50 % of the prompt (against the text of the
 prompt the model read), empty share, and headlines/s (generation only; model load and one warm-up batch
 excluded). A metric whose package is not importable is skipped and named in the output
@@ -72,7 +72,7 @@ elif str(REPO) not in sys.path:
 
 log = logging.getLogger("creatives_tune")
 
-#: metric -> the module it needs (adbatch.report imports these when computing it)
+#: metric -> the module it needs (adbatch.eval.report imports these when computing it)
 METRIC_MODULES = {"rouge": "rouge_score.rouge_scorer", "bleu": "sacrebleu", "meteor": "nltk.translate.meteor_score"}
 SAMPLE_ROWS = 10
 
@@ -90,8 +90,8 @@ def metric_support() -> dict[str, str | None]:
 
 
 def quality(hyps: list[str], refs: list[str], prompt_texts: list[str], support: dict[str, str | None]) -> dict[str, Any]:
-    """Every creative metric of ``adbatch.report`` whose package is importable."""
-    from adbatch.report import (corpus_bleu, distinct_n, empty_share, meteor_exact_stem, prompt_copy_share,
+    """Every creative metric of ``adbatch.eval.report`` whose package is importable."""
+    from adbatch.eval.report import (corpus_bleu, distinct_n, empty_share, meteor_exact_stem, prompt_copy_share,
                                 prompt_echo_share, rouge_f1)
 
     out: dict[str, Any] = {}
@@ -110,8 +110,8 @@ def quality(hyps: list[str], refs: list[str], prompt_texts: list[str], support: 
 def reference_shares(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The copy and echo shares of the human reference headlines against the tuned prompt of their own
     ad: what a model that writes like the references would score on those two metrics."""
-    from adbatch.prompts import CreativePrompt, creative_prompt_text
-    from adbatch.report import prompt_copy_share, prompt_echo_share
+    from adbatch.serving.prompts import CreativePrompt, creative_prompt_text
+    from adbatch.eval.report import prompt_copy_share, prompt_echo_share
 
     refs = [r["reference"] for r in rows]
     prompts = [creative_prompt_text({k: r[k] for k in ("advertiser", "description", "industry")},
@@ -120,8 +120,8 @@ def reference_shares(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def read_slogans(path: Path) -> list[dict[str, Any]]:
-    """Rows of a slogan CSV as ad records + ``reference`` (:func:`adbatch.datasets.load_slogan_test`)."""
-    from adbatch.datasets import load_slogan_test
+    """Rows of a slogan CSV as ad records + ``reference`` (:func:`adbatch.eval.datasets.load_slogan_test`)."""
+    from adbatch.eval.datasets import load_slogan_test
 
     return load_slogan_test(path).to_pylist()
 
@@ -146,8 +146,8 @@ def evaluate(spec: Any, rows: list[dict[str, Any]], batch: int, max_new_tokens: 
     import torch
 
     from adbatch.decoding import CreativeConfig
-    from adbatch.generation import CreativeGenerator, GenerateConfig
-    from adbatch.prompts import creative_prompt_text
+    from adbatch.serving.generators import CreativeGenerator, GenerateConfig
+    from adbatch.serving.prompts import creative_prompt_text
 
     t0 = time.perf_counter()
     gen = CreativeGenerator(spec, CreativeConfig(max_new_tokens=max_new_tokens, **(creative or {})),
@@ -222,7 +222,7 @@ def tune_shared(src: str, pairs: Any, index_dir: Path, out: Path, device: str, e
     """The shared shape: the targeting training's defaults (``epochs`` of them) with the pairs mixed in."""
     import pyarrow.parquet as pq
 
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
     from adbatch.training import TrainConfig, train_on_index
     from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape
 
@@ -289,9 +289,9 @@ def smoke_index(model_dir: Path, folder: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from adbatch.corpus import CorpusConfig
-    from adbatch.index import IndexConfig, build_index
-    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.build import IndexConfig, build_index
+    from adbatch.index.ids import IdScheme, RenderConfig
 
     t = pq.read_table(REPO / "examples" / "slogan_ads.parquet", columns=["ad_id", "title"]).slice(0, 40)
     emb = np.random.default_rng(0).standard_normal((t.num_rows, 8)).astype(np.float32)
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     import torch
 
-    from adbatch.generation import ModelSpec, default_batch_size
+    from adbatch.serving.generators import ModelSpec, default_batch_size
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     work = args.work or Path(tempfile.mkdtemp(prefix="creatives-tune-"))

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import adbatch.decoding as ours  # noqa: E402
-from adbatch.trie import Trie  # noqa: E402
+from adbatch.index.trie import Trie  # noqa: E402
 
 log = logging.getLogger("bench.decode")
 
@@ -740,7 +740,7 @@ def load_home_depot(path: Path, n_titles: int, n_queries: int, seed: int = 0):
 
 def run_cpu_bench(args, report: Report, budget: Budget) -> None:
     from adbatch.models import load_causal_lm
-    from adbatch.prompts import encode_targeting_prompts
+    from adbatch.serving.prompts import encode_targeting_prompts
 
     model, tok = load_causal_lm()
     titles, qtexts = load_home_depot(Path(args.home_depot), args.titles, 16)

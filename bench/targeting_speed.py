@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import torch
 
-    from adbatch.generation import ModelSpec, load_model
-    from adbatch.index import load_index
-    from adbatch.prompts import encode_targeting_prompts
+    from adbatch.serving.generators import ModelSpec, load_model
+    from adbatch.index.build import load_index
+    from adbatch.serving.prompts import encode_targeting_prompts
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:

@@ -49,10 +49,10 @@ def prepare(args: argparse.Namespace) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from adbatch.corpus import CorpusConfig
-    from adbatch.datasets import HomeDepotConfig, QuerySplit, load_home_depot
-    from adbatch.index import IndexConfig, build_index
-    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.eval.datasets import HomeDepotConfig, QuerySplit, load_home_depot
+    from adbatch.index.build import IndexConfig, build_index
+    from adbatch.index.ids import IdScheme, RenderConfig
 
     out = Path(args.bundle)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ def _embeddings_for(ids: list[int], titles: dict[int, str], emb: Any, pos: dict[
         if a in pos:
             out[i] = emb[pos[a]]
     if missing:
-        from adbatch.targeting_eval import embed_texts, load_minilm
+        from adbatch.eval.targeting import embed_texts, load_minilm
 
         log.info("embedding %d titles without a precomputed vector (MiniLM)", len(missing))
         out[missing] = embed_texts(load_minilm(), [titles[ids[i]] for i in missing])
@@ -120,12 +120,12 @@ def _embeddings_for(ids: list[int], titles: dict[int, str], emb: Any, pos: dict[
 def baseline(args: argparse.Namespace) -> None:
     """MiniLM + FAISS exact search on a Home Depot catalogue's test queries (here, CPU): the retrieval a
     user would pick instead; writes ``minilm_<catalogue>_baseline.json`` under ``--emb`` for ``prepare``."""
-    from adbatch.datasets import HomeDepotConfig, QuerySplit, load_home_depot
-    from adbatch.targeting_eval import minilm_faiss_baseline
+    from adbatch.eval.datasets import HomeDepotConfig, QuerySplit, load_home_depot
+    from adbatch.eval.targeting import minilm_faiss_baseline
 
     import numpy as np
 
-    from adbatch.targeting_eval import embed_texts, load_minilm
+    from adbatch.eval.targeting import embed_texts, load_minilm
 
     size = None if args.catalogue == "full" else int(args.catalogue)
     data = load_home_depot(HomeDepotConfig(csv_path=args.csv, catalogue_size=size))
@@ -157,7 +157,7 @@ class Budget:
 def load_bundle(bundle: Path, name: str) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
 
     titles = pq.read_table(bundle / f"titles_{name}.parquet")
     train = pq.read_table(bundle / f"train_{name}.parquet")
@@ -185,7 +185,7 @@ def title_qrels(ad_ids: list, ad_texts: dict, n: int) -> dict[str, dict[int, flo
 
 
 def evaluate(model: Any, tok: Any, index: Any, qrels: dict, max_queries: int | None, beams: int) -> dict[str, float]:
-    from adbatch.targeting_eval import evaluate_targeting, generative_ranker
+    from adbatch.eval.targeting import evaluate_targeting, generative_ranker
 
     rank = generative_ranker(model, tok, index, num_beams=beams, top_k=10, batch_size=64)
     return evaluate_targeting(rank, qrels, batch_size=64, max_queries=max_queries)
@@ -197,8 +197,8 @@ def creatives_quality(model: Any, tok: Any, slogans: Any, max_new_tokens: int = 
     ``adbatch eval``), with throughput and the first five outputs. DSI training must not collapse this."""
     from adbatch.decoding.config import CreativeConfig
     from adbatch.decoding.creative import generate_creatives
-    from adbatch.prompts import encode_creative_prompt
-    from adbatch.report import corpus_bleu, meteor_exact_stem
+    from adbatch.serving.prompts import encode_creative_prompt
+    from adbatch.eval.report import corpus_bleu, meteor_exact_stem
 
     ads = slogans.to_pylist()
     prompts = [encode_creative_prompt(tok, ad) for ad in ads]
@@ -439,9 +439,9 @@ def check(args: argparse.Namespace) -> None:
     """
     import torch
 
-    from adbatch.generation import ModelSpec, load_model
-    from adbatch.prompts import encode_targeting_prompts
-    from adbatch.targeting_eval import evaluate_targeting
+    from adbatch.serving.generators import ModelSpec, load_model
+    from adbatch.serving.prompts import encode_targeting_prompts
+    from adbatch.eval.targeting import evaluate_targeting
     from adbatch.training import TrainConfig, train_on_index
     from adbatch.training.checkpoint import read_training_record
 
@@ -613,7 +613,7 @@ def sweep(args: argparse.Namespace) -> None:
     data_cache: dict[str, dict] = {}
     slogans = None
     if args.slogans and any(c.get("creatives") for c in configs):
-        from adbatch.datasets import load_slogan_test
+        from adbatch.eval.datasets import load_slogan_test
 
         slogans = load_slogan_test(args.slogans).slice(0, args.creatives_n)
         m0, tok0 = fresh_copy(base)

@@ -125,9 +125,9 @@ EXIT_USER_ERROR = 2
 #: its module is loaded (an exception of it can only exist then), so nothing heavy is imported for this
 USER_ERROR_TYPES = (
     ("adbatch.config", "ConfigError"),  # OutputOwnershipError, OutputLockedError derive from it
-    ("adbatch.corpus", "CorpusSchemaError"),
-    ("adbatch.requests", "RequestSchemaError"),
-    ("adbatch.trie", "TrieFormatError"),
+    ("adbatch.index.corpus", "CorpusSchemaError"),
+    ("adbatch.serving.requests", "RequestSchemaError"),
+    ("adbatch.index.trie", "TrieFormatError"),
     ("adbatch.models", "ModelFolderError"),  # UnsafeCheckpointError derives from it
     ("adbatch.compress.checkpoint", "CheckpointError"),
     ("adbatch.training.checkpoint", "IndexMismatchError"),

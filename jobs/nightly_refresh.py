@@ -28,17 +28,17 @@ if __package__ in (None, ""):  # run as a script (``python jobs/nightly_refresh.
 
 from adbatch.artifacts import (ArtifactKind, claim_output, sha256_file, sha256_json, sha256_paths, verify_outputs,
                                write_json_atomic)
-from adbatch.clustering import require_updatable
+from adbatch.index.clustering import require_updatable
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.compress import CalibrationConfig, CompressConfig
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
-from adbatch.index import IndexConfig
+from adbatch.index.build import IndexConfig
 from adbatch.training import TrainConfig
 from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape
 from adbatch.training.warm_start import WarmStartConfig
 from pipelines.evaluate import EvalJobConfig
 from pipelines.generate import Executor
-from adbatch.requests import GenerateTask, RequestValidationConfig, list_request_files
+from adbatch.serving.requests import GenerateTask, RequestValidationConfig, list_request_files
 
 log = logging.getLogger("adbatch.refresh")
 
@@ -303,7 +303,7 @@ def _creative_pairs(config: RefreshConfig, ads: Path, req_files: dict[GenerateTa
     held_texts: list[str] = []
     test_csv = _abs(config.eval.config.creatives.csv)
     if test_csv is not None and Path(test_csv).is_file():
-        from adbatch.datasets import load_slogan_test
+        from adbatch.eval.datasets import load_slogan_test
 
         test = load_slogan_test(test_csv)
         held_texts = test.column("description").to_pylist() + test.column("reference").to_pylist()
@@ -337,7 +337,7 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def _model_hash(model: str | None) -> str:
-    from adbatch.generation import ModelSpec
+    from adbatch.serving.generators import ModelSpec
 
     return ModelSpec(model=model).identity()["sha256"]
 
@@ -386,7 +386,7 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
     req_files = {}
     for task, path in ((GenerateTask.TARGETS, gen.targets_requests), (GenerateTask.CREATIVES, gen.creatives_requests)):
         if path is not None:
-            from adbatch.requests import check_request_schema
+            from adbatch.serving.requests import check_request_schema
 
             req_files[task] = check_request_schema(_abs(path), task)
     # the work folder is the refresh's; each stage claims its own sub-folder in turn
@@ -413,7 +413,7 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
     index_job = IndexJobConfig(ads=str(ads), out=str(index_dir), index=config.index.config,
                                num_cpus=config.num_cpus, progress=False,
                                previous=str(index_dir) if config.index.stable_ids else None)
-    from adbatch.semantic_ids import ID_RENDER_VERSION
+    from adbatch.index.ids import ID_RENDER_VERSION
 
     # a new id rendering rebuilds the index (and so everything trained on it) even when nothing else changed
     runner.run(Stage.INDEX, index_job, {"ads": sha256_paths(list_request_files(ads)),
@@ -442,12 +442,12 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
                                    num_cpus=config.num_cpus,
                                    creatives=tune if shared else CreativeTuneConfig(),
                                    creative_pairs=pairs_file if shared else None)
-        from adbatch.prompts import TARGETING_PROMPT_VERSION
+        from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
 
         # a new prompt rendering invalidates the trained model even when nothing else changed
         inputs = {"index": index_in, "base_model": base_hash, "targeting_prompt_version": str(TARGETING_PROMPT_VERSION)}
         if shared:  # the headline pairs by content, and the tuned creative prompt's rendering
-            from adbatch.prompts import TUNED_CREATIVE_PROMPT_VERSION
+            from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION
 
             inputs.update({"creative_pairs": pairs_hash, "creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)})
         if train_job.queries:
@@ -466,7 +466,7 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
     creative_dir: Path | None = None
     creative_in: str | None = None
     if tune.enabled and not shared:
-        from adbatch.prompts import TUNED_CREATIVE_PROMPT_VERSION
+        from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION
         from pipelines.train import CreativeTrainJobConfig, run_train_creatives
 
         creative_dir = work / "creative_model"
@@ -559,7 +559,7 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
         inputs = {"requests": sha256_paths(req_files[task]),
                   "model": base_hash if from_base else creative_in if from_creative else serve_in, "index": index_in}
         if task is GenerateTask.CREATIVES:  # a new creative prompt rendering rewrites the headlines
-            from adbatch.prompts import CREATIVE_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
+            from adbatch.serving.prompts import CREATIVE_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
 
             inputs["creative_prompt_version"] = (f"tuned{TUNED_CREATIVE_PROMPT_VERSION}" if tuned_prompt
                                                  else str(CREATIVE_PROMPT_VERSION))
@@ -655,8 +655,8 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
             lines.append(f"  {len(set(tops))} distinct top-1 ads over {len(tops)} queries; the most common, {common}, "
                          f"tops {tops.count(common)}")
     if "creatives" in outputs:
-        from adbatch.prompts import creative_prompt_text
-        from adbatch.report import empty_share, prompt_copy_share, prompt_echo_share
+        from adbatch.serving.prompts import creative_prompt_text
+        from adbatch.eval.report import empty_share, prompt_copy_share, prompt_echo_share
 
         req_file = ((_read(work / "generate" / "creatives" / "manifest.json") or {}).get("config") or {}).get("requests")
         made = [r for r in pq.read_table(outputs["creatives"], columns=["ad_id", "variant", "headline"]).to_pylist()

@@ -122,7 +122,7 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
         if config.index is None:
             texts = load_calibration_texts(calib_cfg)
         else:  # needs the model's tokenizer: rendered after loading it, the inputs read here
-            from adbatch.index import load_index
+            from adbatch.index.build import load_index
 
             load_index(config.index)
             texts = None

@@ -1,13 +1,13 @@
 """``adbatch eval``: targeting and creative quality beside speed, written as ``report.md`` + PNGs.
 
 Targeting runs on Home Depot (``../shared/data``; relevant = relevance >= 2.67): a catalogue subset
-(:class:`adbatch.datasets.HomeDepotConfig`), indexed by the index stage (text scheme) unless an index
+(:class:`adbatch.eval.datasets.HomeDepotConfig`), indexed by the index stage (text scheme) unless an index
 is given, queries from one split. Rows: the dense model and the compressed checkpoint, each with
 verification off and auto; an extra (index, model) pair such as a ``codes``-scheme trained model;
 and the MiniLM + FAISS nearest-neighbour baseline on the same catalogue. Creatives run on the slogan
 ``test-curated.csv`` (all 994 rows unless ``creatives.max_examples`` bounds them): ROUGE-1/2/L F1,
 BLEU (sacrebleu), METEOR (exact + stem), distinct-1/2, the prompt-copy share and the empty share
-(:func:`adbatch.report.creative_quality`), dense vs compressed, and a sample table. Every quality
+(:func:`adbatch.eval.report.creative_quality`), dense vs compressed, and a sample table. Every quality
 number sits beside the throughput and latency measured with it.
 
 Sample sizes are bounded by config (a 2-core CPU is slow). The models run through the same
@@ -28,9 +28,9 @@ import pyarrow as pa
 from adbatch.artifacts import (ArtifactKind, StageTimer, build_manifest, claim_output, code_version, sha256_file,
                                write_json_atomic, write_parquet_atomic)
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.datasets import HomeDepotConfig, QuerySplit
+from adbatch.eval.datasets import HomeDepotConfig, QuerySplit
 from adbatch.decoding import CreativeConfig, TargetSearchConfig, VerifyMode
-from adbatch.generation import CreativeGenerator, GenerateConfig, ModelSpec, TargetGenerator
+from adbatch.serving.generators import CreativeGenerator, GenerateConfig, ModelSpec, TargetGenerator
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def _target_ranker(gen: TargetGenerator):
 
 
 def _build_hd_index(catalogue: pa.Table, out: Path) -> Path:
-    from adbatch.index import IndexConfig, build_index
+    from adbatch.index.build import IndexConfig, build_index
 
     cat_file = out / "hd_catalogue.parquet"
     write_parquet_atomic(catalogue.select(["ad_id", "title"]), cat_file)
@@ -136,9 +136,9 @@ def _build_hd_index(catalogue: pa.Table, out: Path) -> Path:
 
 def eval_targeting(cfg: TargetingEvalConfig, out: Path, model: str | None, compressed: Path | None,
                    num_threads: int) -> dict[str, Any]:
-    from adbatch.datasets import load_home_depot
-    from adbatch.index import load_index
-    from adbatch.targeting_eval import EmbeddingRanker, embed_texts, evaluate_targeting, load_minilm
+    from adbatch.eval.datasets import load_home_depot
+    from adbatch.index.build import load_index
+    from adbatch.eval.targeting import EmbeddingRanker, embed_texts, evaluate_targeting, load_minilm
 
     if not Path(cfg.home_depot.csv_path).is_file():
         return {"skipped": f"Home Depot data not found at {cfg.home_depot.csv_path}"}
@@ -200,9 +200,9 @@ def eval_targeting(cfg: TargetingEvalConfig, out: Path, model: str | None, compr
 
 def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path | None,
                    num_threads: int) -> dict[str, Any]:
-    from adbatch.datasets import load_slogan_test
-    from adbatch.prompts import creative_prompt_text
-    from adbatch.report import creative_quality
+    from adbatch.eval.datasets import load_slogan_test
+    from adbatch.serving.prompts import creative_prompt_text
+    from adbatch.eval.report import creative_quality
 
     if not Path(cfg.csv).is_file():
         return {"skipped": f"slogan test data not found at {cfg.csv}"}
@@ -257,7 +257,7 @@ def run_eval(config: EvalJobConfig) -> dict[str, Any]:
 
 def _eval_into(config: EvalJobConfig, out: Path) -> dict[str, Any]:
     """The part of :func:`run_eval` that writes: under the folder's claim."""
-    from adbatch.report import write_report
+    from adbatch.eval.report import write_report
 
     timer = StageTimer()
     results: dict[str, Any] = {"meta": {"created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

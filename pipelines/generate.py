@@ -3,14 +3,14 @@
 ``adbatch generate --task targets|creatives --requests PATH --index DIR [--model M | --compressed DIR]
 --out DIR``. Plan:
 
-1. Validate the requests in the driver, before any model loads (:mod:`adbatch.requests`): a bad
+1. Validate the requests in the driver, before any model loads (:mod:`adbatch.serving.requests`): a bad
    file or column raises; bad rows go to ``rejected.parquet``.
 2. Partition deterministically: the accepted rows sorted by ``request_id``, cut into fixed-size
    chunks of ``partition_size``; chunk ``i`` is ``_work/requests/part-i.parquet``. The same input
    and config always give the same partitions, which is what makes resuming exact.
 3. ``ray.data.from_arrow(<pending chunks>)`` -> ``map_batches(GeneratorActor, compute=actor pool
    of concurrency, num_gpus=1 when the cluster has GPUs else CPU actors)``; the actor wraps
-   :class:`adbatch.generation.TargetGenerator` / :class:`CreativeGenerator` (loaded once).
+   :class:`adbatch.serving.generators.TargetGenerator` / :class:`CreativeGenerator` (loaded once).
    Actors restart and their tasks retry when a worker dies (``max_restarts`` /
    ``max_task_retries``), so a lost actor loses no request.
 4. The driver streams the answers, and once every request of a partition is answered it writes
@@ -43,10 +43,10 @@ from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_ma
                                write_parquet_atomic)
 from adbatch.config import LOG_FORMAT, ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, TargetSearchConfig
-from adbatch.generation import (DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
+from adbatch.serving.generators import (DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
                                 TargetGenerator, answers_to_output, check_model_index, default_batch_size,
                                 generator_fingerprint)
-from adbatch.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, output_schema,
+from adbatch.serving.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, output_schema,
                               validate_requests)
 
 log = logging.getLogger(__name__)

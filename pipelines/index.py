@@ -1,14 +1,14 @@
 """Ray composition of the index stage: embedding on an actor pool, hierarchical k-means as a
-fan-out of Ray tasks, then the library's :func:`adbatch.index.write_index`.
+fan-out of Ray tasks, then the library's :func:`adbatch.index.build.write_index`.
 
 Clustering: each cluster larger than the leaf size is one task running
-:func:`adbatch.clustering.split_node` on exactly its own rows' embeddings. A task returns
+:func:`adbatch.index.clustering.split_node` on exactly its own rows' embeddings. A task returns
 ``1 + k`` objects: the small child row lists (fetched by the driver, which decides what to split
 next) and one embedding block per child, which stays in the object store and is handed by
 reference to that child's task; the full matrix is put once, for the root task only.
-Results equal the sequential :func:`adbatch.clustering.build_hierarchy` (same per-node seeds).
+Results equal the sequential :func:`adbatch.index.clustering.build_hierarchy` (same per-node seeds).
 Residual codes (``cluster.method residual``: ``rq_levels`` k-means runs over all rows, each needing the
-previous level's residuals) have no such fan-out: the driver runs :func:`adbatch.clustering.build_codes`.
+previous level's residuals) have no such fan-out: the driver runs :func:`adbatch.index.clustering.build_codes`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from adbatch.artifacts import ArtifactKind, StageTimer, claim_output
-from adbatch.clustering import Child, ClusterConfig, ClusterMethod, Hierarchy, HierarchyBuilder, build_codes, split_node
+from adbatch.index.clustering import Child, ClusterConfig, ClusterMethod, Hierarchy, HierarchyBuilder, build_codes, split_node
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.corpus import CorpusSchemaError, read_corpus
-from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
-from adbatch.index import IndexConfig, cluster_stable, stable_start, write_index
+from adbatch.index.corpus import CorpusSchemaError, read_corpus
+from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
+from adbatch.index.build import IndexConfig, cluster_stable, stable_start, write_index
 from pipelines.ray_runtime import init_ray
 
 log = logging.getLogger(__name__)

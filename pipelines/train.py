@@ -10,7 +10,7 @@ share of the micro-batches); rank 0 writes the model folder (HF safetensors +
 CPU refresh under ``train.time_budget_s``), one GPU, or many. Inputs:
 
 - ``index``: an index folder (``adbatch index``); its ``ad_codes.token_ids`` are the targets.
-- ``ads``: the corpus the index was built from (``ad_id`` + ``text`` via :mod:`adbatch.corpus`),
+- ``ads``: the corpus the index was built from (``ad_id`` + ``text`` via :mod:`adbatch.index.corpus`),
   giving each ad's title for the indexing examples; optional for the ``text`` scheme (the index's
   own ``text`` column is used) and required for ``codes``.
 - ``queries``: Parquet with ``query`` (string) and ``ad_id`` columns, the labelled *train-split*
@@ -86,7 +86,7 @@ class TrainJobConfig(ConfigBase):
 
 def _read_pairs(path: str | Path) -> tuple[Any, list[tuple[str, Any]]]:
     """The Parquet table and its (query, ad_id) pairs (``query`` and ``ad_id`` columns, nulls rejected)."""
-    from adbatch.corpus import read_parquet_table
+    from adbatch.index.corpus import read_parquet_table
 
     table = read_parquet_table(Path(path), error=ConfigError)  # corrupt pages: an error naming the file
     missing = [c for c in ("query", "ad_id") if c not in table.column_names]
@@ -105,12 +105,12 @@ def read_labelled_queries(path: str | Path) -> list[tuple[str, Any]]:
 
 
 def read_ad_texts(path: str | Path, columns: dict[str, Any] | None = None) -> dict[Any, str]:
-    """ad_id -> text of the valid rows of a corpus (the corpus contract of :mod:`adbatch.corpus`).
+    """ad_id -> text of the valid rows of a corpus (the corpus contract of :mod:`adbatch.index.corpus`).
 
     ``columns``: the index's column mapping (``manifest['config']['columns']``), so the titles are
     read exactly as the index read them; None = the corpus defaults.
     """
-    from adbatch.corpus import CorpusConfig, read_corpus
+    from adbatch.index.corpus import CorpusConfig, read_corpus
 
     corpus = read_corpus(path, CorpusConfig.from_dict(columns) if columns else None)
     table = corpus.table
@@ -143,7 +143,7 @@ def _worker(job_dict: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
     from adbatch.training import train_on_index
 
     job = TrainJobConfig.from_dict(job_dict)

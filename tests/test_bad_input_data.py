@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from adbatch.corpus import CorpusConfig, CorpusSchemaError, RejectReason, read_corpus
-from adbatch.requests import GenerateTask, RequestSchemaError, RequestValidationConfig, validate_requests
+from adbatch.index.corpus import CorpusConfig, CorpusSchemaError, RejectReason, read_corpus
+from adbatch.serving.requests import GenerateTask, RequestSchemaError, RequestValidationConfig, validate_requests
 
 DIM = 4
 GOOD_VEC = [0.5, -0.25, 0.125, 1.0]
@@ -172,8 +172,8 @@ def test_corpus_value_that_is_not_utf8_rejects_its_row(tmp_path, column):
 def test_corpus_with_every_bad_row_kind_builds_an_index_of_the_rest(tmp_path):
     """All row problems in one corpus through build_index: the good ads are indexed, every bad row is in
     rejected.parquet with its reason and counted in the manifest."""
-    from adbatch.clustering import ClusterConfig
-    from adbatch.index import IndexConfig, build_index, load_index
+    from adbatch.index.clustering import ClusterConfig
+    from adbatch.index.build import IndexConfig, build_index, load_index
 
     rng = np.random.default_rng(0)
     n_good = 40
@@ -201,7 +201,7 @@ def test_corpus_with_every_bad_row_kind_builds_an_index_of_the_rest(tmp_path):
 
 
 def test_corpus_where_every_row_is_bad_is_a_clear_error(tmp_path):
-    from adbatch.index import build_index
+    from adbatch.index.build import build_index
 
     p = _write(tmp_path / "ads.parquet", ad_id=["a", "b", None], title=["\x00", "  ", "x"])
     with pytest.raises(ValueError, match=r"no valid ads \(3 rows rejected"):

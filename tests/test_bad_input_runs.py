@@ -80,7 +80,7 @@ def ray1(netlog):
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_runs_assets")
-    from adbatch.index import IndexConfig, build_index
+    from adbatch.index.build import IndexConfig, build_index
 
     corpus = tiny_corpus(root / "ads.parquet", n=40)
     index = root / "index"
@@ -167,7 +167,7 @@ def artifacts(assets, ray1, tmp_path_factory):
     as run_train leaves it; training itself is another module's subject)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
     from adbatch.training.checkpoint import save_trained
 
     root = tmp_path_factory.mktemp("artifacts")
@@ -270,7 +270,7 @@ run_generate(GenerateJobConfig.from_json({cfg.to_json()!r}))
 def test_index_killed_while_moving_files_in_reruns_to_a_whole_index(assets, ray1, tmp_path):
     """An index rebuilt over an earlier one, killed after the first file left the staging folder
     (the folder then holds new and old files): the re-run leaves one whole, verified index."""
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
     from pipelines.index import run_index
 
     out = tmp_path / "index"
@@ -359,7 +359,7 @@ def test_cli_index_into_a_compressed_checkpoint_exits_2_and_keeps_it(assets, art
 
 def test_cli_generate_overwrite_into_an_index_exits_2_and_keeps_it(assets, artifacts, capsys):
     """Issue 19 item 4: `generate --out <index> --overwrite true` deleted the index's manifest.json."""
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
     from jobs.cli import main
 
     before = snapshot(artifacts["index"])

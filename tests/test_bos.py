@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from adbatch.compress.calibration import token_blocks
-from adbatch.prompts import (encode_creative_prompt, encode_targeting_prompt, encode_text,
+from adbatch.serving.prompts import (encode_creative_prompt, encode_targeting_prompt, encode_text,
                              special_tokens_around)
 
 TEXTS = ["Fresh bread delivered to your door every morning.", "Cloud accounting for small firms.",
@@ -164,7 +164,7 @@ QUERIES = ["angle bracket", "  spaced  out ", "Émile's 12 in. x 3/4 ft — caf�
 
 @pytest.mark.parametrize("template", ["own", None, NO_BOS_TEMPLATE, BOS_TEMPLATE])
 def test_batched_targeting_prompts_equal_the_reference_rendering(template, plain, bos):
-    from adbatch.prompts import _targeting_frame, _targeting_prompt_one, encode_targeting_prompts
+    from adbatch.serving.prompts import _targeting_frame, _targeting_prompt_one, encode_targeting_prompts
 
     def truncated(tok, q, limit=48):  # the reference truncation: tokens of the stripped query, decoded
         ids = tok(q.strip(), add_special_tokens=False)["input_ids"]

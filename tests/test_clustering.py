@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from adbatch.clustering import (
+from adbatch.index.clustering import (
     ClusterConfig, ClusterMethod, build_codes, build_hierarchy, build_residual, residual_encode, split_labels,
     split_node,
 )
 from adbatch.config import ConfigError
-from adbatch.semantic_ids import IdScheme, RenderConfig, render_ids
-from adbatch.trie import Trie
+from adbatch.index.ids import IdScheme, RenderConfig, render_ids
+from adbatch.index.trie import Trie
 
 
 def mixture(n: int, d: int = 16, centers: int = 30, seed: int = 0, spread: float = 0.3):
@@ -191,7 +191,7 @@ def _blobs(n, seed=0, d=16):
 
 
 def test_update_hierarchy_keeps_codes_and_places_new_ads():
-    from adbatch.clustering import update_hierarchy
+    from adbatch.index.clustering import update_hierarchy
 
     cfg = ClusterConfig(branching=4, leaf_size=40)
     x = _blobs(600)
@@ -220,7 +220,7 @@ def test_update_hierarchy_keeps_codes_and_places_new_ads():
 
 
 def test_update_hierarchy_resplits_only_overflowing_leaves():
-    from adbatch.clustering import update_hierarchy
+    from adbatch.index.clustering import update_hierarchy
 
     cfg = ClusterConfig(branching=4, leaf_size=40)
     x = _blobs(300)
@@ -235,7 +235,7 @@ def test_update_hierarchy_resplits_only_overflowing_leaves():
 
 
 def test_update_hierarchy_rejects_inconsistent_codes():
-    from adbatch.clustering import update_hierarchy
+    from adbatch.index.clustering import update_hierarchy
 
     x = _blobs(4)
     with pytest.raises(ValueError, match="two ads"):
@@ -356,7 +356,7 @@ def test_rq_config_validation(kwargs):
 
 
 def test_update_hierarchy_refuses_residual_codes():
-    from adbatch.clustering import update_hierarchy
+    from adbatch.index.clustering import update_hierarchy
 
     x = mixture(50)
     codes = build_residual(x, rq(rq_codebook=8)).codes()

@@ -13,7 +13,7 @@ import pytest
 from adbatch.compress.calibration import EXAMPLE_CORPUS, example_corpus_split, served_calibration_texts
 from adbatch.compress.recipe import CalibrationConfig
 from adbatch.config import ConfigError
-from adbatch.prompts import TARGETING_INSTRUCTION, encode_targeting_prompt, special_tokens_around
+from adbatch.serving.prompts import TARGETING_INSTRUCTION, encode_targeting_prompt, special_tokens_around
 from test_generate_support import tiny_index_dir, tiny_model_dir
 
 
@@ -44,7 +44,7 @@ def _query_part(tok, text: str, index) -> tuple[list[int], int]:
 
 
 def test_texts_come_from_the_index_corpus_and_its_queries(assets, default_tokenizer):
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
 
     tok, index = default_tokenizer, load_index(assets["index"])
     pairs = pq.read_table(assets["queries"]).to_pylist()
@@ -76,7 +76,7 @@ def test_texts_come_from_the_index_corpus_and_its_queries(assets, default_tokeni
 
 
 def test_without_labelled_queries_every_prompt_is_a_pseudo_query(assets, default_tokenizer):
-    from adbatch.index import load_index
+    from adbatch.index.build import load_index
 
     index = load_index(assets["index"])
     texts = served_calibration_texts(assets["index"], default_tokenizer, CalibrationConfig(num_texts=8, seed=1),

@@ -95,7 +95,7 @@ def test_save_load_round_trip(tiny_compressed, saved):
 def test_generation_loads_compressed_densified_on_cpu(tiny_compressed, saved):
     """Off the GPU the generators serve the compressed model dequantized once into nn.Linear: the
     same fp32 values as the per-call reference, so the same logits (tied lm_head kept)."""
-    from adbatch.generation import ModelSpec, load_model
+    from adbatch.serving.generators import ModelSpec, load_model
 
     _, model, _, x = tiny_compressed
     served, _ = load_model(ModelSpec(compressed=str(saved)), "cpu")

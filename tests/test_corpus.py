@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from adbatch.config import ConfigError
-from adbatch.corpus import (
+from adbatch.index.corpus import (
     REJECTED_SCHEMA, CorpusConfig, CorpusSchemaError, RejectReason, read_corpus,
     resolve_corpus_paths,
 )

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from adbatch.prompts import creative_prompt_text
-from adbatch.prompts import CreativePrompt
-from adbatch.report import (creative_quality, distinct_n, empty_share, prompt_copy_fraction, prompt_copy_share,
+from adbatch.serving.prompts import creative_prompt_text
+from adbatch.serving.prompts import CreativePrompt
+from adbatch.eval.report import (creative_quality, distinct_n, empty_share, prompt_copy_fraction, prompt_copy_share,
                             prompt_echo, prompt_echo_share, rouge_f1, write_report)
 from test_generate_support import tiny_model_dir
 
@@ -99,7 +99,7 @@ def test_report_lists_every_creative_metric_and_samples(tmp_path):
 
 
 def test_eval_creatives_on_real_test_rows(shared_data, tmp_path):
-    from adbatch.datasets import load_slogan_test
+    from adbatch.eval.datasets import load_slogan_test
     from pipelines.evaluate import CreativesEvalConfig, eval_creatives
 
     csv = shared_data / "slogan_gen" / "test-curated.csv"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adbatch.config import ConfigError
-from adbatch.prompts import (CREATIVE_EXAMPLES, CreativePrompt, CreativePromptMismatchError, TUNED_CREATIVE_PROMPT_VERSION,
+from adbatch.serving.prompts import (CREATIVE_EXAMPLES, CreativePrompt, CreativePromptMismatchError, TUNED_CREATIVE_PROMPT_VERSION,
                              creative_prompt_of, creative_prompt_text, declare_creative_prompt, encode_creative_prompt,
                              encode_creative_target)
 from adbatch.training.creatives import (CreativeTrainConfig, CreativeTuneConfig, CreativeTuneShape, HeadlinePairsConfig,
@@ -118,7 +118,7 @@ def test_model_declares_its_creative_prompt_and_another_version_is_refused(tmp_p
 
 def test_separate_shape_trains_saves_and_serves_with_the_tuned_prompt(tok, tmp_path):
     from adbatch.decoding import CreativeConfig
-    from adbatch.generation import CreativeGenerator, GenerateConfig, ModelSpec
+    from adbatch.serving.generators import CreativeGenerator, GenerateConfig, ModelSpec
 
     pairs = headline_pairs(ROWS, HeadlinePairsConfig())
     ex = creative_examples(tok, pairs)
@@ -200,7 +200,7 @@ def test_shared_shape_mixes_pairs_into_the_targeting_training(tok, tmp_path):
 
 
 def test_refresh_pairs_hold_out_requested_ads_and_eval_rows(tmp_path, example_ads):
-    from adbatch.requests import GenerateTask
+    from adbatch.serving.requests import GenerateTask
     from adbatch.training.creatives import load_headline_pairs
     from jobs.nightly_refresh import RefreshConfig, _creative_pairs
 
@@ -246,7 +246,7 @@ def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path,
     from adbatch.artifacts import write_json_atomic
     from test_jobs import _refresh_without_ray
 
-    import adbatch.prompts
+    import adbatch.serving.prompts
 
     trained, generated = [], []
 
@@ -282,7 +282,7 @@ def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path,
     lr = cfg.replace(train=cfg.train.replace(creatives=cfg.train.creatives.replace(
         train=cfg.train.creatives.train.replace(lr=3e-4))))
     assert nr.run_refresh(lr)["stages"]["train_creatives"]["status"] == "ran"
-    monkeypatch.setattr(adbatch.prompts, "TUNED_CREATIVE_PROMPT_VERSION", adbatch.prompts.TUNED_CREATIVE_PROMPT_VERSION + 1)
+    monkeypatch.setattr(adbatch.serving.prompts, "TUNED_CREATIVE_PROMPT_VERSION", adbatch.serving.prompts.TUNED_CREATIVE_PROMPT_VERSION + 1)
     again = nr.run_refresh(lr)
     assert again["stages"]["train_creatives"]["status"] == "ran" and again["stages"]["generate_creatives"]["status"] == "ran"
     assert len(trained) == 3

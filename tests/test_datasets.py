@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adbatch.config import ConfigError
-from adbatch.datasets import (HomeDepotConfig, QuerySplit, load_home_depot, load_slogan_test,
+from adbatch.eval.datasets import (HomeDepotConfig, QuerySplit, load_home_depot, load_slogan_test,
                               normalize_query, split_queries)
 
 

@@ -93,8 +93,8 @@ def test_creative_config_validation():
 @pytest.mark.realmodel
 def test_real_model_small_trie_exact_and_creative():
     from adbatch.models import load_causal_lm
-    from adbatch.prompts import encode_creative_prompt, encode_targeting_prompt
-    from adbatch.trie import Trie
+    from adbatch.serving.prompts import encode_creative_prompt, encode_targeting_prompt
+    from adbatch.index.trie import Trie
 
     model, tok = load_causal_lm()
     titles = ["Behr Premium Plus Ultra exterior paint", "Behr interior eggshell paint", "DEWALT 20V drill",

@@ -8,7 +8,7 @@ import torch
 
 from adbatch.decoding import CostModel, TargetSearchConfig, VerifyMode, search_targets
 from adbatch.decoding.beam_search import _choose_verified
-from adbatch.trie import Trie
+from adbatch.index.trie import Trie
 from conftest import make_tiny_llama
 
 EOS = 2

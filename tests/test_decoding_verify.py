@@ -12,7 +12,7 @@ from adbatch.decoding import CostModel, load_or_calibrate
 from adbatch.decoding.cost_model import CALIBRATION_VERSION
 from adbatch.decoding.engine import engine_for
 from adbatch.decoding.tree_verify import TrieAux, verify_trees
-from adbatch.trie import Trie
+from adbatch.index.trie import Trie
 from conftest import make_tiny_llama
 
 

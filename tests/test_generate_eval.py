@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from adbatch.report import corpus_bleu, meteor_exact_stem, write_report
+from adbatch.eval.report import corpus_bleu, meteor_exact_stem, write_report
 from test_generate_support import tiny_model_dir
 
 

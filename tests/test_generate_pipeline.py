@@ -14,9 +14,9 @@ import torch
 
 import pipelines.generate as pg
 from adbatch.decoding import TargetSearchConfig
-from adbatch.generation import GenerateConfig, ModelSpec, TargetGenerator
-from adbatch.index import load_index
-from adbatch.requests import RequestSchemaError
+from adbatch.serving.generators import GenerateConfig, ModelSpec, TargetGenerator
+from adbatch.index.build import load_index
+from adbatch.serving.requests import RequestSchemaError
 from test_generate_support import creative_requests, target_requests, tiny_index_dir, tiny_model_dir
 
 SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off"}
@@ -149,7 +149,7 @@ def test_bad_request_file_fails_before_model_load(assets, tmp_path, monkeypatch,
     def no_load(*a, **k):
         raise AssertionError("a model was loaded before the requests were validated")
 
-    monkeypatch.setattr("adbatch.generation.load_model", no_load)
+    monkeypatch.setattr("adbatch.serving.generators.load_model", no_load)
     with pytest.raises(RequestSchemaError, match="query" if damage == "missing_column" else "Parquet"):
         pg.run_generate(_cfg(assets, req, tmp_path / "out"))
 
@@ -184,7 +184,7 @@ def test_oom_halves_batch_size_and_answers_everything(assets, tmp_path, monkeypa
 
     monkeypatch.setattr(dec, "search_targets", fake_oom)
     batch = pa.table({"request_id": [f"r{i}" for i in range(8)], "query": ["lamp bulb"] * 8})
-    with caplog.at_level(logging.WARNING, logger="adbatch.generation"):
+    with caplog.at_level(logging.WARNING, logger="adbatch.serving.generators"):
         answers = gen(batch)
     assert sizes == [8, 4, 2, 2, 2, 2]  # 8 fails, 4 fails, then batches of 2 succeed
     assert gen.batch_size == 2  # and stays lowered for later calls
@@ -196,7 +196,7 @@ def test_oom_halves_batch_size_and_answers_everything(assets, tmp_path, monkeypa
 
 
 def test_batch_size_defaults_by_device(assets):
-    from adbatch.generation import DEFAULT_BATCH_SIZE, default_batch_size
+    from adbatch.serving.generators import DEFAULT_BATCH_SIZE, default_batch_size
 
     gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"],
                           TargetSearchConfig(num_beams=2, top_k=2, verify="off"), GenerateConfig(device="cpu"))
@@ -251,8 +251,8 @@ def test_overwrite_with_the_other_task_leaves_no_stale_outputs(assets, tmp_path)
 
 
 def test_answers_re_emitted_after_a_partition_committed_do_not_replace_it(tmp_path):
-    from adbatch.generation import answer_schema
-    from adbatch.requests import GenerateTask
+    from adbatch.serving.generators import answer_schema
+    from adbatch.serving.requests import GenerateTask
 
     layout = pg.Layout(tmp_path / "out", GenerateTask.TARGETS)
     for d in (layout.work_dir, layout.parts_dir, layout.progress_dir):
@@ -275,7 +275,7 @@ def test_answers_re_emitted_after_a_partition_committed_do_not_replace_it(tmp_pa
 
 def test_all_requests_rejected_still_writes_the_output_schema(assets, tmp_path):
     """Downstream readers of <out>/targets get the contract's columns even when nothing was answerable."""
-    from adbatch.requests import TARGETS_OUT_SCHEMA
+    from adbatch.serving.requests import TARGETS_OUT_SCHEMA
 
     req = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"request_id": ["a", "b"], "query": ["", None]}), req)
@@ -305,7 +305,7 @@ def test_model_trained_on_another_index_is_refused_before_any_work(assets, tmp_p
     import json
     import shutil
 
-    from adbatch.prompts import TARGETING_PROMPT_VERSION
+    from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
     from adbatch.training import IndexMismatchError
 
     model = tmp_path / "model_other_index"
@@ -321,18 +321,18 @@ def test_model_trained_on_another_index_is_refused_before_any_work(assets, tmp_p
 
 def test_a_new_prompt_rendering_is_a_new_run_not_a_resume(monkeypatch):
     """The run key (resume identity) covers the prompt's rendering version of each task."""
-    import adbatch.prompts
+    import adbatch.serving.prompts
     from adbatch.decoding import CreativeConfig
-    from adbatch.generation import generator_fingerprint
-    from adbatch.requests import GenerateTask
+    from adbatch.serving.generators import generator_fingerprint
+    from adbatch.serving.requests import GenerateTask
 
     gc = GenerateConfig(device="cpu")
     before = {t: generator_fingerprint(t, cfg, gc) for t, cfg in
               ((GenerateTask.TARGETS, TargetSearchConfig()), (GenerateTask.CREATIVES, CreativeConfig()))}
-    monkeypatch.setattr(adbatch.prompts, "CREATIVE_PROMPT_VERSION", adbatch.prompts.CREATIVE_PROMPT_VERSION + 1)
+    monkeypatch.setattr(adbatch.serving.prompts, "CREATIVE_PROMPT_VERSION", adbatch.serving.prompts.CREATIVE_PROMPT_VERSION + 1)
     assert generator_fingerprint(GenerateTask.CREATIVES, CreativeConfig(), gc) != before[GenerateTask.CREATIVES]
     assert generator_fingerprint(GenerateTask.TARGETS, TargetSearchConfig(), gc) == before[GenerateTask.TARGETS]
-    monkeypatch.setattr(adbatch.prompts, "TARGETING_PROMPT_VERSION", adbatch.prompts.TARGETING_PROMPT_VERSION + 1)
+    monkeypatch.setattr(adbatch.serving.prompts, "TARGETING_PROMPT_VERSION", adbatch.serving.prompts.TARGETING_PROMPT_VERSION + 1)
     assert generator_fingerprint(GenerateTask.TARGETS, TargetSearchConfig(), gc) != before[GenerateTask.TARGETS]
 
 
@@ -361,8 +361,8 @@ import sys
 import jobs.cli, pipelines.generate
 jobs.cli.build_parser(only="generate").parse_args(["generate", "--task", "targets", "--requests", "r", "--out", "o"])
 from adbatch.artifacts import read_manifest
-from adbatch.generation import ModelSpec, check_model_index
-from adbatch.requests import GenerateTask, RequestValidationConfig, validate_requests
+from adbatch.serving.generators import ModelSpec, check_model_index
+from adbatch.serving.requests import GenerateTask, RequestValidationConfig, validate_requests
 v = validate_requests({str(req)!r}, GenerateTask.TARGETS, RequestValidationConfig())
 spec = ModelSpec(model={str(assets["model"])!r})
 spec.identity()

@@ -47,9 +47,9 @@ def tiny_corpus(path: Path, n: int = 40, d: int = 8, seed: int = 0) -> Path:
 
 def tiny_index_dir(root: Path, n: int = 40) -> Path:
     """A text-scheme index of ``n`` synthetic ads (precomputed embeddings), built sequentially."""
-    from adbatch.clustering import ClusterConfig
-    from adbatch.corpus import CorpusConfig
-    from adbatch.index import IndexConfig, build_index
+    from adbatch.index.clustering import ClusterConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.build import IndexConfig, build_index
 
     out = root / "tiny_index"
     if (out / "manifest.json").is_file():

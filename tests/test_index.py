@@ -11,10 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from adbatch.clustering import ClusterConfig, build_hierarchy
-from adbatch.corpus import CorpusConfig
-from adbatch.index import IndexConfig, build_index, load_index
-from adbatch.semantic_ids import IdScheme, RenderConfig
+from adbatch.index.clustering import ClusterConfig, build_hierarchy
+from adbatch.index.corpus import CorpusConfig
+from adbatch.index.build import IndexConfig, build_index, load_index
+from adbatch.index.ids import IdScheme, RenderConfig
 
 WORDS = ["drill", "saw", "paint", "primer", "faucet", "sink", "lamp", "bulb", "rug", "tile",
          "hammer", "glue", "hose", "mower", "fence", "door"]
@@ -207,7 +207,7 @@ def test_cli_index_on_ray_matches_sequential(ray_local, tmp_path, capsys):
 
 def test_cli_residual_codes_on_ray_match_sequential(ray_local, tmp_path, capsys):
     """The residual knobs from the command line; on Ray the driver builds the codes, as build_index does."""
-    from adbatch.clustering import ClusterMethod
+    from adbatch.index.clustering import ClusterMethod
     from jobs.cli import main
 
     ads = synthetic_corpus(tmp_path / "ads.parquet", n=400, seed=4)
@@ -283,7 +283,7 @@ def test_special_token_strings_in_ad_text_stay_plain_text(tmp_path):
         "vec": pa.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]], pa.list_(pa.float32()))}), tmp_path / "s.parquet")
     build_index(tmp_path / "s.parquet", tmp_path / "idx", cfg_for(IdScheme.TEXT), progress=False)
     ix = load_index(tmp_path / "idx")
-    from adbatch.index import load_tokenizer
+    from adbatch.index.build import load_tokenizer
 
     tok, _ = load_tokenizer(None)
     special = set(tok.all_special_ids)
@@ -346,7 +346,7 @@ def test_index_write_interrupted_in_place_keeps_stable_ids_on_the_rerun(tmp_path
     import shutil
     from pathlib import Path
 
-    import adbatch.index as ix_mod
+    import adbatch.index.build as ix_mod
 
     full = synthetic_corpus(tmp_path / "all.parquet", n=660)
     table = pq.read_table(full)
@@ -411,7 +411,7 @@ def test_one_huge_vector_is_rejected_not_fatal_to_the_build(tmp_path, bad):
 def test_clustering_of_huge_or_tiny_finite_vectors_is_safe_and_scale_free(scale, exact):
     """Vectors the corpus accepts (squared norm within float32) can still have squared *distances*
     beyond it; k-means runs on a power-of-two rescaled copy: finite, and the same codes as at unit scale."""
-    from adbatch.clustering import rescale_exactly, update_hierarchy
+    from adbatch.index.clustering import rescale_exactly, update_hierarchy
 
     rng = np.random.default_rng(4)
     x = rng.normal(size=(90, 8)).astype(np.float32)
@@ -451,9 +451,9 @@ def test_generate_refuses_an_index_built_with_another_tokenizer(tmp_path, defaul
     from transformers import AutoTokenizer
 
     from adbatch.artifacts import read_manifest
-    from adbatch.embeddings import default_embedding_model_dir
-    from adbatch.generation import ModelSpec, check_model_index
-    from adbatch.prompts import TARGETING_PROMPT_VERSION
+    from adbatch.index.embeddings import default_embedding_model_dir
+    from adbatch.serving.generators import ModelSpec, check_model_index
+    from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
     from adbatch.training.checkpoint import IndexMismatchError
 
     other = tmp_path / "other_tok"
@@ -488,7 +488,7 @@ def test_stable_ids_from_an_index_of_an_older_rendering_keep_codes_not_labels(tm
     """An earlier index rendered before ID_RENDER_VERSION 2 (no ``id_render_version`` in its manifest):
     the ads keep their codes (the clustering's), but its labels are not carried into this rendering."""
     from adbatch.artifacts import sha256_file, write_json_atomic
-    from adbatch.semantic_ids import ID_RENDER_VERSION
+    from adbatch.index.ids import ID_RENDER_VERSION
 
     ads = synthetic_corpus(tmp_path / "ads.parquet", n=400)
     cfg = cfg_for(IdScheme.TEXT)
@@ -514,7 +514,7 @@ def test_stable_ids_from_an_index_of_an_older_rendering_keep_codes_not_labels(tm
 def test_residual_codes_index_round_trip_and_manifest(tmp_path, default_tokenizer):
     """cluster.method residual: RQ codes as code tokens; the trie returns each ad's row; the manifest records
     the method and the collisions; a rebuild is byte-identical."""
-    from adbatch.clustering import ClusterMethod
+    from adbatch.index.clustering import ClusterMethod
 
     ads = synthetic_corpus(tmp_path / "ads.parquet", n=600)
     cfg = cfg_for(IdScheme.CODES, method=ClusterMethod.RESIDUAL, rq_levels=2, rq_codebook=16)
@@ -535,7 +535,7 @@ def test_residual_codes_index_round_trip_and_manifest(tmp_path, default_tokenize
 def test_residual_codes_refuse_text_rendering_and_stable_ids(tmp_path):
     """Residual codes have no text rendering and no incremental update: both are a ConfigError, the
     latter even on a first night (no earlier index yet)."""
-    from adbatch.clustering import ClusterMethod
+    from adbatch.index.clustering import ClusterMethod
     from adbatch.config import ConfigError
 
     with pytest.raises(ConfigError, match="needs render.scheme 'codes'"):

@@ -386,7 +386,7 @@ def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monk
     labelled queries; a changed queries file or a new id rendering re-runs what depends on it."""
     import pyarrow as pa
 
-    import adbatch.semantic_ids
+    import adbatch.index.ids
 
     jobs_seen = []
     nr = _refresh_without_ray(monkeypatch, compress=_manifest_writer("compress", jobs_seen))
@@ -406,7 +406,7 @@ def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monk
     pq.write_table(pa.table({"query": ["blue sofa"], "ad_id": ["a1"]}), queries)  # same path, new pairs
     assert nr.run_refresh(cfg)["stages"]["compress"]["status"] == "ran"
     # a new id rendering rebuilds the index even with the same ads and config
-    monkeypatch.setattr(adbatch.semantic_ids, "ID_RENDER_VERSION", adbatch.semantic_ids.ID_RENDER_VERSION + 1)
+    monkeypatch.setattr(adbatch.index.ids, "ID_RENDER_VERSION", adbatch.index.ids.ID_RENDER_VERSION + 1)
     assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "ran"
     # an explicit calibration file is used as before, and the index is not
     calib = tmp_path / "calib.txt"
@@ -417,7 +417,7 @@ def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monk
 
 def test_refresh_rewrites_creatives_when_the_creative_prompt_changes(tmp_path, monkeypatch):
     """The generate-creatives stage keys on the creative prompt's rendering version."""
-    import adbatch.prompts
+    import adbatch.serving.prompts
 
     nr = _refresh_without_ray(monkeypatch, generate=_manifest_writer("generate"))
     cfg = nr.RefreshConfig.from_dict({
@@ -428,5 +428,5 @@ def test_refresh_rewrites_creatives_when_the_creative_prompt_changes(tmp_path, m
     stage = "generate_creatives"
     assert nr.run_refresh(cfg)["stages"][stage]["status"] == "ran"
     assert nr.run_refresh(cfg)["stages"][stage]["status"] == "skipped"
-    monkeypatch.setattr(adbatch.prompts, "CREATIVE_PROMPT_VERSION", adbatch.prompts.CREATIVE_PROMPT_VERSION + 1)
+    monkeypatch.setattr(adbatch.serving.prompts, "CREATIVE_PROMPT_VERSION", adbatch.serving.prompts.CREATIVE_PROMPT_VERSION + 1)
     assert nr.run_refresh(cfg)["stages"][stage]["status"] == "ran"

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from adbatch.metrics import (mrr_at_k, ndcg_at_k, ranking_metrics, recall_at_k, relevant_set,
+from adbatch.eval.metrics import (mrr_at_k, ndcg_at_k, ranking_metrics, recall_at_k, relevant_set,
                              success_at_k)
-from adbatch.targeting_eval import EmbeddingRanker, SearchBackend, evaluate_targeting
+from adbatch.eval.targeting import EmbeddingRanker, SearchBackend, evaluate_targeting
 
 GRADES = {"a": 3.0, "b": 2.67, "c": 2.0, "d": 1.0}
 

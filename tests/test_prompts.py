@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from adbatch.prompts import TARGETING_INSTRUCTION, TARGETING_PROMPT_VERSION, encode_targeting_prompt
+from adbatch.serving.prompts import TARGETING_INSTRUCTION, TARGETING_PROMPT_VERSION, encode_targeting_prompt
 
 
 def test_targeting_prompt_puts_instruction_in_system_turn(default_tokenizer):
@@ -61,7 +61,7 @@ def test_plain_tokenizer_frame(default_tokenizer):
 
 @pytest.mark.parametrize("version, ok", [(None, False), (1, False), (TARGETING_PROMPT_VERSION, True)])
 def test_model_trained_on_other_prompt_version_is_refused(tmp_path, version, ok):
-    from adbatch.generation import ModelSpec, check_model_index
+    from adbatch.serving.generators import ModelSpec, check_model_index
     from adbatch.training import IndexMismatchError
 
     record = {"trained_on_index": "ab" * 32}
@@ -83,14 +83,14 @@ def test_long_ad_text_cut_in_the_prompt_is_logged_once(caplog, monkeypatch):
     is logged (once per process), not silent."""
     import logging
 
-    import adbatch.generation as gen
-    from adbatch.prompts import AD_PROMPT_CHARS, render_ad_fields
+    import adbatch.serving.generators as gen
+    from adbatch.serving.prompts import AD_PROMPT_CHARS, render_ad_fields
 
     monkeypatch.setattr(gen, "_CUT_WARNED", False)
     short = {"request_id": "s", "title": "Cordless drill"}
     long = {"request_id": "l", "title": "Saw", "description": "x" * (AD_PROMPT_CHARS + 50)}
     assert len(render_ad_fields(long)) == AD_PROMPT_CHARS and len(render_ad_fields(long, None)) > AD_PROMPT_CHARS
-    with caplog.at_level(logging.WARNING, logger="adbatch.generation"):
+    with caplog.at_level(logging.WARNING, logger="adbatch.serving.generators"):
         gen._warn_cut_ad_text([short])
         assert not caplog.records
         gen._warn_cut_ad_text([short, long, long])
@@ -102,9 +102,9 @@ def test_long_ad_text_cut_in_the_prompt_is_logged_once(caplog, monkeypatch):
 def test_creative_prompt_v2_is_few_shot_chat(default_tokenizer):
     """Version 2: instruction as the system turn, each worked example a user turn answered by its
     headline, then the ad; the examples' headlines are not copies of their own fields."""
-    from adbatch.prompts import (CREATIVE_EXAMPLES, CREATIVE_INSTRUCTION, CREATIVE_PROMPT_VERSION,
+    from adbatch.serving.prompts import (CREATIVE_EXAMPLES, CREATIVE_INSTRUCTION, CREATIVE_PROMPT_VERSION,
                                  creative_prompt_text, encode_creative_prompt, render_ad_fields)
-    from adbatch.report import prompt_copy_fraction
+    from adbatch.eval.report import prompt_copy_fraction
 
     assert CREATIVE_PROMPT_VERSION == 2 and len(CREATIVE_EXAMPLES) == 3
     ad = {"advertiser": "Acme", "description": "Power tools for trades.", "industry": "tools"}

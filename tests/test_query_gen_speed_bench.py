@@ -23,10 +23,10 @@ def _bench():
 
 def _bundle(tmp_path: Path) -> Path:
     """A 24-ad catalogue ``tiny``: titles, train pairs, test qrels and its ``text`` index."""
-    from adbatch.clustering import ClusterConfig
-    from adbatch.corpus import CorpusConfig
-    from adbatch.index import IndexConfig, build_index
-    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from adbatch.index.clustering import ClusterConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.build import IndexConfig, build_index
+    from adbatch.index.ids import IdScheme, RenderConfig
     from tests.test_training import _tiny_corpus
 
     ads, _, titles = _tiny_corpus(tmp_path)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adbatch.config import ConfigError
-from adbatch.prompts import encode_query_gen_prompt, encode_query_gen_target, encode_targeting_prompt
+from adbatch.serving.prompts import encode_query_gen_prompt, encode_query_gen_target, encode_targeting_prompt
 from adbatch.training import TrainConfig, train_on_index
 from adbatch.training.data import ExampleKind, build_examples
 from adbatch.training.pseudo_queries import PseudoQueryConfig, QuerySource
@@ -40,7 +40,7 @@ def word_tokenizer():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from adbatch.prompts import QUERY_GEN_INSTRUCTION, TARGETING_INSTRUCTION
+    from adbatch.serving.prompts import QUERY_GEN_INSTRUCTION, TARGETING_INSTRUCTION
 
     pre = pre_tokenizers.Whitespace()
     corpus = [*TITLES, *(q for q, _ in TRAIN), QUERY_GEN_INSTRUCTION, TARGETING_INSTRUCTION,

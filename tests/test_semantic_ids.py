@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adbatch.clustering import Hierarchy
-from adbatch.semantic_ids import (IdScheme, RenderConfig, cluster_labels, label_words, render_ids,
+from adbatch.index.clustering import Hierarchy
+from adbatch.index.ids import (IdScheme, RenderConfig, cluster_labels, label_words, render_ids,
                                   _cluster_nodes)
 
 

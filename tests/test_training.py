@@ -220,10 +220,10 @@ def _tiny_corpus(tmp_path, n=24):
 
 @pytest.mark.slow
 def test_ray_train_one_worker_and_warm_start(tmp_path, tok, ray_local):
-    from adbatch.clustering import ClusterConfig
-    from adbatch.corpus import CorpusConfig
-    from adbatch.index import IndexConfig, build_index, load_index
-    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from adbatch.index.clustering import ClusterConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.build import IndexConfig, build_index, load_index
+    from adbatch.index.ids import IdScheme, RenderConfig
     from pipelines.train import TrainJobConfig, run_train
 
     ads, queries, titles = _tiny_corpus(tmp_path)
@@ -268,7 +268,7 @@ def test_creative_rehearsal_examples_and_training(tok, tmp_path, monkeypatch):
     creative stop strings."""
     import adbatch.decoding.creative as creative
     from adbatch.config import ConfigError
-    from adbatch.prompts import encode_creative_prompt
+    from adbatch.serving.prompts import encode_creative_prompt
     from adbatch.training.rehearsal import CreativeRehearsalConfig, rehearsal_examples
 
     seen = []
@@ -323,11 +323,11 @@ def test_index_built_with_another_tokenizer_is_refused(tmp_path, tok):
 
     from transformers import AutoTokenizer
 
-    from adbatch.clustering import ClusterConfig
-    from adbatch.corpus import CorpusConfig
-    from adbatch.embeddings import default_embedding_model_dir
-    from adbatch.index import IndexConfig, build_index, load_index, tokenizer_fingerprint
-    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from adbatch.index.clustering import ClusterConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.embeddings import default_embedding_model_dir
+    from adbatch.index.build import IndexConfig, build_index, load_index, tokenizer_fingerprint
+    from adbatch.index.ids import IdScheme, RenderConfig
     from adbatch.training import prepare_model_for_index
 
     other = tmp_path / "other_tok"

@@ -167,10 +167,10 @@ def test_selection_with_sparsity_only_counts_frozen_masks(tok):
 
 def test_train_on_index_with_validation_qrels(tok, tmp_path):
     """The real path: validation qrels -> generative recall@10 over the index's trie each epoch."""
-    from adbatch.clustering import ClusterConfig
-    from adbatch.corpus import CorpusConfig
-    from adbatch.index import IndexConfig, build_index, load_index
-    from adbatch.semantic_ids import IdScheme, RenderConfig
+    from adbatch.index.clustering import ClusterConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.build import IndexConfig, build_index, load_index
+    from adbatch.index.ids import IdScheme, RenderConfig
     from tests.test_training import _tiny_corpus
 
     ads, _, titles = _tiny_corpus(tmp_path)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adbatch.trie import Trie, TrieFormatError
+from adbatch.index.trie import Trie, TrieFormatError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

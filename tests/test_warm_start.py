@@ -6,7 +6,7 @@ import pytest
 
 from adbatch.artifacts import write_json_atomic
 from adbatch.config import ConfigError
-from adbatch.prompts import TARGETING_PROMPT_VERSION
+from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
 from adbatch.training import TrainConfig
 from adbatch.training.checkpoint import TRAINING_RECORD
 from adbatch.training.warm_start import IndexSnapshot, WarmStartConfig, plan_warm_start
@@ -16,9 +16,9 @@ from tests.test_training import _tiny_corpus
 @pytest.fixture(scope="module")
 def nights(tmp_path_factory):
     """Night 1 (24 ads), night 2 (the same + 1 new ad) and an unrelated catalogue, as built indexes."""
-    from adbatch.clustering import ClusterConfig
-    from adbatch.corpus import CorpusConfig
-    from adbatch.index import IndexConfig, build_index
+    from adbatch.index.clustering import ClusterConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.build import IndexConfig, build_index
 
     root = tmp_path_factory.mktemp("nights")
     cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
@@ -125,7 +125,7 @@ def test_index_left_half_written_is_not_last_nights(nights, tmp_path):
     manifest hash beside new ad ids must not count as the index last night's model learned."""
     import shutil
 
-    from adbatch.index import AD_CODES_FILE
+    from adbatch.index.build import AD_CODES_FILE
 
     prev = IndexSnapshot.of(nights["night1"])
     mixed = tmp_path / "index"

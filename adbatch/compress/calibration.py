@@ -179,7 +179,7 @@ def served_calibration_texts(index_dir: str | Path, tokenizer: Any, config: Cali
     - ``1 - query_share`` of them: ad texts of the indexed ads, as the index embedded them (category,
       title, description, keywords of the corpus it was built from: ``ads``, default the manifest's
       ``input_files``, read with the index's column mapping).
-    - ``query_share``: queries rendered as the targeting prompt (:func:`adbatch.prompts.encode_targeting_prompt`,
+    - ``query_share``: queries rendered as the targeting prompt (:func:`adbatch.serving.prompts.encode_targeting_prompt`,
       decoded back to text) followed by the ad's target sequence (its ``ad_codes.text``, the trailing
       EOS left to :func:`token_blocks`) -- the labelled ``(query, ad_id)`` pairs that name an indexed ad,
       topped up with span pseudo-queries of the ads' titles (:func:`adbatch.training.pseudo_queries.span_pseudo_queries`)
@@ -188,9 +188,9 @@ def served_calibration_texts(index_dir: str | Path, tokenizer: Any, config: Cali
     ``tokenizer``: the one of the model being compressed (a model trained on a ``codes`` index has its
     code tokens, so a rendered ``<ad_L0_3>...`` target reads back as those tokens).
     """
-    from adbatch.corpus import CorpusConfig, read_corpus
-    from adbatch.index import load_index
-    from adbatch.prompts import encode_targeting_prompt, special_tokens_around
+    from adbatch.index.corpus import CorpusConfig, read_corpus
+    from adbatch.index.build import load_index
+    from adbatch.serving.prompts import encode_targeting_prompt, special_tokens_around
     from adbatch.training.pseudo_queries import PseudoQueryConfig, span_pseudo_queries
 
     if not 0.0 <= query_share <= 1.0:
@@ -255,7 +255,7 @@ def token_blocks(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor
     """Concatenate texts (EOS between them) and cut into rows of ``seq_len`` tokens, each row
     starting the way the tokenizer starts a text.
 
-    Special tokens follow the tokenizer's own settings (:func:`adbatch.prompts.special_tokens_around`):
+    Special tokens follow the tokenizer's own settings (:func:`adbatch.serving.prompts.special_tokens_around`):
     every row begins with its prefix (BOS where it declares ``add_bos_token``: Gemma's perplexity
     without it is ~7x higher), and texts end with its suffix when it adds one (``add_eos_token``),
     else with EOS. A tokenizer that adds nothing (SmolLM2) gives plain EOS-joined text.
@@ -263,7 +263,7 @@ def token_blocks(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor
     Returns long [B, seq_len]; the tail shorter than seq_len becomes a last, shorter batch only if
     nothing else exists (so tiny inputs still yield one row).
     """
-    from adbatch.prompts import special_tokens_around
+    from adbatch.serving.prompts import special_tokens_around
 
     prefix, suffix = special_tokens_around(tokenizer)
     end = list(suffix) if suffix else ([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])

@@ -410,7 +410,7 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
         model: a HF causal LM (eval mode) whose log-probs are ``log_softmax(lm_head(hidden))``.
         prompts: ``Q`` token-id lists (e.g. from ``encode_targeting_prompt``); the ad's target
             sequence follows each prompt directly.
-        trie: an :class:`adbatch.trie.Trie` over the index's target sequences (any device; moved
+        trie: an :class:`adbatch.index.trie.Trie` over the index's target sequences (any device; moved
             to the model's device).
         config: :class:`TargetSearchConfig`.
         cost_model: the trigger's measurements for ``verify=auto``; default: the saved calibration

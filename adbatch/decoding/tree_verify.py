@@ -7,7 +7,7 @@ attends to its row's cached prefix and to its own ancestors inside the tree (anc
 with ``position_ids = next position of the beam + depth below n``. So the log-prob of a tree
 token equals the one a plain step-by-step decode of its branch would give.
 
-The trie keeps node ids in depth-first preorder (adbatch/trie.py), so the subtree of ``n`` is the
+The trie keeps node ids in depth-first preorder (adbatch/index/trie.py), so the subtree of ``n`` is the
 id range ``[n, n + subtree_nodes[n])`` and "a is an ancestor of b" is the interval test
 ``a <= b < a + subtree_nodes[a]``: trees, masks and path sums are built on the device with no
 per-beam Python. Several beams of several queries share one pass (trees right-padded). The pass
@@ -50,7 +50,7 @@ class TrieAux:
             ok = bool(((p >= 0) & (p < ids[1:]) & (ids[1:] < p + self.sub[p.clamp(min=0)])).all())
             if not ok or int(self.sub[0]) != n:
                 raise ValueError("trie node ids are not in depth-first preorder; adbatch.decoding "
-                                 "relies on the contiguous-subtree layout of adbatch.trie")
+                                 "relies on the contiguous-subtree layout of adbatch.index.trie")
         internal = (self.degree > 0).long()
         csum = torch.zeros(n + 1, dtype=torch.long, device=ids.device)
         csum[1:] = internal.cumsum(0)

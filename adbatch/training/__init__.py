@@ -260,7 +260,7 @@ def train_on_index(
         data_stats["creative_pairs"] = {**creative_pairs.stats, "examples": len(pairs_ex)}
     prep_s = time.perf_counter() - t0
     if evaluate is None and valid_qrels and config.eval_every > 0:
-        from adbatch.targeting_eval import validation_metric
+        from adbatch.eval.targeting import validation_metric
 
         evaluate = validation_metric(tokenizer, index, valid_qrels, metric=config.valid_metric,
                                      max_queries=config.valid_max_queries)
@@ -281,7 +281,7 @@ def train_on_index(
                                  teacher=teacher)
     del teacher
     if creative_pairs is not None:
-        from adbatch.prompts import declare_creative_prompt
+        from adbatch.serving.prompts import declare_creative_prompt
 
         declare_creative_prompt(model)  # in config.json: dense and compressed loads render the tuned prompt
     summary = {**info, "data": data_stats, "train": stats.summary(model, torch.device(device)),
@@ -292,7 +292,7 @@ def train_on_index(
     # None unless QAT ran; the compression stage reads it to use the same INT4 grid (uniform groups)
     summary["qat"] = stats.qat
     if out_dir is not None and rank == 0:
-        from adbatch.prompts import TARGETING_PROMPT_VERSION
+        from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
 
         record = {"trained_on_index": index.index_hash, "scheme": info["scheme"],
                   "targeting_prompt_version": TARGETING_PROMPT_VERSION,

@@ -114,7 +114,7 @@ def check_binding(record: Mapping[str, Any], index_hash: str, model: str) -> Non
     """Raise :class:`IndexMismatchError` unless ``record`` (a training record or a compressed
     manifest) was trained on ``index_hash`` with this code's targeting prompts. ``model`` names the
     model in the message."""
-    from adbatch.prompts import TARGETING_PROMPT_VERSION
+    from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
 
     binding = model_binding(record)
     have = binding["trained_on_index"]

@@ -9,15 +9,15 @@ targeting training (:func:`adbatch.training.trainer.train_loop`, examples of kin
 :attr:`~adbatch.training.data.ExampleKind.CREATIVE`):
 
 - **pairs** (:func:`read_headline_pairs`): the ad's fields present among
-  :data:`adbatch.prompts.CREATIVE_FIELDS` (except the headline column itself) -> its headline. Rows
+  :data:`adbatch.serving.prompts.CREATIVE_FIELDS` (except the headline column itself) -> its headline. Rows
   without a headline or without any field, headlines longer than ``max_headline_words``, headlines that
   copy ``>= max_copy_fraction`` of their words from the fields (the prompt-copy metric of
-  :mod:`adbatch.report`; 39 % of the slogan ``valid.csv`` headlines do), duplicates, and the ads a caller
+  :mod:`adbatch.eval.report`; 39 % of the slogan ``valid.csv`` headlines do), duplicates, and the ads a caller
   holds out (requested creatives, test rows) are skipped and counted, never dropped silently.
-- **prompt**: :attr:`adbatch.prompts.CreativePrompt.TUNED` (instruction + fields, no worked examples),
-  the rendering serving uses for a model that declares it (:func:`adbatch.prompts.declare_creative_prompt`,
+- **prompt**: :attr:`adbatch.serving.prompts.CreativePrompt.TUNED` (instruction + fields, no worked examples),
+  the rendering serving uses for a model that declares it (:func:`adbatch.serving.prompts.declare_creative_prompt`,
   saved in config.json, so a compressed checkpoint of the model declares it too); target = the headline
-  + EOS (:func:`adbatch.prompts.encode_creative_target`).
+  + EOS (:func:`adbatch.serving.prompts.encode_creative_target`).
 - **shapes** (:class:`CreativeTuneShape`, one knob): ``separate`` = a creative model of its own,
   fine-tuned from the base model on the pairs only (:func:`tune_creatives`); ``shared`` = the pairs mixed
   into the targeting training as creative examples (:func:`adbatch.training.train_on_index` with
@@ -156,8 +156,8 @@ def headline_pairs(rows: Iterable[dict[str, Any]], config: HeadlinePairsConfig, 
     headlines); a pair whose description or headline equals one (case and spacing ignored) is skipped.
     Every skipped row is counted in ``stats['skipped']`` by reason.
     """
-    from adbatch.prompts import CREATIVE_FIELDS, render_ad_fields
-    from adbatch.report import prompt_copy_fraction
+    from adbatch.serving.prompts import CREATIVE_FIELDS, render_ad_fields
+    from adbatch.eval.report import prompt_copy_fraction
 
     held_ids = {str(a) for a in exclude_ad_ids}
     held_texts = {_norm(t) for t in exclude_texts if _norm(t)}
@@ -212,10 +212,10 @@ def headline_pairs(rows: Iterable[dict[str, Any]], config: HeadlinePairsConfig, 
 def read_headline_pairs(path: str | Path, config: HeadlinePairsConfig | None = None, *,
                         exclude_ad_ids: Iterable[Hashable] = (), exclude_texts: Iterable[str] = ()) -> HeadlinePairs:
     """:func:`headline_pairs` of an ad corpus (a Parquet file, folder of parts or glob, as
-    :func:`adbatch.corpus.resolve_corpus_paths` reads it). The headline and id columns must exist
+    :func:`adbatch.index.corpus.resolve_corpus_paths` reads it). The headline and id columns must exist
     (ConfigError naming the file otherwise); the CREATIVE_FIELDS columns present are the inputs."""
-    from adbatch.corpus import read_parquet_schema, read_parquet_table, resolve_corpus_paths
-    from adbatch.prompts import CREATIVE_FIELDS
+    from adbatch.index.corpus import read_parquet_schema, read_parquet_table, resolve_corpus_paths
+    from adbatch.serving.prompts import CREATIVE_FIELDS
 
     config = config or HeadlinePairsConfig()
     rows: list[dict[str, Any]] = []
@@ -241,7 +241,7 @@ def write_headline_pairs(pairs: HeadlinePairs, path: str | Path) -> Path:
     import pyarrow as pa
 
     from adbatch.artifacts import write_parquet_atomic
-    from adbatch.prompts import CREATIVE_FIELDS
+    from adbatch.serving.prompts import CREATIVE_FIELDS
 
     keys = [k for k in CREATIVE_FIELDS if any(k in f for f in pairs.fields)]
     cols = {"ad_id": pa.array([str(a) for a in pairs.ad_ids], pa.string()),
@@ -256,7 +256,7 @@ def load_headline_pairs(path: str | Path) -> HeadlinePairs:
     """The pairs :func:`write_headline_pairs` wrote (no filtering: they were chosen when written)."""
     import json
 
-    from adbatch.corpus import read_parquet_table
+    from adbatch.index.corpus import read_parquet_table
 
     table = read_parquet_table(Path(path), error=ConfigError)
     meta = (table.schema.metadata or {}).get(PAIRS_STATS_KEY)
@@ -271,7 +271,7 @@ def load_headline_pairs(path: str | Path) -> HeadlinePairs:
 def creative_examples(tokenizer: Any, pairs: HeadlinePairs) -> Any:
     """``TrainingExamples`` of kind CREATIVE: the tuned creative prompt of each pair's fields -> its
     headline + EOS (``rows`` = the pair's position)."""
-    from adbatch.prompts import CreativePrompt, encode_creative_prompt, encode_creative_target
+    from adbatch.serving.prompts import CreativePrompt, encode_creative_prompt, encode_creative_target
     from adbatch.training.data import ExampleKind, build_prompted
 
     if not len(pairs):
@@ -328,7 +328,7 @@ def fine_tune_pairs(model: Any, tokenizer: Any, examples: Any, config: TrainConf
 
 def creative_record(config: CreativeTuneConfig, pairs: HeadlinePairs) -> dict[str, Any]:
     """What a training record says about the creative fine-tune (both shapes)."""
-    from adbatch.prompts import TUNED_CREATIVE_PROMPT_VERSION, CreativePrompt
+    from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION, CreativePrompt
 
     return {"shape": config.shape.value, "prompt": CreativePrompt.TUNED.value,
             "creative_prompt_version": TUNED_CREATIVE_PROMPT_VERSION, "pairs_hash": pairs.content_hash(),
@@ -356,7 +356,7 @@ def tune_creatives(
     ``(model, tokenizer, summary)``."""
     import torch
 
-    from adbatch.prompts import declare_creative_prompt
+    from adbatch.serving.prompts import declare_creative_prompt
     from adbatch.training.checkpoint import save_trained
 
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Training examples for DSI-style generative targeting, built from an ad index.
 
 Two kinds of example, both ``prompt -> target`` where the prompt is exactly what the decoder feeds
-(:func:`adbatch.prompts.encode_targeting_prompts`) and the target is the ad's sequence from the index
+(:func:`adbatch.serving.prompts.encode_targeting_prompts`) and the target is the ad's sequence from the index
 (``ad_codes.token_ids``: code tokens for the ``codes`` scheme, title tokens for ``text``):
 
 - **indexing**: the ad's own text (its title) as the query -> its target. Every ad of the index gets
@@ -28,7 +28,7 @@ from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
-from adbatch.prompts import encode_targeting_prompts
+from adbatch.serving.prompts import encode_targeting_prompts
 from adbatch.training.pseudo_queries import PseudoQueryConfig, QuerySource, span_pseudo_queries
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ a generator trained on (title -> labelled query) pairs can learn and spans canno
   queries equal to the ad's text and duplicates are skipped and counted.
 - **fine-tune** (:func:`tune_query_generator`): the seq2seq-on-a-causal-LM fine-tune the creative model
   uses (:func:`adbatch.training.creatives.fine_tune_pairs`), on the query-generation prompt
-  (:func:`adbatch.prompts.encode_query_gen_prompt`, versioned) -> the query + EOS.
+  (:func:`adbatch.serving.prompts.encode_query_gen_prompt`, versioned) -> the query + EOS.
 - **generate** (:func:`generate_queries`): ``queries_per_ad`` samples per ad with the decode engine
   (:func:`adbatch.decoding.creative.generate_creatives`, temperature + nucleus, seeded per prompt: the
   same ad gets the same queries whatever the batch or shard), then cleaned (:func:`clean_queries`:
@@ -233,7 +233,7 @@ def query_pairs(train_pairs: Iterable[tuple[str, Hashable]], ad_texts: Mapping[H
 def generator_examples(tokenizer: Any, pairs: QueryPairs) -> Any:
     """``TrainingExamples`` of the generator: the query-generation prompt of each pair's ad text -> its
     query + EOS (kind CREATIVE: a free-text answer ended by EOS; ``rows`` = the pair's position)."""
-    from adbatch.prompts import encode_query_gen_prompt, encode_query_gen_target
+    from adbatch.serving.prompts import encode_query_gen_prompt, encode_query_gen_target
     from adbatch.training.data import ExampleKind, build_prompted
 
     if not len(pairs):
@@ -323,7 +323,7 @@ def generate_queries(model: Any, tokenizer: Any, ad_ids: Sequence[Hashable], ad_
     from tqdm.auto import tqdm
 
     from adbatch.decoding.creative import generate_creatives
-    from adbatch.prompts import encode_query_gen_prompt
+    from adbatch.serving.prompts import encode_query_gen_prompt
 
     t0 = time.perf_counter()
     sampling = config.sampling()
@@ -362,7 +362,7 @@ def generate_queries(model: Any, tokenizer: Any, ad_ids: Sequence[Hashable], ad_
 def minilm_ranker(ad_ids: Sequence[Hashable], texts: Sequence[str], top_k: int, device: str = "cpu") -> Callable:
     """``queries -> top_k ad ids`` by MiniLM + exact inner-product search over ``texts`` (FAISS where
     installed, torch otherwise): the retriever of the round trip, the benchmark's MiniLM+FAISS baseline."""
-    from adbatch.targeting_eval import EmbeddingRanker, embed_texts, load_minilm
+    from adbatch.eval.targeting import EmbeddingRanker, embed_texts, load_minilm
 
     encoder = load_minilm(device=device)
     return EmbeddingRanker(encoder, list(ad_ids), embed_texts(encoder, list(texts)), k=top_k)
@@ -394,7 +394,7 @@ def model_fingerprint(model: Any, tokenizer: Any) -> str:
     generator's identity in :func:`generation_key`, whether it came from a folder, a GGUF or memory."""
     import torch
 
-    from adbatch.prompts import special_tokens_around
+    from adbatch.serving.prompts import special_tokens_around
 
     h = hashlib.sha256()
     for name, t in sorted({**dict(model.named_parameters()), **dict(model.named_buffers())}.items()):
@@ -412,7 +412,7 @@ def generation_key(pairs: QueryPairs | None, ad_ids: Sequence[Hashable], ad_text
     catalogue (ids and texts in order), ``config``, the generator's :func:`model_fingerprint`, the prompt
     rendering version and :data:`QUERY_GEN_VERSION` (not the decode batch size, which changes no query)."""
     from adbatch.artifacts import sha256_json
-    from adbatch.prompts import QUERY_GEN_PROMPT_VERSION
+    from adbatch.serving.prompts import QUERY_GEN_PROMPT_VERSION
 
     catalogue = hashlib.sha256()
     for a in ad_ids:
@@ -443,7 +443,7 @@ def write_generated_queries(generated: GeneratedQueries, path: str | Path) -> Pa
 def load_generated_queries(path: str | Path, key: str | None = None) -> GeneratedQueries | None:
     """The queries :func:`write_generated_queries` wrote to ``path``; None when the file is absent or (with
     ``key``) was made for other inputs. A file that is not a generated-queries file raises ConfigError."""
-    from adbatch.corpus import read_parquet_table
+    from adbatch.index.corpus import read_parquet_table
 
     path = Path(path)
     if not path.is_file():

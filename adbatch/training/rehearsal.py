@@ -50,7 +50,7 @@ def rehearsal_examples(model: Any, tokenizer: Any, ad_ids: list[Hashable], ad_te
     model, on its training device. Ads whose headline comes out empty are skipped (counted)."""
     from adbatch.decoding.config import CreativeConfig
     from adbatch.decoding.creative import generate_creatives
-    from adbatch.prompts import encode_creative_prompt
+    from adbatch.serving.prompts import encode_creative_prompt
     from adbatch.training.data import ExampleKind, build_prompted
 
     gen = torch.Generator().manual_seed(config.seed)

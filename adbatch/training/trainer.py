@@ -59,7 +59,7 @@ H200_BF16_PEAK_FLOPS = 989e12
 #: what the summary names as that peak (``mfu_peak``)
 MFU_PEAK_NAME = "H200 dense bf16"
 
-#: what ``valid_metric`` may name: the metrics :func:`adbatch.targeting_eval.validation_metric` reports
+#: what ``valid_metric`` may name: the metrics :func:`adbatch.eval.targeting.validation_metric` reports
 #: (``evaluate_targeting`` at its default ks 1 and 10)
 VALID_METRICS = tuple(f"{m}@{k}" for m in ("recall", "success", "mrr", "ndcg") for k in (1, 10))
 

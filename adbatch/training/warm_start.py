@@ -58,7 +58,7 @@ class IndexSnapshot:
         import pyarrow.parquet as pq
 
         from adbatch.artifacts import read_manifest, verify_outputs
-        from adbatch.index import AD_CODES_FILE
+        from adbatch.index.build import AD_CODES_FILE
 
         manifest = read_manifest(index_dir)
         if manifest.get("stage") != "index":
@@ -105,7 +105,7 @@ def plan_warm_start(previous_model: str | Path | None, previous_index: IndexSnap
     ids, i.e. today's list starts with them: stable ids). ``same_base_model``: the caller's knowledge that
     the previous run started from the same base model (a different base = cold).
     """
-    from adbatch.prompts import TARGETING_PROMPT_VERSION
+    from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
 
     def cold(reason: str, overlap: float | None = None) -> WarmStartPlan:
         return WarmStartPlan(None, epochs, reason, overlap)

@@ -9,12 +9,12 @@ its presence marks a finished index):
   returns): ``ad_id`` (string or int64, as in the corpus), ``code`` list<int32> (cluster path +
   position in the leaf; ``cluster.method`` residual: the ``rq_levels`` codes, + the collision counter),
   ``token_ids`` list<int32> (the target sequence), ``text`` string (the rendered sequence).
-- ``trie.safetensors``: the :class:`~adbatch.trie.Trie` over ``token_ids`` (terminal rows = rows).
+- ``trie.safetensors``: the :class:`~adbatch.index.trie.Trie` over ``token_ids`` (terminal rows = rows).
 - ``clusters.parquet``: one row per cluster: ``path``, ``size``, ``label`` (words), ``token`` (codes scheme).
-- ``rejected.parquet``: corpus rows set aside, with a reason (see :mod:`adbatch.corpus`).
+- ``rejected.parquet``: corpus rows set aside, with a reason (see :mod:`adbatch.index.corpus`).
 - ``manifest.json``: input hash, config, counts, timings, code version, plus ``scheme``,
   ``tokenizer``, ``base_vocab_size``, ``special_tokens`` (codes), ``eos_token_id`` (text),
-  ``id_render_version`` (:data:`adbatch.semantic_ids.ID_RENDER_VERSION`), ``index_hash``.
+  ``id_render_version`` (:data:`adbatch.index.ids.ID_RENDER_VERSION`), ``index_hash``.
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ from adbatch.artifacts import (
     MANIFEST_NAME, StageTimer, build_manifest, read_manifest, sha256_file, sha256_json, verify_outputs,
     write_json_atomic, write_parquet_atomic,
 )
-from adbatch.clustering import (
+from adbatch.index.clustering import (
     ClusterConfig, ClusterMethod, Hierarchy, build_codes, require_updatable, update_hierarchy,
 )
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.corpus import Corpus, CorpusConfig, read_corpus
-from adbatch.embeddings import EmbeddingConfig, embed_texts, load_embedder
+from adbatch.index.corpus import Corpus, CorpusConfig, read_corpus
+from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
 from adbatch.models import tokenizer_fingerprint
-from adbatch.semantic_ids import ID_RENDER_VERSION, IdScheme, RenderConfig, RenderedIds, render_ids
-from adbatch.trie import Trie
+from adbatch.index.ids import ID_RENDER_VERSION, IdScheme, RenderConfig, RenderedIds, render_ids
+from adbatch.index.trie import Trie
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
 
 
 def cluster_stable(emb: np.ndarray, start: StableStart, config: IndexConfig) -> tuple[Hierarchy, dict[str, Any]]:
-    """:func:`adbatch.clustering.update_hierarchy` from ``start``; returns the hierarchy and the
+    """:func:`adbatch.index.clustering.update_hierarchy` from ``start``; returns the hierarchy and the
     manifest's ``stable_ids`` record."""
     hierarchy, stats = update_hierarchy(emb, start.codes, config.cluster)
     log.info("index: kept the codes of %d ads from index %s, placed %d new, re-split %d in %d full leaves",

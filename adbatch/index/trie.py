@@ -52,7 +52,7 @@ _ARRAYS = (
 
 
 class TrieFormatError(ValueError):
-    """A trie file or array set violates the layout documented in :mod:`adbatch.trie`."""
+    """A trie file or array set violates the layout documented in :mod:`adbatch.index.trie`."""
 
 
 @dataclasses.dataclass

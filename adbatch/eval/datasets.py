@@ -28,7 +28,7 @@ into the shapes the stages use.
   split across nights; measures what warm-starting from yesterday's model saves.
 - **qrels** per split: ``{query: {ad_id: grade}}`` restricted to products in the catalogue, and only
   for queries with at least one relevant product in it (the others cannot be answered).
-  ``relevant = grade >= 2.67``; grades feed nDCG as graded gains (see :mod:`adbatch.metrics`).
+  ``relevant = grade >= 2.67``; grades feed nDCG as graded gains (see :mod:`adbatch.eval.metrics`).
 
 **Slogans** (``test-curated.csv``, UTF-8, 994 rows): company description -> human headline. Rows
 become ad records (``advertiser``, ``description``, ``industry``, ``url``) + ``reference``.
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.metrics import HOME_DEPOT_RELEVANT
+from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
 
 log = logging.getLogger(__name__)
 

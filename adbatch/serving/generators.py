@@ -2,11 +2,11 @@
 
 :class:`TargetGenerator` loads a model (dense through :func:`adbatch.models.load_causal_lm`, or a
 compressed checkpoint through :func:`adbatch.compress.load_compressed`) and an index
-(:func:`adbatch.index.load_index`) once, then maps batches of validated target requests
+(:func:`adbatch.index.build.load_index`) once, then maps batches of validated target requests
 (``request_id, query``) to *answers*: one row per request with its ranked ads as list columns, or an
 ``error``. :class:`CreativeGenerator` does the same for creative requests. ``pipelines/generate.py``
 wraps them in a Ray Data actor; :func:`answers_to_output` turns answers into the output schemas of
-:mod:`adbatch.requests` and the rejected rows.
+:mod:`adbatch.serving.requests` and the rejected rows.
 
 Batch size adapts: when a batch raises an out-of-memory error the generator halves its batch size,
 logs it, and retries the same requests; a request that fails even alone becomes an error answer
@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from adbatch.artifacts import sha256_file, sha256_json, sha256_paths
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.requests import (CREATIVES_OUT_SCHEMA, REJECTED_SCHEMA, TARGETS_OUT_SCHEMA,
+from adbatch.serving.requests import (CREATIVES_OUT_SCHEMA, REJECTED_SCHEMA, TARGETS_OUT_SCHEMA,
                               GenerateTask, RejectStage)
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ def check_model_tokenizer(spec: ModelSpec, index_dir: str | Path, manifest: Mapp
     # by the tokenizer transformers loads, as the index was built with.
     if tokenizer_file_fingerprint(folder, below=below) == want:
         return
-    from adbatch.index import load_tokenizer
+    from adbatch.index.build import load_tokenizer
 
     try:
         tokenizer, _ = load_tokenizer(str(folder))
@@ -359,7 +359,7 @@ class TargetGenerator(_GeneratorBase):
     """Query -> ranked ads over an index, by trie-constrained beam search (+ verification).
 
     Loads the model and the index once; each call maps a ``pa.Table`` of ``request_id, query``
-    (validated, see :func:`adbatch.requests.validate_requests`) to a table of
+    (validated, see :func:`adbatch.serving.requests.validate_requests`) to a table of
     :data:`TARGET_ANSWER_SCHEMA`.
     """
 
@@ -368,7 +368,7 @@ class TargetGenerator(_GeneratorBase):
     def __init__(self, spec: ModelSpec, index_dir: str | Path, search: Any,
                  config: GenerateConfig | None = None) -> None:
         from adbatch.decoding import TargetSearchConfig
-        from adbatch.index import load_index
+        from adbatch.index.build import load_index
 
         if not isinstance(search, TargetSearchConfig):
             raise TypeError(f"search must be a TargetSearchConfig, got {type(search).__name__}")
@@ -388,7 +388,7 @@ class TargetGenerator(_GeneratorBase):
 
     def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         from adbatch.decoding import search_targets
-        from adbatch.prompts import encode_targeting_prompts
+        from adbatch.serving.prompts import encode_targeting_prompts
 
         prompts = encode_targeting_prompts(self.tokenizer, [r["query"] for r in rows], self.config.max_query_tokens)
         cfg = self.search.replace(batch_size=len(rows))
@@ -422,7 +422,7 @@ def _warn_cut_ad_text(rows: Sequence[dict[str, Any]]) -> None:
     global _CUT_WARNED
     if _CUT_WARNED:
         return
-    from adbatch.prompts import AD_PROMPT_CHARS, render_ad_fields
+    from adbatch.serving.prompts import AD_PROMPT_CHARS, render_ad_fields
 
     cut = [r["request_id"] for r in rows if len(render_ad_fields(r, None)) > AD_PROMPT_CHARS]
     if cut:
@@ -448,14 +448,14 @@ class CreativeGenerator(_GeneratorBase):
             raise TypeError(f"creative must be a CreativeConfig, got {type(creative).__name__}")
         super().__init__(spec, config or GenerateConfig())
         self.creative = creative
-        from adbatch.prompts import creative_prompt_of
+        from adbatch.serving.prompts import creative_prompt_of
 
         # the prompt the model declares it was fine-tuned on (adbatch.training.creatives), else few-shot
         self.prompt_style = creative_prompt_of(self.model)
 
     def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         from adbatch.decoding import generate_creatives
-        from adbatch.prompts import encode_creative_prompt
+        from adbatch.serving.prompts import encode_creative_prompt
 
         prompts = [encode_creative_prompt(self.tokenizer, r, style=self.prompt_style) for r in rows]
         _warn_cut_ad_text(rows)
@@ -510,7 +510,7 @@ def answers_to_output(task: GenerateTask, answers: pa.Table) -> tuple[pa.Table, 
 def generator_fingerprint(task: GenerateTask, decoding: Any, config: GenerateConfig) -> str:
     """Hash of everything that decides the content of the answers (not the batch size), the
     prompt's rendering version included: a resumed run must not keep answers to another prompt."""
-    from adbatch.prompts import CREATIVE_PROMPT_VERSION, TARGETING_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
+    from adbatch.serving.prompts import CREATIVE_PROMPT_VERSION, TARGETING_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
 
     # creatives: both renderings' versions (the model decides which one it reads; its hash is in the key too)
     prompt = (TARGETING_PROMPT_VERSION if task is GenerateTask.TARGETS
