@@ -30,7 +30,7 @@ PY="${PY:-.venv/bin/python}"
 WITH_GGUF=0
 TRAINED_CHECK=0
 [ "${1:-}" = "--with-gguf" ] && WITH_GGUF=1
-[ "${1:-}" = "--trained-check" ] && { WITH_GGUF=1; TRAINED_CHECK=1; }
+[ "${1:-}" = "--trained-check" ] && TRAINED_CHECK=1
 MiB=$((1024 * 1024))
 
 mkdir -p .git/info
@@ -41,7 +41,9 @@ ver() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[
 # everything ray (core + data, no dashboard extras), the index stage (faiss) and the GGUF
 # conversion (gguf) need beyond what the device image holds; polars is listed in pyproject.toml
 # but nothing imports it, and nltk only serves `adbatch eval`'s METEOR: neither is carried.
-PKGS=(ray faiss-cpu jsonschema jsonschema-specifications referencing rpds-py gguf)
+# ray.train (the train stages' TorchTrainer) refuses to import without pydantic (2026-12-04 on the H200)
+PKGS=(ray faiss-cpu jsonschema jsonschema-specifications referencing rpds-py gguf
+      pydantic pydantic-core annotated-types typing-inspection)
 PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 mkdir -p .whl
@@ -118,7 +120,7 @@ EOF
 
 # --- optional: the real default model, as GGUF parts ----------------------------------------------
 rm -rf .carry/gguf_a .carry/gguf_b
-if [ "$WITH_GGUF" = 1 ]; then
+if [ "$WITH_GGUF" = 1 ] || [ "$TRAINED_CHECK" = 1 ]; then
   G="$("$PY" -c 'from adbatch.models import default_gguf_path; print(default_gguf_path())')"
   GX=".whl/$(basename "$G").xz"  # cached: xz -9 of 94 MiB takes minutes
   gsum="$(sha256sum "$G" | cut -c1-64)"
@@ -126,6 +128,10 @@ if [ "$WITH_GGUF" = 1 ]; then
     echo "[carry] compressing $(basename "$G") (xz -9, a few minutes)"
     xz -T0 -9 -c "$G" > "$GX.tmp" && mv "$GX.tmp" "$GX" && echo "$gsum" > "$GX.src-sha256"
   fi
+fi
+# the real-model plan beside the site: only when the xz'd GGUF fits two calls with it (--trained-check splits
+# it without the site instead: 86 MiB did not fit beside the 33 MiB site on 2026-12-04)
+if [ "$WITH_GGUF" = 1 ]; then
   tmp="$(mktemp -d)"
   cp "$GX" "$tmp/"
   # the working tree travels on every call: what is left of 64 MiB after it (and site/ in call 1)

@@ -238,22 +238,18 @@ def test_refresh_config_rules_for_the_creative_fine_tune():
                 generate=cfg.generate.replace(creatives_model="tuned")).validate()
 
 
-def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path, monkeypatch):
-    """Stage logic without Ray: train_creatives runs, generate-creatives is served by its folder, a second run
-    skips both; another creative train config or another tuned prompt version retrains."""
+def _refresh_with_fake_creative_stages(monkeypatch, trained: list, generated: list):
+    """The refresh without Ray (test_jobs._refresh_without_ray) whose train_creatives and generate stages
+    record their jobs in ``trained`` / ``generated`` and write only their marker files."""
     import pipelines.generate
     import pipelines.train
     from adbatch.artifacts import write_json_atomic
     from test_jobs import _refresh_without_ray
 
-    import adbatch.serving.prompts
-
-    trained, generated = [], []
-
     def fake_tune(job):
         trained.append(job)
         write_json_atomic(Path(job.out) / "adbatch_training.json",
-                          {"trained_on_index": None, "task": "creatives", "train": {"steps": 1},
+                          {"trained_on_index": None, "task": "creatives", "train": {"steps": len(trained)},
                            "creative": {"pairs": {"pairs": 1}}})
         return {}
 
@@ -265,6 +261,16 @@ def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path,
     nr = _refresh_without_ray(monkeypatch)
     monkeypatch.setattr(pipelines.train, "run_train_creatives", fake_tune)
     monkeypatch.setattr(pipelines.generate, "run_generate", fake_generate)
+    return nr
+
+
+def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path, monkeypatch):
+    """Stage logic without Ray: train_creatives runs, generate-creatives is served by its folder, a second run
+    skips both; another creative train config or another tuned prompt version retrains."""
+    import adbatch.serving.prompts
+
+    trained, generated = [], []
+    nr = _refresh_with_fake_creative_stages(monkeypatch, trained, generated)
     cfg = nr.RefreshConfig.from_dict({
         "work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
         "train": {"enabled": False, "creatives": {"enabled": True}}, "compress": {"enabled": False},
@@ -293,20 +299,10 @@ def test_refresh_serves_the_creative_model_compressed_when_asked(tmp_path, monke
     compresses its model with the compress stage's settings, generate-creatives reads that checkpoint, and a
     new creative model recompresses; the default (dense) serves the creative folder and compresses nothing."""
     import pipelines.compress
-    import pipelines.generate
-    import pipelines.train
     from adbatch.artifacts import write_json_atomic
     from adbatch.config import ConfigError
-    from test_jobs import _refresh_without_ray
 
     trained, compressed, generated = [], [], []
-
-    def fake_tune(job):
-        trained.append(job)
-        write_json_atomic(Path(job.out) / "adbatch_training.json",
-                          {"trained_on_index": None, "task": "creatives", "train": {"steps": len(trained)},
-                           "creative": {"pairs": {"pairs": 1}}})
-        return {}
 
     def fake_compress(job):
         compressed.append(job)
@@ -314,15 +310,8 @@ def test_refresh_serves_the_creative_model_compressed_when_asked(tmp_path, monke
                                                             "n": len(compressed)})
         return {}
 
-    def fake_generate(job):
-        generated.append(job)
-        write_json_atomic(Path(job.out) / "manifest.json", {"stage": "generate"})
-        return {}
-
-    nr = _refresh_without_ray(monkeypatch)
-    monkeypatch.setattr(pipelines.train, "run_train_creatives", fake_tune)
+    nr = _refresh_with_fake_creative_stages(monkeypatch, trained, generated)
     monkeypatch.setattr(pipelines.compress, "run_compress", fake_compress)
-    monkeypatch.setattr(pipelines.generate, "run_generate", fake_generate)
     base = {"work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
             "train": {"enabled": False, "creatives": {"enabled": True}}, "eval": {"enabled": False},
             "compress": {"eval_texts": 3},
