@@ -75,6 +75,8 @@ log = logging.getLogger("creatives_tune")
 #: metric -> the module it needs (adbatch.eval.report imports these when computing it)
 METRIC_MODULES = {"rouge": "rouge_score.rouge_scorer", "bleu": "sacrebleu", "meteor": "nltk.translate.meteor_score"}
 SAMPLE_ROWS = 10
+#: the slogan rows' fields a creative prompt shows (the generator's request columns)
+AD_FIELDS = ("advertiser", "description", "industry")
 
 
 def metric_support() -> dict[str, str | None]:
@@ -114,8 +116,7 @@ def reference_shares(rows: list[dict[str, Any]]) -> dict[str, float]:
     from adbatch.eval.report import prompt_copy_share, prompt_echo_share
 
     refs = [r["reference"] for r in rows]
-    prompts = [creative_prompt_text({k: r[k] for k in ("advertiser", "description", "industry")},
-                                    style=CreativePrompt.TUNED) for r in rows]
+    prompts = [creative_prompt_text({k: r[k] for k in AD_FIELDS}, style=CreativePrompt.TUNED) for r in rows]
     return {"copy_share": prompt_copy_share(refs, prompts), "echo_share": prompt_echo_share(refs, prompts)}
 
 
@@ -153,8 +154,7 @@ def evaluate(spec: Any, rows: list[dict[str, Any]], batch: int, max_new_tokens: 
     gen = CreativeGenerator(spec, CreativeConfig(max_new_tokens=max_new_tokens, **(creative or {})),
                             GenerateConfig(batch_size=batch))
     load_s = time.perf_counter() - t0
-    fields = ("advertiser", "description", "industry")
-    table = pa.Table.from_pylist([{"request_id": r["ad_id"], "ad_id": r["ad_id"], **{k: r[k] for k in fields}}
+    table = pa.Table.from_pylist([{"request_id": r["ad_id"], "ad_id": r["ad_id"], **{k: r[k] for k in AD_FIELDS}}
                                   for r in rows])
     gen(table.slice(0, min(batch, table.num_rows)))  # warm-up: CUDA graph capture, kernel autotune
     if torch.cuda.is_available():
@@ -165,7 +165,7 @@ def evaluate(spec: Any, rows: list[dict[str, Any]], batch: int, max_new_tokens: 
         torch.cuda.synchronize()
     secs = time.perf_counter() - t1
     hyps = [(h[0] if h else "") for a in answers for h in a.column("headlines").to_pylist()]
-    prompts = [creative_prompt_text({k: r[k] for k in fields}, style=gen.prompt_style) for r in rows]
+    prompts = [creative_prompt_text({k: r[k] for k in AD_FIELDS}, style=gen.prompt_style) for r in rows]
     row = {"prompt": gen.prompt_style.value, "examples": len(hyps), **quality(hyps, [r["reference"] for r in rows],
                                                                            prompts, support),
            "headlines_per_s": len(hyps) / secs, "ms_per_headline": 1000.0 * secs / max(len(hyps), 1),

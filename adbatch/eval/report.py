@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,9 @@ def distinct_n(hypotheses: Sequence[str], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def prompt_copy_fraction(output: str, prompt: str) -> float:
-    """Longest run of consecutive words of ``output`` that occurs as consecutive words of ``prompt``,
-    over the output's word count (0 for an output without words)."""
-    out, src = _tokens(output), _tokens(prompt)
-    if not out or not src:
-        return 0.0
-    # longest common substring over words: one DP row per prompt word, O(|out| * |src|)
+def _longest_common_run(out: list[str], src: list[str]) -> int:
+    """Length of the longest run of consecutive words shared by ``out`` and ``src`` (longest common
+    substring over words: one DP row per ``src`` word, O(|out| * |src|))."""
     best, prev = 0, [0] * (len(out) + 1)
     for w in src:
         cur = [0] * (len(out) + 1)
@@ -113,16 +109,28 @@ def prompt_copy_fraction(output: str, prompt: str) -> float:
                 cur[j] = prev[j - 1] + 1
                 best = max(best, cur[j])
         prev = cur
-    return best / len(out)
+    return best
 
 
-def prompt_copy_share(outputs: Sequence[str], prompts: Sequence[str], threshold: float = 0.5) -> float:
-    """Share of ``outputs`` with :func:`prompt_copy_fraction` ``>= threshold`` against their prompt."""
+def prompt_copy_fraction(output: str, prompt: str) -> float:
+    """Longest run of consecutive words of ``output`` that occurs as consecutive words of ``prompt``,
+    over the output's word count (0 for an output without words)."""
+    out = _tokens(output)
+    return _longest_common_run(out, _tokens(prompt)) / len(out) if out else 0.0
+
+
+def _share(outputs: Sequence[str], prompts: Sequence[str], flagged: Callable[[str, str], bool]) -> float:
+    """Share of ``outputs`` that ``flagged(output, its prompt)``."""
     if len(outputs) != len(prompts):
         raise ValueError(f"{len(outputs)} outputs vs {len(prompts)} prompts")
     if not outputs:
         return 0.0
-    return sum(prompt_copy_fraction(o, p) >= threshold for o, p in zip(outputs, prompts)) / len(outputs)
+    return sum(flagged(o, p) for o, p in zip(outputs, prompts)) / len(outputs)
+
+
+def prompt_copy_share(outputs: Sequence[str], prompts: Sequence[str], threshold: float = 0.5) -> float:
+    """Share of ``outputs`` with :func:`prompt_copy_fraction` ``>= threshold`` against their prompt."""
+    return _share(outputs, prompts, lambda o, p: prompt_copy_fraction(o, p) >= threshold)
 
 
 #: a field label at the start of a prompt line ("Advertiser: ...", "Description: ..."): the prompt's frame
@@ -147,16 +155,12 @@ def prompt_echo(output: str, prompt: str, threshold: float = 0.5) -> bool:
         if len(words) >= 3 and not _FIELD_LABEL.match(line) and f" {' '.join(words)} " in joined:
             return True
     src = _tokens(prompt)
-    return bool(src) and prompt_copy_fraction(output, prompt) * len(out) >= threshold * len(src)
+    return bool(src) and _longest_common_run(out, src) >= threshold * len(src)
 
 
 def prompt_echo_share(outputs: Sequence[str], prompts: Sequence[str], threshold: float = 0.5) -> float:
     """Share of ``outputs`` that :func:`prompt_echo` their prompt."""
-    if len(outputs) != len(prompts):
-        raise ValueError(f"{len(outputs)} outputs vs {len(prompts)} prompts")
-    if not outputs:
-        return 0.0
-    return sum(prompt_echo(o, p, threshold) for o, p in zip(outputs, prompts)) / len(outputs)
+    return _share(outputs, prompts, lambda o, p: prompt_echo(o, p, threshold))
 
 
 def empty_share(outputs: Sequence[str]) -> float:
