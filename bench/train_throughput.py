@@ -13,7 +13,10 @@ or from synthetic product titles, then for each variant trains a fresh copy of t
 - step ms, first step s (compile included), peak GPU memory.
 
 Variants: ``default`` (TrainConfig defaults) then each ``--variant`` (comma-separated TrainConfig
-overrides, ``on``/``off`` for booleans), e.g. ``--variant packing=off,compile=off --variant pack_length=128``.
+overrides, ``on``/``off`` for booleans, dotted keys for nested configs), e.g. ``--variant packing=off,compile=off
+--variant pack_length=128 --variant qat.start_fraction=0``. With the defaults, QAT attaches at 80 % of a
+variant's ``--warmup + --steps`` steps (inside the timed steps): ``qat.enabled=off`` / ``qat.start_fraction=0``
+time the phases apart.
 Every step ends with a loss read (``log_every=1``: one sync per step, so step times are measurable);
 the loop's own summary (whole run, warm-up and compile included) is in the JSON too.
 
@@ -46,8 +49,23 @@ WORDS = ("behr deck stain cedar outdoor wood gallon semi transparent pine oak wh
          "vinyl plank flooring waterproof grey tile ceramic shower wall mirror frame black bronze copper").split()
 
 
+def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
+    """``cfg`` with ``overrides`` applied; a dotted key reaches into a nested config
+    (``{"qat.enabled": False}`` -> ``cfg.replace(qat=cfg.qat.replace(enabled=False))``)."""
+    flat = {k: v for k, v in overrides.items() if "." not in k}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if "." in key:
+            head, _, rest = key.partition(".")
+            nested.setdefault(head, {})[rest] = value
+    for head, sub in nested.items():
+        flat[head] = with_overrides(getattr(cfg, head), sub)
+    return cfg.replace(**flat)
+
+
 def parse_variant(spec: str) -> dict[str, Any]:
-    """``"packing=off,pack_length=128"`` -> ``{"packing": False, "pack_length": 128}``."""
+    """``"packing=off,pack_length=128,qat.enabled=off"`` -> ``{"packing": False, "pack_length": 128,
+    "qat.enabled": False}`` (dotted keys: :func:`with_overrides`)."""
     out: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, raw = part.partition("=")
@@ -148,14 +166,22 @@ def run_variant(name: str, base: Any, tok: Any, examples: Any, cfg: Any, device:
     t_start = time.perf_counter()
     # on_step runs after the loss of every log_every-th step is read back (the loop's only sync): the
     # host runs ahead inside a block as in production, and block time / block steps = step time
-    on_step = lambda s, v: stamps.append((s, time.perf_counter()))  # noqa: E731
     prof = None
     if profile is not None:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+        from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
 
+        # only steps after the warm-up (compile, QAT's re-compile when it attaches there): on_step runs
+        # at every logged step, so the profiler's step count is in logged steps (--sync-every 1 = steps)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        prof = torch_profile(activities=acts)
+        logged_warmup = max(1, warmup // max(1, cfg.log_every))
+        prof = torch_profile(activities=acts, schedule=schedule(wait=logged_warmup, warmup=1, active=10**6))
         prof.__enter__()
+
+    def on_step(step: int, _loss: float) -> None:
+        stamps.append((step, time.perf_counter()))
+        if prof is not None:
+            prof.step()
+
     stats, _ = train_loop(model, examples, cfg, pad_id=tok.pad_token_id, device=device, progress=False,
                           on_step=on_step)
     if prof is not None:
@@ -181,7 +207,7 @@ def run_variant(name: str, base: Any, tok: Any, examples: Any, cfg: Any, device:
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "packing": stats.packing, "compiled": stats.compiled,
         "first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
-        "config": {k: v for k, v in cfg.to_dict().items() if k in ("packing", "pack_length", "compile",
+        "config": {k: v for k, v in cfg.to_dict().items() if k in ("packing", "pack_length", "compile", "qat",
                                                                     "ce_chunk_tokens", "batch_tokens", "bf16")},
         "loop_summary": {k: v for k, v in summary.items() if k not in ("evals",)},
     }
@@ -248,16 +274,18 @@ def main(args: argparse.Namespace) -> dict:
         # Untimed: the process's first compiled run is slow for its first ~20 s on the H200 (measured:
         # ~215 ms/step, then ~85 ms with nothing recompiled; inductor's compile workers starting up
         # beside a host-bound loop, most likely), which a few warm-up steps do not cover
-        cfg = default.replace(**specs[0][1], max_steps=10**6, time_budget_s=args.settle_s, log_every=50, eval_every=0.0)
+        cfg = with_overrides(default, specs[0][1]).replace(max_steps=10**6, time_budget_s=args.settle_s, log_every=50, eval_every=0.0)
         log.info("settling for %.0f s on %s (untimed)", args.settle_s, specs[0][0])
         settle = run_variant("settle", base, tok, examples, cfg, device, 0)
         results["settle"] = {"steps": settle["steps"], "block_step_ms": settle["block_step_ms"]}
     for name, overrides in specs:
-        cfg = default.replace(**overrides, max_steps=args.warmup + args.steps, log_every=args.sync_every,
+        cfg = with_overrides(default, overrides).replace(max_steps=args.warmup + args.steps, log_every=args.sync_every,
                               eval_every=0.0)
         cfg.validate()
         log.info("variant %s: %s", name, overrides)
         prof = Path(f"{args.out}.{len(results['variants'])}.profile.txt") if args.profile and args.out else None
+        if prof is not None:
+            prof.parent.mkdir(parents=True, exist_ok=True)
         try:
             results["variants"].append(run_variant(name, base, tok, examples, cfg, device, args.warmup, prof))
         except Exception as exc:  # a bench: record the variant that broke (e.g. a compile failure), run the rest

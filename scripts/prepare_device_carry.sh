@@ -17,7 +17,7 @@
 #   --with-gguf: .carry/gguf_a/ .carry/gguf_b/  the default model's GGUF, xz'd and split so that
 #                call 1 = site + gguf_a and call 2 = gguf_b fit 64 MiB each (real-model plan)
 #   --trained-check: the trained-model plan without Ray (bench/train_eval.py check, bench/creatives_tune.py,
-#                bench/train_throughput.py): .carry/gguf_a2/ (56 MiB) + .carry/gguf_b2/ (the rest) of the
+#                bench/train_throughput.py): .carry/gguf_a2/ (46 MiB) + .carry/gguf_b2/ (the rest, 40 MiB) of the
 #                xz'd GGUF, .carry/pywhl/ (gguf + the creative metrics' wheels: rouge-score, sacrebleu, nltk
 #                and their needs), .carry/slogan/ (the slogan CSVs, eval only, never committed) and
 #                .carry/bundle/ (bench/train_eval.py prepare --no-full, MiniLM computed here). Calls, back
@@ -156,8 +156,8 @@ if [ "$TRAINED_CHECK" = 1 ]; then
   GX=".whl/$(basename "$("$PY" -c 'from adbatch.models import default_gguf_path; print(default_gguf_path())')").xz"
   rm -rf .carry/gguf_a2 .carry/gguf_b2 .carry/pywhl && mkdir -p .carry/gguf_a2 .carry/gguf_b2 .carry/pywhl .carry/slogan
   gname="$(basename "$GX")"
-  head -c $((56 * MiB)) "$GX" > ".carry/gguf_a2/$gname.part-aa"
-  tail -c +$((56 * MiB + 1)) "$GX" > ".carry/gguf_b2/$gname.part-ab"
+  head -c $((46 * MiB)) "$GX" > ".carry/gguf_a2/$gname.part-aa"
+  tail -c +$((46 * MiB + 1)) "$GX" > ".carry/gguf_b2/$gname.part-ab"
   "$PY" scripts/device_carry.py manifest --file "$GX" --dest adbatch_files --stage adbatch_parts --unxz \
     --parts .carry/gguf_a2/*.part-* .carry/gguf_b2/*.part-* --out .carry/gguf_a2/PARTS.json .carry/gguf_b2/PARTS.json
   cp .whl/gguf-*.whl .carry/pywhl/

@@ -20,7 +20,7 @@ from adbatch.config import ConfigError
 from adbatch.training import (QuantAwareConfig, SparsityScheduleConfig, TrainConfig, read_training_record,
                               train_on_index)
 from adbatch.training.data import build_examples, collate
-from adbatch.training.quant_aware import QuantAwareTraining, fake_quantize, kept_columns
+from adbatch.training.quant_aware import QuantAwareLinear, QuantAwareTraining, fake_quantize, kept_columns
 from adbatch.training.sparsity import prunable_linears
 from adbatch.training.trainer import target_logits, train_loop
 from tests.conftest import make_tiny_llama
@@ -153,13 +153,13 @@ def test_qat_starts_on_schedule_and_keeps_masks(tok):
     layers = prunable_linears(model)
     active = []
     stats, sparsity = train_loop(model, ex, cfg, pad_id=tok.pad_token_id, progress=False,
-                                 on_step=lambda s, _: active.append("forward" in next(iter(layers.values())).__dict__))
+                                 on_step=lambda s, _: active.append(isinstance(next(iter(layers.values())), QuantAwareLinear)))
     assert active == [False] * 6 + [True] * 4
     assert stats.qat == {"group_size": 32, "start_step": 6, "steps": 4, "layers": len(layers)}
     assert sparsity.frozen and set(sparsity.masks) == set(layers)
     for name, mod in layers.items():
         assert torch.all(mod.weight[~sparsity.masks[name]] == 0), name
-        assert "forward" not in mod.__dict__
+        assert type(mod) is torch.nn.Linear and "qat_fq" not in mod.__dict__
 
 
 def test_qat_forward_follows_a_fused_optimizer(tok, monkeypatch):
@@ -192,7 +192,7 @@ def test_qat_forward_follows_a_fused_optimizer(tok, monkeypatch):
     seen = []
 
     def check(step, _):
-        if "forward" in lin.__dict__:  # QAT on: the forward is fq(W) of the weights as they are now
+        if isinstance(lin, QuantAwareLinear):  # QAT on: the forward is fq(W) of the weights as they are now
             with torch.no_grad():
                 seen.append(torch.allclose(lin(x), F.linear(x, fake_quantize(lin.weight, 32), lin.bias)))
 
@@ -298,3 +298,42 @@ def test_compress_job_uses_the_recorded_group_size(tmp_path, tok, caplog):
     assert counts[True] == {64}
     assert counts[False] != {64}  # the adaptive choice over {32, 64, 128, 256}
     assert "quantizing with uniform groups of 64" in caplog.text
+
+
+def test_compiled_qat_layers_share_one_graph_and_match_eager():
+    """The trainer re-compiles the decoder layers when QAT attaches (RegionalCompile): fq(W) is then
+    computed inside the graph. Every layer has the same QAT class, so the layers still share one graph
+    (no recompile per layer), and the compiled forward and its straight-through gradient equal eager's.
+    Dynamo with the aot_eager backend: the same graph capture as on CUDA, no C++ toolchain needed."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_tiny_llama(vocab_size=128, hidden=64, intermediate=128, layers=3).float().train()
+    qat = QuantAwareTraining(model, QuantAwareConfig(enabled=True, start_fraction=0.0, group_size=32), 1)
+    qat.attach()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, use_cache=False).logits.float().square().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if "proj" in n}
+
+    eager_loss, eager_grads = loss_and_grads()
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager", dynamic=False)
+    compiled_loss, compiled_grads = loss_and_grads()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # one graph, three layers
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # the graph really computes with fq(W): moving the fp32 weight off its grid moves nothing if the
+    # move rounds back to the same INT4 value, and the output equals the fake-quantized layer's
+    lin = model.model.layers[0].mlp.down_proj
+    x = torch.randn(5, lin.in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, fake_quantize(lin.weight, 32), lin.bias))
+    qat.detach()
+    torch._dynamo.reset()

@@ -16,25 +16,36 @@ compression stage stores for ``W`` with a uniform group size ``g``:
 
 The gradient is the straight-through estimator: ``W_eff = W + (fq(W) - W).detach()`` (times the mask
 with sparsity, so pruned positions get no gradient), so the fp32 weights keep accumulating small
-updates that eventually flip a rounding. The swap is an instance-level ``forward`` on each
-``nn.Linear`` (the parameters, their names, DDP's hooks and ``save_pretrained`` are untouched);
-:meth:`QuantAwareTraining.detach` removes it, so the saved model holds plain fp32 weights and the
-compression stage's INT4 of them is exactly the forward of the last training step. Training records
-``qat`` (group size, start step, steps) and the compression stage then uses uniform groups of ``g``
-instead of its adaptive choice (docs/compress.md).
+updates that eventually flip a rounding. The swap changes each linear's class to a subclass whose
+``forward`` computes with ``fq(W)`` (:class:`QuantAwareLinear`; the parameters, their names, DDP's
+hooks and ``save_pretrained`` are untouched, and every layer has the same class, so one compiled
+graph of a decoder layer still serves all of them); :meth:`QuantAwareTraining.detach` restores the
+class, so the saved model holds plain fp32 weights and the compression stage's INT4 of them is
+exactly the forward of the last training step. Training records ``qat`` (group size, start step,
+steps) and the compression stage then uses uniform groups of ``g`` instead of its adaptive choice
+(docs/compress.md).
 
-``fq(W)`` is cached per layer and recomputed after :meth:`QuantAwareTraining.weights_updated` (the
-trainer calls it after every optimizer step) or when the weight's autograd version counter moved
-(an in-place edit such as restoring saved weights), so gradient-accumulation micro-batches and the
-many forwards of a validation beam search quantize each layer once per optimizer step. The explicit
-call is needed: the fused AdamW kernel (the trainer's optimizer on CUDA) writes the parameters
-without bumping their version counter, so a version check alone froze the forward at the weights of
-QAT's first step while the fp32 weights drifted unseen (H200, 2026-12-02: a dense QAT run ended at
-recall@10 0.028 against 0.579 without QAT). The cache costs one fp32 copy of the prunable weights.
+Two ways to get ``fq(W)``, one per execution mode:
+
+- inside a ``torch.compile`` graph (the trainer's compiled decoder layers) it is recomputed in the
+  graph at every forward: inductor fuses the group min/max, rounding and dequantization into a few
+  kernels over the weight, and a graph has no Python-side cache to consult. Before this, QAT turned
+  the compiled layers off for the final phase (H200, 2026-12-02: QAT steps 158-360 ms eager vs
+  ~82 ms compiled);
+- eager, ``fq(W)`` is cached per layer and recomputed after :meth:`QuantAwareTraining.weights_updated`
+  (the trainer calls it after every optimizer step) or when the weight's autograd version counter
+  moved (an in-place edit such as restoring saved weights), so gradient-accumulation micro-batches
+  and the many forwards of a validation beam search quantize each layer once per optimizer step.
+  The explicit call is needed: the fused AdamW kernel (the trainer's optimizer on CUDA) writes the
+  parameters without bumping their version counter, so a version check alone froze the forward at
+  the weights of QAT's first step while the fp32 weights drifted unseen (H200, 2026-12-02: a dense
+  QAT run ended at recall@10 0.028 against 0.579 without QAT). The cache costs one fp32 copy of the
+  prunable weights.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -48,7 +59,7 @@ from adbatch.config import ConfigBase, ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["QuantAwareConfig", "QuantAwareTraining", "fake_quantize", "kept_columns"]
+__all__ = ["QuantAwareConfig", "QuantAwareLinear", "QuantAwareTraining", "fake_quantize", "kept_columns"]
 
 
 @dataclass
@@ -105,29 +116,51 @@ def fake_quantize(weight: torch.Tensor, group_size: int, cols: torch.Tensor | No
     return torch.zeros_like(w).scatter_(1, cols, deq)
 
 
-class _LayerQAT:
-    """Per-layer state: kept columns, mask, and the cached ``fq(W)`` with the weight version it is of."""
+class QuantAwareLinear(nn.Linear):
+    """An ``nn.Linear`` computing with its INT4 fake-quantized weight (straight-through gradient).
 
-    def __init__(self, mod: nn.Linear, group_size: int, mask: torch.Tensor | None) -> None:
-        self.mod, self.group_size = mod, group_size
-        w = mod.weight
-        self.mask = None if mask is None else mask.to(device=w.device, dtype=w.dtype)
-        self.cols = None if mask is None else kept_columns(mask.to(w.device, torch.bool))
-        self._version = -1
-        self._fq: torch.Tensor | None = None
+    Not constructed: :meth:`QuantAwareTraining.attach` switches an existing linear's class to
+    :func:`quant_aware_class` of its own class and sets the attributes below, :meth:`~QuantAwareTraining.detach`
+    switches it back. Per-layer state (plain attributes, not buffers: the state dict is unchanged):
+    ``qat_group_size`` int; ``qat_mask`` None or the frozen N:M mask in the weight's dtype ``[N, K]``;
+    ``qat_cols`` None or its kept columns int64 ``[N, Kk]``; the eager cache ``qat_fq`` (``[N, K]``,
+    the weight's dtype) and the weight version it is of.
+    """
+
+    qat_group_size: int
+    qat_mask: torch.Tensor | None
+    qat_cols: torch.Tensor | None
+    qat_fq: torch.Tensor | None
+    qat_version: int
 
     def effective_weight(self) -> torch.Tensor:
-        w = self.mod.weight
-        if self._fq is None or self._version != w._version or self._fq.device != w.device:  # see module doc
-            self._fq = fake_quantize(w, self.group_size, self.cols).to(w.dtype)
-            self._version = w._version
+        w = self.weight
+        if torch.compiler.is_compiling():  # in the graph: recomputed and fused at every forward (module doc)
+            fq = fake_quantize(w, self.qat_group_size, self.qat_cols).to(w.dtype)
+        else:
+            if self.qat_fq is None or self.qat_version != w._version or self.qat_fq.device != w.device:
+                self.qat_fq = fake_quantize(w, self.qat_group_size, self.qat_cols).to(w.dtype)
+                self.qat_version = w._version
+            fq = self.qat_fq
         if not (torch.is_grad_enabled() and w.requires_grad):
-            return self._fq
-        live = w if self.mask is None else w * self.mask  # pruned positions: value 0, gradient 0
-        return live + (self._fq - live).detach()  # straight-through: value fq(W), gradient identity
+            return fq
+        live = w if self.qat_mask is None else w * self.qat_mask  # pruned positions: value 0, gradient 0
+        return live + (fq - live).detach()  # straight-through: value fq(W), gradient identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.effective_weight(), self.mod.bias)
+        return F.linear(x, self.effective_weight(), self.bias)
+
+
+@functools.lru_cache(maxsize=None)
+def quant_aware_class(cls: type[nn.Linear]) -> type[nn.Linear]:
+    """The QAT class of a linear of class ``cls``: ``QuantAwareLinear`` itself for ``nn.Linear``, else
+    one subclass of both per ``cls`` (a model's own linear subclass keeps its other methods)."""
+    if cls is nn.Linear:
+        return QuantAwareLinear
+    return type(f"QuantAware{cls.__name__}", (QuantAwareLinear, cls), {})
+
+
+_QAT_ATTRS = ("qat_group_size", "qat_mask", "qat_cols", "qat_fq", "qat_version")
 
 
 class QuantAwareTraining:
@@ -148,13 +181,13 @@ class QuantAwareTraining:
         self.total_steps = max(1, total_steps)
         self.start = max(math.floor(config.start_fraction * self.total_steps), not_before)
         self.not_before = not_before
-        self._state: dict[str, _LayerQAT] = {}
+        self._classes: dict[str, type[nn.Linear]] = {}  # layer name -> its class before attach
         self.started_at: int | None = None
         self.steps = 0
 
     @property
     def active(self) -> bool:
-        return bool(self._state)
+        return bool(self._classes)
 
     def maybe_attach(self, step: int, masks: dict[str, torch.Tensor] | None = None,
                      budget_share: float | None = None) -> bool:
@@ -173,26 +206,33 @@ class QuantAwareTraining:
         return self.active
 
     def attach(self, masks: dict[str, torch.Tensor] | None = None) -> None:
-        """Swap every layer's forward for the fake-quantized one. ``masks``: layer name -> bool
+        """Switch every layer to its :func:`quant_aware_class`. ``masks``: layer name -> bool
         ``[N, K]`` N:M mask (final, frozen) for the pruned layers; others quantize all values."""
         masks = masks or {}
         for name, mod in self.layers.items():
-            st = _LayerQAT(mod, self.config.group_size, masks.get(name))
-            self._state[name] = st
-            mod.forward = st.forward  # instance attribute: the class, hooks and parameters untouched
+            w, mask = mod.weight, masks.get(name)
+            self._classes[name] = type(mod)
+            mod.__class__ = quant_aware_class(type(mod))
+            mod.qat_group_size = self.config.group_size
+            mod.qat_mask = None if mask is None else mask.to(device=w.device, dtype=w.dtype)
+            mod.qat_cols = None if mask is None else kept_columns(mask.to(w.device, torch.bool))
+            mod.qat_fq, mod.qat_version = None, -1
         log.info("QAT: %d linears now compute with INT4 g%d weights (%d with N:M masks)",
-                 len(self._state), self.config.group_size, sum(1 for n in self._state if n in masks))
+                 len(self._classes), self.config.group_size, sum(1 for n in self._classes if n in masks))
 
     def weights_updated(self) -> None:
         """The optimizer wrote the weights: every layer re-quantizes at its next forward."""
-        for st in self._state.values():
-            st._fq = None
+        for name in self._classes:
+            self.layers[name].qat_fq = None
 
     def detach(self) -> None:
         """Restore the plain forwards (the weights themselves were never changed)."""
-        for mod in self.layers.values():
-            mod.__dict__.pop("forward", None)
-        self._state = {}
+        for name, cls in self._classes.items():
+            mod = self.layers[name]
+            mod.__class__ = cls
+            for attr in _QAT_ATTRS:
+                mod.__dict__.pop(attr, None)
+        self._classes = {}
 
     def summary(self) -> dict[str, Any] | None:
         """The training record's ``qat`` entry; None when QAT never started (stopped before it)."""

@@ -90,7 +90,7 @@ class TrainConfig(ConfigBase):
                 "attention costs O(pack_length) per token, so rows stay a few examples long"})
     compile: bool = field(default=True, metadata={
         "help": "torch.compile each decoder layer on CUDA (CPU always eager; not with progressive sparsity, whose "
-                "hooks change the layers mid-run; with QAT until its forward swap, eager after)"})
+                "hooks change the layers mid-run; with QAT re-compiled once at its start)"})
     ce_chunk_tokens: int = field(default=8192, metadata={
         "help": "target positions per chunk of the fused LM head + cross-entropy (peak fp32 logits "
                 "ce_chunk_tokens x vocab; distillation and DDP use the plain head)"})
@@ -520,7 +520,8 @@ class RegionalCompile:
     ``nn.Module.compile``, which keeps the compiled callable in the module's ``_compiled_call_impl``.
     """
 
-    def __init__(self, model: nn.Module, dynamic: bool | None) -> None:
+    def __init__(self, model: nn.Module, dynamic: bool | None, traces_qat: bool = False) -> None:
+        self.dynamic, self.traces_qat = dynamic, traces_qat
         core = unwrap_ddp(model)
         decoder = core.get_decoder() if hasattr(core, "get_decoder") else core
         layers = getattr(decoder, "layers", None)
@@ -672,7 +673,7 @@ def train_loop(
             stats.compiled = True
             log.info("torch.compile: %d decoder layers (%s shapes)%s", len(compiled.modules),
                      "static" if packing["enabled"] else "dynamic",
-                     "; eager from the QAT start on" if qat is not None else "")
+                     "; re-compiled with QAT's forward at its start" if qat is not None else "")
     compiled_ce = compiled is not None
     selector = BestWeights(evaluate, config.early_stop_patience) if evaluate is not None and config.eval_every > 0 else None
     eval_steps = max(1, round(config.eval_every * per_epoch / config.grad_accum)) if selector is not None else 0
@@ -701,12 +702,13 @@ def train_loop(
             share = ((time.perf_counter() - t0) / config.time_budget_s
                      if config.time_budget_s is not None and (sparsity is None or sparsity.frozen) else None)
             qat.maybe_attach(step, sparsity.masks if sparsity is not None else None, share)
-            if compiled is not None and qat.active:
-                # QAT swaps each linear's forward; the compiled layers traced the plain one, so the
-                # final phase runs eager (the first start_fraction of the steps kept the compiled speed)
+            if compiled is not None and qat.active and not compiled.traces_qat:
+                # QAT switched the linears' class; the compiled layers traced the plain forward. A fresh
+                # compile traces the fake-quantized one (fq(W) computed inside the graph): one more
+                # compile of one layer, instead of an eager final phase at ~2-4x the step time
                 compiled.off()
-                compiled = None
-                log.info("torch.compile off from step %d: QAT attached", step)
+                compiled = RegionalCompile(model, dynamic=compiled.dynamic, traces_qat=True)
+                log.info("torch.compile: decoder layers re-compiled at step %d with QAT's forward", step)
         want_stats = sparsity is not None and sparsity.wants_stats(step)
         if want_stats:
             sparsity.start_stats()
