@@ -241,9 +241,6 @@ class Batch:
     num_tokens: int
     position_ids: torch.Tensor | None = None
     seq_ids: torch.Tensor | None = None
-    #: packed with varlen attention: int32 ``[S + 1]`` segment offsets over the flattened ``[B * L]``
-    #: tokens (:func:`adbatch.training.varlen_attention.segment_offsets`), else None
-    cu_seqlens: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -261,7 +258,7 @@ class Batch:
                 else (lambda t: t.to(device)))
         opt = (lambda t: None if t is None else move(t))
         return Batch(move(self.input_ids), move(self.attention_mask), move(self.labels), move(self.target_index),
-                     self.num_tokens, opt(self.position_ids), opt(self.seq_ids), opt(self.cu_seqlens))
+                     self.num_tokens, opt(self.position_ids), opt(self.seq_ids))
 
 
 def collate(ex: TrainingExamples, index: torch.Tensor, pad_id: int) -> Batch:
@@ -382,14 +379,12 @@ def packed_batches(lengths: torch.Tensor, row_len: int, rows_per_batch: int,
     return out
 
 
-def collate_packed(ex: TrainingExamples, plan: PackedMicroBatch, rows: int, row_len: int, pad_id: int,
-                   segments: int | None = None) -> Batch:
+def collate_packed(ex: TrainingExamples, plan: PackedMicroBatch, rows: int, row_len: int, pad_id: int) -> Batch:
     """Lay the examples of ``plan`` into a packed :class:`Batch` of ``[rows, row_len]`` (vectorised).
 
     Every batch of a run has the same shape (a short last batch gets all-padding rows), so a compiled
     step never recompiles. Padding sits at the end of each row, with positions continuing from 0 and a
-    ``seq_ids`` value of its own (it attends only to itself and never enters the loss). ``segments``:
-    also build ``cu_seqlens`` for varlen attention with room for that many segments (fixed per run).
+    ``seq_ids`` value of its own (it attends only to itself and never enters the loss).
     """
     index, sizes = plan.index, plan.row_sizes
     k = index.numel()
@@ -432,15 +427,8 @@ def collate_packed(ex: TrainingExamples, plan: PackedMicroBatch, rows: int, row_
     seq[flat] = slot_in_row[ex_of_tok]
     ids, labels, real = ids.view(rows, row_len), labels.view(rows, row_len), real.view(rows, row_len)
     target_index = (labels[:, 1:] != -100).reshape(-1).nonzero().squeeze(1)
-    cu = None
-    if segments is not None:
-        from adbatch.training.varlen_attention import segment_offsets
-
-        per_row = torch.zeros(rows, int(sizes.max()) if k else 1, dtype=torch.int64)  # [rows, E] example lengths
-        per_row[row, slot_in_row] = lens
-        cu = segment_offsets(per_row, rows, row_len, segments)
     return Batch(ids, real, labels, target_index, int(lens.sum()), pos.view(rows, row_len),
-                 seq.view(rows, row_len).to(torch.int32), cu)
+                 seq.view(rows, row_len).to(torch.int32))
 
 
 def packed_attention_mask(seq_ids: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:

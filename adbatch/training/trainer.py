@@ -7,11 +7,9 @@ already initialised there):
 - AdamW (decoupled weight decay, no decay on norms/biases/embeddings), linear warmup then cosine
   decay to ``min_lr_ratio`` of the peak learning rate, gradient clipping, gradient accumulation;
 - micro-batches of ``batch_tokens`` token slots: by default *packed* (``packing``: examples back
-  to back in rows of ``pack_length`` tokens, positions restarting at 0 for every example, so no slot
-  is padding but a row's tail; every batch has the same shape), else length-grouped padded batches.
-  No example attends to another: on CUDA through varlen (flash) attention over each example's own
-  tokens (``packed_attention``, :mod:`adbatch.training.varlen_attention`), else a block-diagonal
-  causal mask;
+  to back in rows of ``pack_length`` tokens, positions restarting at 0 for every example and a
+  block-diagonal causal mask, so no example attends to another and no slot is padding but a row's
+  tail; every batch has the same shape), else length-grouped padded batches;
 - ``torch.compile`` of each decoder layer on CUDA (``compile``; one compiled graph serves all
   layers); CPU stays eager;
 - bf16 autocast on CUDA (weights and optimizer state stay fp32), fp32 on CPU;
@@ -53,7 +51,6 @@ from adbatch.training.pseudo_queries import PseudoQueryConfig
 from adbatch.training.rehearsal import CreativeRehearsalConfig
 from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
 from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig, unwrap_ddp
-from adbatch.training.varlen_attention import VarlenAttention, segment_capacity, segment_offsets, varlen_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +58,6 @@ log = logging.getLogger(__name__)
 H200_BF16_PEAK_FLOPS = 989e12
 #: what the summary names as that peak (``mfu_peak``)
 MFU_PEAK_NAME = "H200 dense bf16"
-
-#: what ``TrainConfig.packed_attention`` may name
-PACKED_ATTENTION = ("varlen", "mask")
 
 #: what ``valid_metric`` may name: the metrics :func:`adbatch.eval.targeting.validation_metric` reports
 #: (``evaluate_targeting`` at its default ks 1 and 10)
@@ -94,10 +88,6 @@ class TrainConfig(ConfigBase):
     pack_length: int = field(default=256, metadata={
         "help": "tokens per packed row (a longer example widens every row to its length, rounded up to 8); "
                 "attention costs O(pack_length) per token, so rows stay a few examples long"})
-    packed_attention: str = field(default="varlen", metadata={
-        "help": "attention of packed rows: varlen (flash attention over each example's own tokens, no mask; "
-                "CUDA, full-attention models, no distillation) or mask (SDPA with the block-diagonal mask); "
-                "varlen falls back to mask where it cannot run (logged, recorded)"})
     compile: bool = field(default=True, metadata={
         "help": "torch.compile each decoder layer on CUDA (CPU always eager; not with progressive sparsity, whose "
                 "hooks change the layers mid-run; with QAT re-compiled once at its start)"})
@@ -166,9 +156,6 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"TrainConfig.valid_max_queries must be >= 1 or None, got {self.valid_max_queries}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"TrainConfig.max_steps must be >= 1 or None, got {self.max_steps}")
-        if self.packed_attention not in PACKED_ATTENTION:
-            raise ConfigError(f"TrainConfig.packed_attention must be one of {list(PACKED_ATTENTION)}, "
-                              f"got {self.packed_attention!r}")
         if self.packing and self.batch_tokens < self.pack_length:
             raise ConfigError(f"TrainConfig.batch_tokens ({self.batch_tokens}) must be >= pack_length "
                               f"({self.pack_length}) when packing (a micro-batch holds whole rows)")
@@ -240,13 +227,9 @@ def packed_masks(core: nn.Module, seq_ids: torch.Tensor) -> torch.Tensor | dict[
 
 
 def model_inputs(core: nn.Module, batch: Batch) -> dict[str, Any]:
-    """Keyword arguments of the decoder / model forward for ``batch`` (padded, packed with the
-    block-diagonal mask, or packed with varlen attention: segment offsets instead of a mask)."""
+    """Keyword arguments of the decoder / model forward for ``batch`` (padded or packed)."""
     if not batch.packed:
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    if batch.cu_seqlens is not None:
-        return {"input_ids": batch.input_ids, "attention_mask": None, "position_ids": batch.position_ids,
-                "adbatch_cu_seqlens": batch.cu_seqlens, "adbatch_max_seqlen": batch.input_ids.shape[1]}
     return {"input_ids": batch.input_ids, "attention_mask": packed_masks(core, batch.seq_ids),
             "position_ids": batch.position_ids}
 
@@ -264,7 +247,15 @@ def check_packing(model: nn.Module, probe_len: int = 24) -> str | None:
     if decoder is None:
         return "the model exposes no decoder body (get_decoder)"
     device = next(core.parameters()).device
-    lens, seqs, ids, pos, seq = _packing_probe(core, probe_len)
+    vocab = core.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    lens = (probe_len // 2 - 3, probe_len // 2 + 1)
+    seqs = [torch.randint(0, min(vocab, 1000), (n,), generator=g) for n in lens]
+    ids = torch.zeros(1, probe_len, dtype=torch.int64)
+    ids[0, : sum(lens)] = torch.cat(seqs)
+    pos = torch.cat([torch.arange(lens[0]), torch.arange(lens[1]), torch.arange(probe_len - sum(lens))])[None]
+    seq = torch.cat([torch.zeros(lens[0]), torch.ones(lens[1]), torch.full((probe_len - sum(lens),), 2.0)])
+    seq = seq.to(torch.int32)[None]
     was_training = core.training
     core.eval()
     try:
@@ -284,53 +275,6 @@ def check_packing(model: nn.Module, probe_len: int = 24) -> str | None:
     scale = float(alone.abs().max())
     if not diff <= 1e-4 * max(1.0, scale):
         return f"packed hidden states differ from unpacked ones by {diff:.3g} (max |h| {scale:.3g})"
-    return None
-
-
-def _packing_probe(core: nn.Module, probe_len: int):
-    """Two short random examples packed into one row of ``probe_len`` with a padding tail: (lengths,
-    the examples, input_ids ``[1, L]``, position_ids ``[1, L]``, seq_ids int32 ``[1, L]``)."""
-    vocab = core.get_input_embeddings().weight.shape[0]
-    g = torch.Generator().manual_seed(0)
-    lens = (probe_len // 2 - 3, probe_len // 2 + 1)
-    seqs = [torch.randint(0, min(vocab, 1000), (n,), generator=g) for n in lens]
-    ids = torch.zeros(1, probe_len, dtype=torch.int64)
-    ids[0, : sum(lens)] = torch.cat(seqs)
-    pos = torch.cat([torch.arange(lens[0]), torch.arange(lens[1]), torch.arange(probe_len - sum(lens))])[None]
-    seq = torch.cat([torch.zeros(lens[0]), torch.ones(lens[1]), torch.full((probe_len - sum(lens),), 2.0)])
-    return lens, seqs, ids, pos, seq.to(torch.int32)[None]
-
-
-def check_varlen(model: nn.Module, varlen: VarlenAttention, probe_len: int = 24) -> str | None:
-    """Whether ``model``'s decoder computes a packed row with varlen attention as with the block-diagonal
-    mask; None = yes, else why not. Both in bf16 autocast on CUDA (flash attention takes half types;
-    fp32 on a CPU), so the tolerance is bf16's: a wrong causal direction or segment shows as an O(1) error."""
-    core = unwrap_ddp(model)
-    decoder = core.get_decoder()
-    device = next(core.parameters()).device
-    lens, _, ids, pos, seq = _packing_probe(core, probe_len)
-    cu = segment_offsets(torch.tensor([list(lens)]), 1, probe_len, len(lens) + 1).to(device)
-    ids, pos = ids.to(device), pos.to(device)
-    was_training = core.training
-    core.eval()
-    try:
-        with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            ref = decoder(input_ids=ids, attention_mask=packed_masks(core, seq.to(device)), position_ids=pos,
-                          use_cache=False).last_hidden_state[0, : sum(lens)].float()
-            varlen.on()
-            try:
-                out = decoder(input_ids=ids, attention_mask=None, position_ids=pos, use_cache=False,
-                              adbatch_cu_seqlens=cu, adbatch_max_seqlen=probe_len).last_hidden_state[0, : sum(lens)].float()
-            finally:
-                varlen.off()
-    except (TypeError, ValueError, RuntimeError, AttributeError, NotImplementedError) as exc:
-        return f"the varlen forward failed: {type(exc).__name__}: {exc}"
-    finally:
-        core.train(was_training)
-    diff, scale = float((out - ref).abs().max()), float(ref.abs().max())
-    tol = (3e-2 if device.type == "cuda" else 1e-4) * max(1.0, scale)
-    if not diff <= tol:
-        return f"varlen hidden states differ from the masked ones by {diff:.3g} (max |h| {scale:.3g})"
     return None
 
 
@@ -418,13 +362,12 @@ def _fast_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return decoder, head
 
 
-def _as_batch(input_ids, attention_mask, labels, target_index, position_ids,
-              extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+def _as_batch(input_ids, attention_mask, labels, target_index, position_ids) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     shift_labels = labels[:, 1:]
     if target_index is None:
         target_index = (shift_labels != -100).reshape(-1).nonzero().squeeze(1)
     targets = shift_labels.reshape(-1).index_select(0, target_index)
-    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, **(extra or {})}
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     return kwargs, target_index, targets
@@ -432,23 +375,21 @@ def _as_batch(input_ids, attention_mask, labels, target_index, position_ids,
 
 def target_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: Any, labels: torch.Tensor,
                   target_index: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  extra: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
     """Final hidden states ``[n, H]`` at the ``n`` target positions, their targets (int64 ``[n]``) and
-    the LM head (``model`` must expose ``get_decoder()`` / ``get_output_embeddings()`` and not be DDP).
-    ``extra``: more keyword arguments of the decoder call (varlen attention's segment offsets)."""
+    the LM head (``model`` must expose ``get_decoder()`` / ``get_output_embeddings()`` and not be DDP)."""
     parts = _fast_parts(model)
     if parts is None:
         raise ValueError("target_hidden needs a plain model with get_decoder() and get_output_embeddings()")
     decoder, head = parts
-    kwargs, target_index, targets = _as_batch(input_ids, attention_mask, labels, target_index, position_ids, extra)
+    kwargs, target_index, targets = _as_batch(input_ids, attention_mask, labels, target_index, position_ids)
     hidden = decoder(**kwargs, use_cache=False).last_hidden_state  # [B, L, H]
     return hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, target_index), targets, head
 
 
 def target_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: Any,
                   labels: torch.Tensor, target_index: torch.Tensor | None = None,
-                  position_ids: torch.Tensor | None = None,
-                  extra: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 logits ``[n, V]`` at the ``n`` target positions and their targets (int64 ``[n]``).
 
     ``input_ids``/``labels``: int64 ``[B, L]`` (labels -100 where no loss). ``attention_mask``: int64
@@ -461,10 +402,10 @@ def target_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: Any
     wrapper so gradients are all-reduced).
     """
     if _fast_parts(model) is None:
-        kwargs, target_index, targets = _as_batch(input_ids, attention_mask, labels, target_index, position_ids, extra)
+        kwargs, target_index, targets = _as_batch(input_ids, attention_mask, labels, target_index, position_ids)
         logits = model(**kwargs).logits  # [B, L, V]
         return logits[:, :-1].reshape(-1, logits.shape[-1]).index_select(0, target_index).float(), targets
-    h, targets, head = target_hidden(model, input_ids, attention_mask, labels, target_index, position_ids, extra)
+    h, targets, head = target_hidden(model, input_ids, attention_mask, labels, target_index, position_ids)
     return head(h).float(), targets
 
 
@@ -478,8 +419,7 @@ def batch_loss(model: nn.Module, batch: Batch, config: TrainConfig, teacher: nn.
     """
     core = unwrap_ddp(model)
     kw = model_inputs(core, batch)
-    extra = {k: v for k, v in kw.items() if k.startswith("adbatch_")}
-    args = (kw["input_ids"], kw["attention_mask"], batch.labels, batch.target_index, kw.get("position_ids"), extra)
+    args = (kw["input_ids"], kw["attention_mask"], batch.labels, batch.target_index, kw.get("position_ids"))
     parts = _fast_parts(model)
     n_tgt = int(batch.target_index.numel())
     if teacher is None and parts is not None and getattr(parts[1], "bias", None) is None:
@@ -688,25 +628,6 @@ def train_loop(
         else:  # explicit: the model trains on padded batches, and the record says why
             log.warning("sequence packing is off for this model (%s): length-grouped padded batches", why_not)
             packing = {"enabled": False, "fallback": why_not}
-    varlen: VarlenAttention | None = None
-    segments: int | None = None
-    if packing["enabled"]:
-        packing["attention"] = "mask"
-        if config.packed_attention == "varlen":
-            why_not = varlen_unsupported(unwrap_ddp(model), device)
-            if why_not is None and config.distill.enabled:
-                why_not = "distillation (the teacher's forward takes the mask)"
-            if why_not is None:
-                varlen = VarlenAttention(unwrap_ddp(model))
-                why_not = check_varlen(model, varlen)
-            if why_not is None:
-                packing["attention"] = "varlen"
-                segments = segment_capacity(packing["rows"], packing["row_tokens"], int(lengths.min()))
-            else:
-                varlen = None
-                packing["attention_fallback"] = why_not
-                log.log(logging.WARNING if device.type == "cuda" else logging.INFO,
-                        "varlen attention is off for this run (%s): packed rows use the block-diagonal mask", why_not)
 
     def epoch_batches(shuffle: bool) -> list[Any]:
         if packing["enabled"]:
@@ -715,7 +636,7 @@ def train_loop(
 
     def to_batch(plan: Any) -> Batch:
         if packing["enabled"]:
-            return collate_packed(examples, plan, packing["rows"], packing["row_tokens"], pad_id, segments)
+            return collate_packed(examples, plan, packing["rows"], packing["row_tokens"], pad_id)
         return collate(examples, plan, pad_id)
 
     per_epoch = len(epoch_batches(shuffle=False)) // world_size
@@ -774,91 +695,81 @@ def train_loop(
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     loss_acc = torch.zeros((), device=device)
-    if varlen is not None:
-        varlen.on()
-    try:
-        for step in range(total_steps):
-            if qat is not None:
-                # with a time budget QAT also starts at start_fraction of the budget, so a run cut short by time
-                # still ends on the INT4 grid (the masks must be final first; host clock only, no sync)
-                share = ((time.perf_counter() - t0) / config.time_budget_s
-                         if config.time_budget_s is not None and (sparsity is None or sparsity.frozen) else None)
-                qat.maybe_attach(step, sparsity.masks if sparsity is not None else None, share)
-                if compiled is not None and qat.active and not compiled.traces_qat:
-                    # QAT switched the linears' class; the compiled layers traced the plain forward. A fresh
-                    # compile traces the fake-quantized one (fq(W) computed inside the graph): one more
-                    # compile of one layer, instead of an eager final phase at ~2-4x the step time
-                    compiled.off()
-                    compiled = RegionalCompile(model, dynamic=compiled.dynamic, traces_qat=True)
-                    log.info("torch.compile: decoder layers re-compiled at step %d with QAT's forward", step)
-            want_stats = sparsity is not None and sparsity.wants_stats(step)
-            if want_stats:
-                sparsity.start_stats()
-            loss_acc.zero_()
-            for _ in range(config.grad_accum):
-                batch = next(batch_iter).to(device)
-                with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                    loss, n_tgt = batch_loss(model, batch, config, teacher, compiled=compiled_ce)
-                (loss / config.grad_accum).backward()
-                loss_acc += loss.detach() / config.grad_accum
-                stats.micro_batches += 1
-                stats.tokens += batch.num_tokens
-                stats.padded_tokens += batch.num_slots
-                stats.target_tokens += n_tgt
+    for step in range(total_steps):
+        if qat is not None:
+            # with a time budget QAT also starts at start_fraction of the budget, so a run cut short by time
+            # still ends on the INT4 grid (the masks must be final first; host clock only, no sync)
+            share = ((time.perf_counter() - t0) / config.time_budget_s
+                     if config.time_budget_s is not None and (sparsity is None or sparsity.frozen) else None)
+            qat.maybe_attach(step, sparsity.masks if sparsity is not None else None, share)
+            if compiled is not None and qat.active and not compiled.traces_qat:
+                # QAT switched the linears' class; the compiled layers traced the plain forward. A fresh
+                # compile traces the fake-quantized one (fq(W) computed inside the graph): one more
+                # compile of one layer, instead of an eager final phase at ~2-4x the step time
+                compiled.off()
+                compiled = RegionalCompile(model, dynamic=compiled.dynamic, traces_qat=True)
+                log.info("torch.compile: decoder layers re-compiled at step %d with QAT's forward", step)
+        want_stats = sparsity is not None and sparsity.wants_stats(step)
+        if want_stats:
+            sparsity.start_stats()
+        loss_acc.zero_()
+        for _ in range(config.grad_accum):
+            batch = next(batch_iter).to(device)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss, n_tgt = batch_loss(model, batch, config, teacher, compiled=compiled_ce)
+            (loss / config.grad_accum).backward()
+            loss_acc += loss.detach() / config.grad_accum
+            stats.micro_batches += 1
+            stats.tokens += batch.num_tokens
+            stats.padded_tokens += batch.num_slots
+            stats.target_tokens += n_tgt
+        if sparsity is not None:
+            sparsity.before_optimizer_step(step)
+        if config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if sparsity is not None:
+            sparsity.after_optimizer_step()
+        if qat is not None:
+            qat.weights_updated()
+        stats.steps = step + 1
+        if step % config.log_every == 0 or step == total_steps - 1:
+            value = float(loss_acc)  # one sync per logged step only
+            stats.losses.append((step, value))
             if sparsity is not None:
-                sparsity.before_optimizer_step(step)
-            if config.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            if sparsity is not None:
-                sparsity.after_optimizer_step()
-            if qat is not None:
-                qat.weights_updated()
-            stats.steps = step + 1
-            if step % config.log_every == 0 or step == total_steps - 1:
-                value = float(loss_acc)  # one sync per logged step only
-                stats.losses.append((step, value))
-                if sparsity is not None:
-                    stats.density.append((step, sparsity.density()))
-                if on_step is not None:
-                    on_step(step, value)
-                log.debug("step %d loss %.4f lr %.2e", step, value, sched.get_last_lr()[0])
-                if bar is not None:
-                    bar.set_postfix(loss=f"{value:.3f}")
+                stats.density.append((step, sparsity.density()))
+            if on_step is not None:
+                on_step(step, value)
+            log.debug("step %d loss %.4f lr %.2e", step, value, sched.get_last_lr()[0])
             if bar is not None:
-                bar.update(1)
-            last = step == total_steps - 1
-            if selector is not None and ((step + 1) % eval_steps == 0 or last):
-                # only weights trained under the final masks / the INT4 grid compete (both when on)
-                eligible = (sparsity is None or sparsity.frozen) and (qat is None or qat.active)
-                t_eval = time.perf_counter()
-                if compiled is not None:  # decoding shapes would recompile the layers
-                    compiled.off()
-                if varlen is not None:  # decoding takes the model's own attention
-                    varlen.off()
-                metric = selector(model, step, eligible, autocast, device)
-                if varlen is not None:
-                    varlen.on()
-                if compiled is not None:
-                    compiled.on()
-                stats.eval_seconds += time.perf_counter() - t_eval
-                stats.evals.append((step, round(stats.micro_batches / per_epoch, 3), metric))
-                log.info("step %d (epoch %.2f): validation %.4f%s", step, stats.micro_batches / per_epoch, metric,
-                         "" if eligible else " (masks not frozen / QAT not started: not eligible)")
-                if selector.should_stop and not last:
-                    stats.stopped_early = True
-                    log.info("early stop: %d evaluations without improvement", selector.patience)
-                    break
-            if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:  # wall, evals included
-                stats.stopped_early = step + 1 < total_steps
-                if stats.stopped_early:
-                    log.warning("time budget %.0f s reached after %d of %d steps", config.time_budget_s, step + 1, total_steps)
+                bar.set_postfix(loss=f"{value:.3f}")
+        if bar is not None:
+            bar.update(1)
+        last = step == total_steps - 1
+        if selector is not None and ((step + 1) % eval_steps == 0 or last):
+            # only weights trained under the final masks / the INT4 grid compete (both when on)
+            eligible = (sparsity is None or sparsity.frozen) and (qat is None or qat.active)
+            t_eval = time.perf_counter()
+            if compiled is not None:  # decoding shapes would recompile the layers
+                compiled.off()
+            metric = selector(model, step, eligible, autocast, device)
+            if compiled is not None:
+                compiled.on()
+            stats.eval_seconds += time.perf_counter() - t_eval
+            stats.evals.append((step, round(stats.micro_batches / per_epoch, 3), metric))
+            log.info("step %d (epoch %.2f): validation %.4f%s", step, stats.micro_batches / per_epoch, metric,
+                     "" if eligible else " (masks not frozen / QAT not started: not eligible)")
+            if selector.should_stop and not last:
+                stats.stopped_early = True
+                log.info("early stop: %d evaluations without improvement", selector.patience)
                 break
-    finally:  # whatever happens, the caller gets the model's own attention back
-        if varlen is not None:
-            varlen.off()
+        if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:  # wall, evals included
+            stats.stopped_early = step + 1 < total_steps
+            if stats.stopped_early:
+                log.warning("time budget %.0f s reached after %d of %d steps", config.time_budget_s, step + 1, total_steps)
+            break
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats.seconds = time.perf_counter() - t0 - stats.eval_seconds
