@@ -144,6 +144,51 @@ def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results()
     torch.testing.assert_close(run(routed), want, atol=1e-4, rtol=1e-4)
 
 
+def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(monkeypatch):
+    """A plan that serves the 2:4 layers from semi-structured copies (the large-bucket path) runs
+    ``F.linear`` on the copy, not the packed kernel or the dense copy, with the packed path's results.
+    On a CPU torch has no semi-structured tensors: a dense stand-in for the copy checks the routing,
+    and without the stand-in such a plan is refused by name."""
+    import adbatch.decoding.engine as engine_mod
+    from adbatch.compress import CompressConfig, compress_
+    from adbatch.decoding.engine import SPARSE_MIN_ROWS, _shape_key
+
+    model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
+    compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", uniform_pattern="2:4",
+                                    group_policy="uniform", dense_dtype="float32"))
+    prompts, B = [[3, 4, 5, 6], [7, 8]], 2
+
+    def run(engine):
+        with torch.no_grad():
+            _, _, Qb = engine.prefill(prompts, B, 4)
+            engine.step(torch.tensor([20, 21] * Qb), 0, Qb)
+            logits, lse = engine.step(torch.tensor([30, 31] * Qb), 1, Qb, torch.tensor([1, 0, 3, 2]))
+        return logits.float() - lse[:, None]
+
+    want = run(DecodeEngine(model))
+    copies = []
+    monkeypatch.setattr(engine_mod, "semi_structured_copy", lambda w: copies.append(w) or w.clone())
+    routed = DecodeEngine(model)
+    assert {_shape_key(m)[2] for m in routed._packed_modules} == {"2:4"}
+    for m in routed._packed_modules:
+        routed.plan.choice[_shape_key(m) + (4,)] = "sparse"
+    routed._plan_linears(4)
+    assert routed._use_sparse == {id(m) for m in routed._packed_modules} and not routed._use_dense
+    assert len(copies) == len(routed._packed_modules) and not routed._fused_active  # nothing dense to fuse
+    packed_calls = []
+    for m in routed._packed_modules:
+        monkeypatch.setattr(m, "forward", lambda *a, **k: packed_calls.append(1))
+    torch.testing.assert_close(run(routed), want, atol=1e-4, rtol=1e-4)
+    assert not packed_calls
+    monkeypatch.undo()
+    refused = DecodeEngine(model)
+    for m in refused._packed_modules:
+        refused.plan.choice[_shape_key(m) + (8,)] = "sparse"
+    with pytest.raises(RuntimeError, match="semi-structured"):
+        refused._plan_linears(8)
+    assert SPARSE_MIN_ROWS >= 256  # cuSPARSELt lost to cuBLAS at 256 rows on the H200 (0.37x)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_prefill_equals_eager_on_cuda():
     """The graph-replayed prefill (captured at a bucket's first use) writes the prompt region and

@@ -24,7 +24,10 @@ at beam-search row counts.
 The forward reuses the HF modules' weights and submodules (norms, projections, MLP, rotary): dense
 ``nn.Linear`` or :class:`adbatch.compress.CompressedLinear` alike. Per row bucket the engine times the
 packed kernel against a dense copy of each compressed layer shape (:class:`LinearPlan`) and keeps
-the faster, so a compressed model is never slower than its dense form at any bucket it serves.
+the faster, so a compressed model is never slower than its dense form at any bucket it serves. At
+large buckets (>= :data:`SPARSE_MIN_ROWS` rows: many queries x beams on a large model, where no
+weight-only kernel can win) a 2:4 or 1:4 layer is also timed as a semi-structured sparse copy on
+Hopper's / Ampere's sparse tensor cores (:func:`semi_structured_copy`), the third candidate.
 
 Supported decoder families: Llama (SmolLM2), Mistral, Qwen2, Qwen3 (q/k norms), Gemma 3 (q/k norms,
 sandwich norms, sliding-window layers, scaled embeddings). Others are refused with a clear error.
@@ -124,16 +127,40 @@ class _Ops:
 
 
 # ------------------------------------------------------------------------------------------ linears
+#: buckets from which a 2:4 / 1:4 layer is also timed as a semi-structured sparse copy. cuSPARSELt on the
+#: H200 vs cuBLAS fp16 at 8192x28672 (issue 20's measurements): 0.37x at 256 rows, 1.17x at 1,024, 1.44x at
+#: 4,096; below 512 rows building and timing the copy costs and never pays
+SPARSE_MIN_ROWS = 512
+#: layer patterns a semi-structured (2:4) copy can hold: 1:4 is 2:4 with one more zero per group of four
+SPARSE_PATTERNS = ("2:4", "1:4")
+
+
 @dataclass
 class LinearPlan:
-    """Per compressed layer shape and row bucket: packed kernel or its dense copy, by measurement.
+    """Per compressed layer shape and row bucket: packed kernel, its dense copy, or (2:4 / 1:4 at
+    large buckets) its semi-structured sparse copy, by measurement.
 
-    ``choice[(N, K, pattern, rows)]`` is ``"packed"`` or ``"dense"``; ``timings`` keeps the measured
-    microseconds (graph-replayed medians, the kernel tuner's own timer) behind each choice.
+    ``choice[(N, K, pattern, rows)]`` is ``"packed"``, ``"dense"`` or ``"sparse"``; ``timings`` keeps the
+    measured microseconds ``(packed, dense, sparse or None)`` (graph-replayed medians, the kernel tuner's
+    own timer) behind each choice.
     """
 
     choice: dict[tuple, str] = field(default_factory=dict)
-    timings: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    timings: dict[tuple, tuple[float, float, float | None]] = field(default_factory=dict)
+
+
+def semi_structured_copy(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` (fp16 / bf16 ``[N, K]`` on CUDA, at most 2 nonzeros in every 4 consecutive columns) as a
+    :func:`torch.sparse.to_sparse_semi_structured` tensor (cuSPARSELt where torch has it, else CUTLASS):
+    half the values plus 2-bit metadata, ~0.56x of the dense copy's bytes. ``F.linear(x, copy)`` then
+    runs on the sparse tensor cores. None where this GPU / torch / shape cannot (the reason is logged)."""
+    try:
+        from torch.sparse import to_sparse_semi_structured
+
+        return to_sparse_semi_structured(w.contiguous())
+    except (RuntimeError, ValueError, NotImplementedError, ImportError, AttributeError) as exc:
+        log.info("no semi-structured sparse copy of a %s %s weight: %s", tuple(w.shape), w.dtype, exc)
+        return None
 
 
 def _is_packed(mod: Any) -> bool:
@@ -187,6 +214,8 @@ class DecodeEngine:
         self.plan = LinearPlan()
         self._dense: dict[int, torch.Tensor] = {}
         self._use_dense: set[int] = set()
+        self._sparse: dict[int, torch.Tensor] = {}  # semi-structured copies of layers some bucket chose
+        self._use_sparse: set[int] = set()
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._tree_pool = None
@@ -274,6 +303,9 @@ class DecodeEngine:
     def _linear(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
         if id(mod) in self._use_dense:
             return F.linear(x, self._dense[id(mod)], getattr(mod, "bias", None))
+        if id(mod) in self._use_sparse:
+            return F.linear(x.reshape(-1, x.shape[-1]), self._sparse[id(mod)],
+                            getattr(mod, "bias", None)).reshape(*x.shape[:-1], -1)
         return mod(x)
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -677,6 +709,7 @@ class DecodeEngine:
         from kernels.int4_tuner import time_graphed_ms
 
         self._use_dense = set()
+        self._use_sparse = set()
         planned = True
         for m in mods:
             key = _shape_key(m) + (rows,)
@@ -688,15 +721,35 @@ class DecodeEngine:
                 w = dequantize_nm_int4(m.packed, self.dtype)
                 packed_us = 1e3 * time_graphed_ms(lambda: m(x), "warm")
                 dense_us = 1e3 * time_graphed_ms(lambda: F.linear(x, w), "warm")
-                self.plan.timings[key] = (packed_us, dense_us)
-                self.plan.choice[key] = "packed" if packed_us <= dense_us else "dense"
-                log.info("linear %s at %d rows: packed %.1f us, dense %.1f us -> %s", key[:3], rows,
-                         packed_us, dense_us, self.plan.choice[key])
+                sparse_us, ws = None, None
+                if key[2] in SPARSE_PATTERNS and rows >= SPARSE_MIN_ROWS:
+                    ws = self._sparse[id(m)] if id(m) in self._sparse else semi_structured_copy(w)
+                    if ws is not None:
+                        try:
+                            sparse_us = 1e3 * time_graphed_ms(lambda: F.linear(x, ws), "warm")
+                        except RuntimeError as exc:  # e.g. a cuSPARSELt call that cannot be graph-captured
+                            log.info("semi-structured copy of %s not timed: %s", key[:3], exc)
+                timed = {"packed": packed_us, "dense": dense_us, **({} if sparse_us is None else {"sparse": sparse_us})}
+                self.plan.timings[key] = (packed_us, dense_us, sparse_us)
+                self.plan.choice[key] = min(timed, key=timed.get)
+                if self.plan.choice[key] == "sparse":  # kept only where chosen: ~0.56x of a dense copy
+                    self._sparse.setdefault(id(m), ws)
+                log.info("linear %s at %d rows: packed %.1f us, dense %.1f us%s -> %s", key[:3], rows,
+                         packed_us, dense_us, "" if sparse_us is None else f", sparse {sparse_us:.1f} us",
+                         self.plan.choice[key])
                 del w
             if self.plan.choice[key] == "dense":
                 if id(m) not in self._dense:
                     self._dense[id(m)] = dequantize_nm_int4(m.packed, self.dtype)
                 self._use_dense.add(id(m))
+            elif self.plan.choice[key] == "sparse":
+                if id(m) not in self._sparse:  # a given plan (or one made before a reload)
+                    ws = semi_structured_copy(dequantize_nm_int4(m.packed, self.dtype))
+                    if ws is None:
+                        raise RuntimeError(f"the plan serves {key[:3]} at {rows} rows from a semi-structured "
+                                           "sparse copy, which this device cannot build")
+                    self._sparse[id(m)] = ws
+                self._use_sparse.add(id(m))
         self._fused_active = set()
         for group in self._groups():
             if all(id(m) in self._use_dense for m in group):

@@ -1,0 +1,107 @@
+"""Decode steps at large row counts (issue 20 item 4): a 2:4-compressed 8B-shaped model vs its dense form.
+
+Not a test. Builds a random-init bf16 Llama of Llama-3-8B's width (``bench/decode.py``'s ``SHAPES["8b"]``)
+with ``--layers`` decoder layers, its uniform 2:4 + INT4 copy (``bench/decode.py``'s ``compress_copy``: the
+library's ``compress_``), and times the decode engine's graph-replayed step (``DecodeEngine.step``, what
+``search_targets`` calls) on both at ``--queries`` x ``--beams`` rows. The compressed engine plans every
+layer shape per bucket among the packed kernel, a dense copy and (from ``SPARSE_MIN_ROWS`` rows) a
+semi-structured sparse copy; the table shows each shape's timings and choice, then the step ratio.
+
+    python bench/large_rows.py --layers 4 --queries 16,128,512,1024 --out $OUT/large_rows.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.decode import SHAPES, compress_copy, random_prompts  # noqa: E402
+from adbatch.decoding.engine import DecodeEngine  # noqa: E402
+
+
+def build(layers: int, dev: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**SHAPES["8b"], "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model.eval()
+
+
+def sparse_copy_bytes(t: torch.Tensor) -> int:
+    """Bytes of a semi-structured tensor: its inner tensors (values + metadata, by its own flattening)."""
+    names, _ = t.__tensor_flatten__()
+    inner = [getattr(t, n) for n in names]
+    return sum(x.numel() * x.element_size() for x in inner if isinstance(x, torch.Tensor))
+
+
+def step_ms(eng: DecodeEngine, queries, qn: int, beams: int, t: int, repeats: int, dev) -> float:
+    eng.prefill(queries[:qn], beams, t + 4)
+    Qb = eng.bucket(qn)
+    R = Qb * beams
+    tok = torch.randint(100, 40000, (R,), device=dev)
+    par = torch.randperm(R, device=dev)
+    eng.step(tok, t, Qb, par)  # captures (and plans the linears at this bucket)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeats):
+        t1 = time.perf_counter()
+        eng.step(tok, t, Qb, par)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t1)
+    return 1e3 * float(np.median(ts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--beams", type=int, default=8)
+    ap.add_argument("--queries", type=lambda s: [int(x) for x in s.split(",")], default=[16, 128, 512, 1024])
+    ap.add_argument("--t", type=int, default=8, help="suffix position of the timed step")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    dense = build(args.layers, dev)
+    comp, summary = compress_copy(dense, dev)
+    print(f"built + compressed in {time.perf_counter() - t0:.1f} s: {summary}", flush=True)
+    queries = random_prompts(max(args.queries), 32, 100, 40000, seed=0)
+    e_dense, e_comp = DecodeEngine(dense), DecodeEngine(comp)
+    lines = [f"# Decode steps at large row counts ({args.layers}-layer Llama-3-8B width, uniform 2:4 + INT4, bf16, "
+             f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
+             "| queries | rows | dense step ms | compressed step ms | compressed / dense speed |", "|---:|---:|---:|---:|---:|"]
+    for qn in args.queries:
+        d = step_ms(e_dense, queries, qn, args.beams, args.t, args.repeats, dev)
+        c = step_ms(e_comp, queries, qn, args.beams, args.t, args.repeats, dev)
+        lines.append(f"| {qn} | {qn * args.beams} | {d:.2f} | {c:.2f} | {d / c:.2f}x |")
+        print(lines[-1], flush=True)
+    lines += ["", "per layer shape and bucket (graph-replayed us): packed / dense / semi-structured sparse -> choice", "",
+              "| N | K | pattern | rows | packed | dense | sparse | choice |", "|---:|---:|---|---:|---:|---:|---:|---|"]
+    for key, (p, d, s) in sorted(e_comp.plan.timings.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1])):
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {p:.1f} | {d:.1f} | "
+                     f"{'-' if s is None else f'{s:.1f}'} | {e_comp.plan.choice[key]} |")
+    sparse_bytes = sum(sparse_copy_bytes(t) for t in e_comp._sparse.values())
+    lines += ["", f"semi-structured copies kept: {len(e_comp._sparse)} layers, {sparse_bytes / 2**20:.1f} MiB"]
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
