@@ -303,9 +303,9 @@ class DecodeEngine:
     def _linear(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
         if id(mod) in self._use_dense:
             return F.linear(x, self._dense[id(mod)], getattr(mod, "bias", None))
-        if id(mod) in self._use_sparse:
-            return F.linear(x.reshape(-1, x.shape[-1]), self._sparse[id(mod)],
-                            getattr(mod, "bias", None)).reshape(*x.shape[:-1], -1)
+        if id(mod) in self._use_sparse:  # the sparse GEMM's result is a transposed view: the fused ops need rows
+            y = F.linear(x.reshape(-1, x.shape[-1]), self._sparse[id(mod)], getattr(mod, "bias", None))
+            return y.contiguous().reshape(*x.shape[:-1], -1)
         return mod(x)
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -726,7 +726,7 @@ class DecodeEngine:
                     ws = self._sparse[id(m)] if id(m) in self._sparse else semi_structured_copy(w)
                     if ws is not None:
                         try:
-                            sparse_us = 1e3 * time_graphed_ms(lambda: F.linear(x, ws), "warm")
+                            sparse_us = 1e3 * time_graphed_ms(lambda: F.linear(x, ws).contiguous(), "warm")
                         except RuntimeError as exc:  # e.g. a cuSPARSELt call that cannot be graph-captured
                             log.info("semi-structured copy of %s not timed: %s", key[:3], exc)
                 timed = {"packed": packed_us, "dense": dense_us, **({} if sparse_us is None else {"sparse": sparse_us})}
