@@ -29,14 +29,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from adbatch.artifacts import ArtifactKind
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.training.checkpoint import TRAINING_RECORD
 from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape
 from adbatch.training.query_generation import QueryGenConfig
 from adbatch.training.trainer import TrainConfig
+from pipelines.stage import StageContract
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainJobConfig", "run_train", "CreativeTrainJobConfig", "run_train_creatives", "read_labelled_queries",
+__all__ = ["TrainJobConfig", "run_train", "run_train_warm", "train_inputs", "STAGE", "CreativeTrainJobConfig",
+           "run_train_creatives", "train_creatives_inputs", "CREATIVES_STAGE", "read_labelled_queries",
            "read_validation_qrels", "read_ad_texts", "read_creative_pairs"]
 
 
@@ -317,6 +321,67 @@ def run_train_creatives(config: CreativeTrainJobConfig) -> dict[str, Any]:
     return out
 
 
+def run_train_warm(job: TrainJobConfig, warm: Any, previous_index: Any, same_base_model: bool) -> dict[str, Any]:
+    """:func:`run_train` from the model already in ``job.out`` (last night's) when
+    :func:`adbatch.training.warm_start.plan_warm_start` allows, else from ``job.init_model``: the refresh's
+    train stage. ``warm``: a :class:`WarmStartConfig`; ``previous_index``: the ``IndexSnapshot`` that model
+    learned, read before the index stage replaced it (None: none). The model folder is replaced atomically
+    at the end, so a crash keeps last night's model."""
+    from adbatch.training.checkpoint import recover_interrupted_save
+    from adbatch.training.warm_start import IndexSnapshot, plan_warm_start
+
+    recover_interrupted_save(job.out)  # last night's model back in place if a save was cut short
+    plan = plan_warm_start(job.out, previous_index, IndexSnapshot.read(job.index), job.train.epochs, warm,
+                           same_base_model=same_base_model)
+    log.info("train: %s start (%s), %g epochs", "warm" if plan.init_model else "cold", plan.reason, plan.epochs)
+    if plan.init_model is not None:
+        job = job.replace(init_model=plan.init_model, train=job.train.replace(epochs=plan.epochs))
+    return {**run_train(job), "warm_start": plan.to_dict()}
+
+
+def _pairs_hash(pairs: Path | None, ads: Path | None) -> dict[str, str]:
+    """The headline pairs a fine-tune reads, by content: the pairs themselves when given as a file,
+    else the corpus they are read from."""
+    from pipelines.stage import file_hash
+
+    if pairs is not None:
+        from adbatch.training.creatives import load_headline_pairs
+
+        return {"creative_pairs": load_headline_pairs(pairs).content_hash()}
+    return {"creative_pairs_corpus": file_hash(ads)}
+
+
+def train_inputs(config: TrainJobConfig) -> dict[str, Any]:
+    """What invalidates a trained model beyond its config: the index (by its manifest), the starting model,
+    the labelled / validation queries and the corpus by content, the targeting prompt's rendering version
+    (a new rendering retrains) and, with the shared creative shape, the headline pairs and the tuned
+    creative prompt's version."""
+    from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
+    from pipelines.stage import file_hash, folder_hash, model_input_hash
+
+    inputs = {"index": folder_hash(config.index), "init_model": model_input_hash(config.init_model),
+              "targeting_prompt_version": str(TARGETING_PROMPT_VERSION)}
+    for name in ("ads", "queries", "valid_queries"):
+        if getattr(config, name) is not None:
+            inputs[name] = file_hash(getattr(config, name))
+    if config.creatives.enabled:
+        from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION
+
+        inputs.update(_pairs_hash(config.creative_pairs, config.ads))
+        inputs["creative_prompt_version"] = str(TUNED_CREATIVE_PROMPT_VERSION)
+    return inputs
+
+
+def train_creatives_inputs(config: CreativeTrainJobConfig) -> dict[str, Any]:
+    """What invalidates the separate creative model beyond its config: the headline pairs by content, the
+    base model, and the tuned creative prompt's rendering version."""
+    from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION
+    from pipelines.stage import model_input_hash
+
+    return {**_pairs_hash(config.pairs, config.ads), "init_model": model_input_hash(config.init_model),
+            "creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)}
+
+
 def resolve_use_gpu(use_gpu: bool | None, num_workers: int) -> bool:
     """An explicit ``use_gpu``, else whether the running Ray cluster has a GPU for each of ``num_workers``
     (a refresh started on a GPU machine trains there without a flag; on a CPU machine it trains on CPU)."""
@@ -348,3 +413,13 @@ def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool 
         shutil.rmtree(storage, ignore_errors=True)
     if result.error is not None:
         raise RuntimeError(f"training failed: {result.error}") from result.error
+
+
+#: ``run`` looks the verb up when called, so the refresh runs whatever this module's ``run_train`` is then
+STAGE = StageContract("train", TrainJobConfig, ArtifactKind.TRAIN, inputs=train_inputs,
+                      run=lambda config: run_train(config), manifest=TRAINING_RECORD,
+                      wired=("index", "out", "init_model", "ads", "num_cpus", "creatives", "creative_pairs"))
+CREATIVES_STAGE = StageContract("train_creatives", CreativeTrainJobConfig, ArtifactKind.TRAIN,
+                                inputs=train_creatives_inputs, run=lambda config: run_train_creatives(config),
+                                manifest=TRAINING_RECORD,
+                                wired=("out", "ads", "pairs", "init_model", "creatives", "num_workers", "num_cpus"))
