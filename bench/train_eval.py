@@ -26,6 +26,7 @@ recall@1/10, success@10, MRR@10, nDCG@10 and queries/s. Writes ``results.json``,
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -502,7 +503,9 @@ def check(args: argparse.Namespace) -> None:
         import adbatch_baseline_decoding as old
 
     def ranker(mod: Any, m: Any, verify: str, batch: int) -> Any:
-        tcfg = mod.TargetSearchConfig(num_beams=args.beams, top_k=10, verify=verify, batch_size=batch)
+        # the baseline engine still takes its batch size as a config field; ours searches each rank() batch whole
+        sized = {"batch_size": batch} if "batch_size" in inspect.signature(mod.TargetSearchConfig).parameters else {}
+        tcfg = mod.TargetSearchConfig(num_beams=args.beams, top_k=10, verify=verify, **sized)
 
         def rank(qs: list[str]) -> list[list[Any]]:
             prompts = encode_targeting_prompts(tok, qs)  # one batched call, the same ids
