@@ -165,17 +165,7 @@ def _worker(job_dict: dict[str, Any]) -> None:
                                    world_size=world, progress=rank == 0, creative_pairs=pairs,
                                    creative_config=job.creatives if pairs is not None else None,
                                    query_gen=job.query_gen)
-    flat = {f"train_{k}": v for k, v in summary["train"].items() if v is not None}
-    flat.update({"scheme": summary["scheme"], "index_hash": summary["index_hash"],
-                 "examples_indexing": summary["data"].get("indexing", 0),
-                 "examples_retrieval": summary["data"].get("retrieval", 0),
-                 "labelled_not_in_index": summary["data"].get("labelled_not_in_index", 0),
-                 "examples_generated": summary["data"].get("generated_query", 0),
-                 "prepare_seconds": summary["prepare_seconds"]})
-    if "sparsity" in summary:
-        flat["sparsity_density"] = summary["sparsity"]["density"]
-    flat = {k: v for k, v in flat.items() if not isinstance(v, (list, dict))}  # report scalars only
-    ray.train.report(flat)
+    ray.train.report(summary.flat())
 
 
 def run_train(config: TrainJobConfig) -> dict[str, Any]:

@@ -193,7 +193,7 @@ def test_shared_shape_mixes_pairs_into_the_targeting_training(tok, tmp_path):
                                        ad_texts=dict(zip(idx.ad_ids, TITLES)), model=tiny(tok),
                                        tokenizer=tok.__class__.from_pretrained(tok.name_or_path), device="cpu",
                                        progress=False, creative_pairs=pairs, creative_config=cfg)
-    assert summary["data"]["creative_pairs"]["examples"] == 2 * len(pairs)
+    assert summary.data["creative_pairs"]["examples"] == 2 * len(pairs)
     assert creative_prompt_of(model) is CreativePrompt.TUNED
     record = json.loads((tmp_path / "m" / "adbatch_training.json").read_text())
     assert record["trained_on_index"] == idx.index_hash and record["creative"]["shape"] == "shared"
