@@ -142,24 +142,24 @@ class GenerateJobConfig(ConfigBase):
                               max_query_tokens=self.max_query_tokens)
 
 
-def build_generator(task: GenerateTask, spec: ModelSpec, index: str | None, decoding: dict[str, Any],
-                    gen: dict[str, Any]) -> TargetGenerator | CreativeGenerator:
-    """The core generator from plain (serializable) arguments: what an actor receives."""
-    cfg = GenerateConfig.from_dict(gen)
+def build_generator(task: GenerateTask, spec: ModelSpec, index: str | None,
+                    decoding: TargetSearchConfig | CreativeConfig, gen: GenerateConfig
+                    ) -> TargetGenerator | CreativeGenerator:
+    """The core generator of ``task``: what an actor builds (its arguments travel pickled, typed)."""
     if task is GenerateTask.TARGETS:
-        return TargetGenerator(spec, index, TargetSearchConfig.from_dict(decoding), cfg)
-    return CreativeGenerator(spec, CreativeConfig.from_dict(decoding), cfg)
+        return TargetGenerator(spec, index, decoding, gen)
+    return CreativeGenerator(spec, decoding, gen)
 
 
 class GeneratorActor:
     """Ray Data callable class: loads the generator once in ``__init__``; ``__call__`` maps a batch."""
 
-    def __init__(self, task: str, spec: dict[str, Any], index: str | None, decoding: dict[str, Any],
-                 gen: dict[str, Any]) -> None:
+    def __init__(self, task: GenerateTask, spec: ModelSpec, index: str | None,
+                 decoding: TargetSearchConfig | CreativeConfig, gen: GenerateConfig) -> None:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         t0 = time.perf_counter()
-        log.info("generation actor pid %d: loading the %s generator", os.getpid(), task)
-        self.generator = build_generator(GenerateTask(task), ModelSpec(**spec), index, decoding, gen)
+        log.info("generation actor pid %d: loading the %s generator", os.getpid(), task.value)
+        self.generator = build_generator(task, spec, index, decoding, gen)
         # the job's log reads as a timeline: the driver's "Starting execution" line to this one is the
         # actor's process start and imports, this line's seconds its model / index load
         log.info("generation actor pid %d: generator ready in %.2f s", os.getpid(), time.perf_counter() - t0)
@@ -346,7 +346,7 @@ def _iter_local(config: GenerateJobConfig, layout: Layout, pending: list[int]) -
     from tqdm.auto import tqdm
 
     gen = build_generator(config.task, config.spec, str(config.index) if config.index else None,
-                          config.decoding.to_dict(), config.generate_config().to_dict())
+                          config.decoding, config.generate_config())
     total = sum(pq.read_metadata(layout.work_file(i)).num_rows for i in pending)
     with tqdm(total=total, desc=f"generate {config.task.value}", unit="req",
               disable=not config.progress) as bar:
@@ -403,9 +403,8 @@ def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> 
     ds = ray.data.from_arrow([pq.read_table(layout.work_file(i)) for i in pending])
     ds = ds.map_batches(
         GeneratorActor,
-        fn_constructor_args=(config.task.value, dataclasses.asdict(config.spec),
-                             str(config.index) if config.index else None, config.decoding.to_dict(),
-                             config.generate_config(num_threads=threads).to_dict()),
+        fn_constructor_args=(config.task, config.spec, str(config.index) if config.index else None,
+                             config.decoding, config.generate_config(num_threads=threads)),
         batch_size=config.batch_size or default_batch_size("cuda" if resources.get("num_gpus") else "cpu"),
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=config.concurrency),

@@ -59,10 +59,9 @@ def _remote_split():
     import ray
 
     @ray.remote(num_cpus=1)
-    def split_task(emb: np.ndarray, rows: np.ndarray, path: tuple[int, ...], cfg: dict,
+    def split_task(emb: np.ndarray, rows: np.ndarray, path: tuple[int, ...], cfg: ClusterConfig,
                    width: int) -> list:
-        children, child_embs, fallback = split_node(emb, rows, tuple(path),
-                                                    ClusterConfig.from_dict(cfg))
+        children, child_embs, fallback = split_node(emb, rows, tuple(path), cfg)
         meta = {"children": [(c.path, c.rows) for c in children], "fallback": fallback}
         empty = np.zeros((0, emb.shape[1]), dtype=np.float32)
         return [meta] + child_embs + [empty] * (width - len(child_embs))
@@ -82,14 +81,13 @@ def cluster_on_ray(emb: np.ndarray, config: ClusterConfig, progress: bool = True
     emb = np.ascontiguousarray(emb, dtype=np.float32)
     n = emb.shape[0]
     builder = HierarchyBuilder(n, config)
-    cfg = config.to_dict()
     split_task = _remote_split()
     pending: dict[Any, list] = {}  # meta ref -> child embedding refs
 
     def submit(emb_ref: Any, child: Child) -> None:
         width = min(config.branching, child.rows.shape[0])
         refs = split_task.options(num_returns=1 + width).remote(
-            emb_ref, child.rows, child.path, cfg, width)
+            emb_ref, child.rows, child.path, config, width)
         pending[refs[0]] = refs[1:]
 
     with tqdm(total=n, desc="cluster", unit="ad", disable=not progress) as bar:
@@ -121,8 +119,8 @@ def _embed_actor():
     class EmbedActor:
         """Loads the sentence encoder once; embeds one shard of texts per call."""
 
-        def __init__(self, cfg: dict) -> None:
-            self.cfg = EmbeddingConfig.from_dict(cfg)
+        def __init__(self, cfg: EmbeddingConfig) -> None:
+            self.cfg = cfg
             self.model = load_embedder(self.cfg)
 
         def embed(self, texts: list[str]) -> np.ndarray:
@@ -143,7 +141,7 @@ def embed_on_ray(texts: list[str], config: EmbeddingConfig, num_actors: int,
 
     shards = [texts[i:i + config.shard_size] for i in range(0, len(texts), config.shard_size)]
     actor_cls = _embed_actor()
-    actors = [actor_cls.remote(config.to_dict()) for _ in range(max(1, min(num_actors, len(shards))))]
+    actors = [actor_cls.remote(config) for _ in range(max(1, min(num_actors, len(shards))))]
     pool = ActorPool(actors)
     out: list[np.ndarray] = []
     with tqdm(total=len(texts), desc="embed", unit="ad", disable=not progress) as bar:
