@@ -204,7 +204,7 @@ def creatives_quality(model: Any, tok: Any, slogans: Any, max_new_tokens: int = 
     ads = slogans.to_pylist()
     prompts = [encode_creative_prompt(tok, ad) for ad in ads]
     t0 = time.perf_counter()
-    outs = generate_creatives(model, tok, prompts, CreativeConfig(max_new_tokens=max_new_tokens))
+    outs = generate_creatives(model, tok, prompts, CreativeConfig(max_new_tokens=max_new_tokens), batch_size=32)
     secs = time.perf_counter() - t0
     hyps = [o[0][0] if o else "" for o in outs]
     refs = [ad["reference"] for ad in ads]

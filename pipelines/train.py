@@ -142,7 +142,7 @@ def read_validation_qrels(path: str | Path) -> dict[str, dict[Any, float]]:
     return qrels
 
 
-def _worker(job_dict: dict[str, Any]) -> None:
+def _worker(loop_config: dict[str, Any]) -> None:
     """Ray Train worker body: load inputs, train on this rank's share, report the summary."""
     import ray.train
     import ray.train.torch
@@ -150,7 +150,7 @@ def _worker(job_dict: dict[str, Any]) -> None:
     from adbatch.index.build import load_index
     from adbatch.training import train_on_index
 
-    job = TrainJobConfig.from_dict(job_dict)
+    job: TrainJobConfig = loop_config["job"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -216,7 +216,7 @@ def _train_into(config: TrainJobConfig) -> dict[str, Any]:
                          valid_queries=Path(config.valid_queries).resolve() if config.valid_queries else None,
                          creative_pairs=Path(config.creative_pairs).resolve() if config.creative_pairs else None)
     # Ray Train's run storage is temporary (the model folder is written by rank 0)
-    _fit(_worker, job.to_dict(), config.num_workers, config.use_gpu, config.num_cpus, "adbatch-train")
+    _fit(_worker, job, config.num_workers, config.use_gpu, config.num_cpus, "adbatch-train")
     # rank 0's record in the model folder is the source of truth (Ray's reported metrics are a
     # convenience whose retention differs across Ray Train versions)
     from adbatch.training.checkpoint import read_training_record
@@ -265,13 +265,13 @@ class CreativeTrainJobConfig(ConfigBase):
             raise ConfigError(f"CreativeTrainJobConfig.num_workers must be >= 1, got {self.num_workers}")
 
 
-def _creative_worker(job_dict: dict[str, Any]) -> None:
+def _creative_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
     from adbatch.training.creatives import tune_creatives
 
-    job = CreativeTrainJobConfig.from_dict(job_dict)
+    job: CreativeTrainJobConfig = loop_config["job"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     pairs = read_creative_pairs(job.pairs, job.ads, job.creatives)
@@ -300,7 +300,7 @@ def run_train_creatives(config: CreativeTrainJobConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     with claim_output(job.out, ArtifactKind.TRAIN, mark=False):
         recover_interrupted_save(job.out)
-        _fit(_creative_worker, job.to_dict(), config.num_workers, config.use_gpu, config.num_cpus, "adbatch-creatives")
+        _fit(_creative_worker, job, config.num_workers, config.use_gpu, config.num_cpus, "adbatch-creatives")
         record = read_training_record(job.out)
         if record is None:
             raise RuntimeError(f"creative fine-tune finished but {job.out} has no training record")
@@ -382,9 +382,10 @@ def resolve_use_gpu(use_gpu: bool | None, num_workers: int) -> bool:
     return float(ray.cluster_resources().get("GPU", 0)) >= num_workers
 
 
-def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool | None, num_cpus: int | None,
+def _fit(worker: Any, job: ConfigBase, num_workers: int, use_gpu: bool | None, num_cpus: int | None,
          name: str) -> None:
-    """Run ``worker(job_dict)`` on ``num_workers`` Ray Train workers; raise if it failed."""
+    """Run ``worker({"job": job})`` on ``num_workers`` Ray Train workers; raise if it failed. The job config
+    travels typed (pickled) inside Ray Train's loop-config dict."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -394,7 +395,7 @@ def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool 
     use_gpu = resolve_use_gpu(use_gpu, num_workers)
     log.info("%s: %d Ray Train worker(s), %s", name, num_workers, "one GPU each" if use_gpu else "on CPU")
     storage = Path(tempfile.mkdtemp(prefix=f"{name}-"))
-    trainer = TorchTrainer(worker, train_loop_config=job_dict,
+    trainer = TorchTrainer(worker, train_loop_config={"job": job},
                            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
                            run_config=RunConfig(name=name, storage_path=str(storage)))
     try:

@@ -230,7 +230,7 @@ def test_train_job_passes_absolute_paths_to_the_workers(tmp_path, monkeypatch):
 
     class FakeTrainer:
         def __init__(self, fn, train_loop_config, **kwargs):
-            seen.update(train_loop_config)
+            seen.update(train_loop_config["job"].to_dict())
 
         def fit(self):
             raise Stop

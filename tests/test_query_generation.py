@@ -217,8 +217,8 @@ def test_train_on_index_trains_on_generated_queries_and_caches_them_in_the_model
     assert record["query_gen"]["key"] == cached.key and record["config"]["pseudo_queries"]["source"] == source
     assert len(tokenizer) == len(tok)  # text scheme: the generator's copy and the model share one vocabulary
     _, _, again = train()  # a re-run with unchanged inputs: read from the model folder, not generated again
-    assert again["data"]["query_gen"]["status"] == "cached"
-    assert again["data"]["generated_query"] == data["generated_query"]
+    assert again.data["query_gen"]["status"] == "cached"
+    assert again.data["generated_query"] == data["generated_query"]
 
 
 def test_no_labels_falls_back_to_spans_or_prompts_the_base_model(tok, tmp_path, caplog):
