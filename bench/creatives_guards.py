@@ -89,13 +89,13 @@ def main() -> None:
 
     def headlines(model, rows, cfg):
         prompts = [encode_creative_prompt(tok, r, style=style) for r in rows]
-        return [outs[0][0] for outs in generate_creatives(model, tok, prompts, cfg)]
+        return [outs[0][0] for outs in generate_creatives(model, tok, prompts, cfg, batch_size=12)]
 
     for variant in args.variants.split(","):
         name, no_repeat, block = variant.split(":")
         model = dense if name == "dense" else compressed()
-        cfg = CreativeConfig(strategy="greedy", max_new_tokens=16, batch_size=12,
-                             no_repeat_ngram_size=int(no_repeat), prompt_ngram_block=int(block))
+        cfg = CreativeConfig(strategy="greedy", max_new_tokens=16, no_repeat_ngram_size=int(no_repeat),
+                             prompt_ngram_block=int(block))
         t0 = time.perf_counter()
         ex = headlines(model, requests, cfg)
         te = headlines(model, test, cfg)

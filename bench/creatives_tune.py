@@ -236,7 +236,7 @@ def tune_shared(src: str, pairs: Any, index_dir: Path, out: Path, device: str, e
                                    init_model=src, device=device, progress=False, creative_pairs=pairs,
                                    creative_config=CreativeTuneConfig(enabled=True, shape=CreativeTuneShape.SHARED))
     _free()
-    return {"train": summary["train"], "data": summary["data"], "config": cfg.to_dict()}
+    return {"train": summary.train, "data": summary.data, "config": cfg.to_dict()}
 
 
 # --- smoke inputs --------------------------------------------------------------------------------------

@@ -185,8 +185,10 @@ Runner = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]], d
 def engine_runner(mod, model, trie: Trie, beams: int, k: int, verify: str, qbatch: int, cost, profile: bool
                   ) -> Runner:
     """One query batch through ``mod.search_targets`` (``mod``: adbatch.decoding or the baseline)."""
-    # verify as a string: ConfigBase coerces it to the module's own VerifyMode
-    cfg = mod.TargetSearchConfig(num_beams=beams, top_k=k, verify=verify, batch_size=qbatch, profile=profile)
+    # verify as a string: ConfigBase coerces it to the module's own VerifyMode; ``batch`` holds <= qbatch
+    # queries, searched together (the baseline engine still takes that size as a config field)
+    sized = {"batch_size": qbatch} if "batch_size" in inspect.signature(mod.TargetSearchConfig).parameters else {}
+    cfg = mod.TargetSearchConfig(num_beams=beams, top_k=k, verify=verify, profile=profile, **sized)
 
     def run(batch):
         r = mod.search_targets(model, batch, trie, cfg, cost)
@@ -536,8 +538,7 @@ def creatives_section(report: Report, model, args, budget: Budget) -> None:
     never = model.config.vocab_size
     tok = IdTokenizer(never, pad_token_id=model.config.pad_token_id)
     # the n-gram guards off: HF's greedy has no equivalent for a decoder-only prompt, and the texts are compared
-    cfg = ours.CreativeConfig(max_new_tokens=T, stop_strings=[], batch_size=n, no_repeat_ngram_size=0,
-                              prompt_ngram_block=0)
+    cfg = ours.CreativeConfig(max_new_tokens=T, stop_strings=[], no_repeat_ngram_size=0, prompt_ngram_block=0)
     ids = torch.tensor(prompts, device=dev)
     mask = torch.ones_like(ids)
 

@@ -26,6 +26,7 @@ recall@1/10, success@10, MRR@10, nDCG@10 and queries/s. Writes ``results.json``,
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -203,7 +204,7 @@ def creatives_quality(model: Any, tok: Any, slogans: Any, max_new_tokens: int = 
     ads = slogans.to_pylist()
     prompts = [encode_creative_prompt(tok, ad) for ad in ads]
     t0 = time.perf_counter()
-    outs = generate_creatives(model, tok, prompts, CreativeConfig(max_new_tokens=max_new_tokens))
+    outs = generate_creatives(model, tok, prompts, CreativeConfig(max_new_tokens=max_new_tokens), batch_size=32)
     secs = time.perf_counter() - t0
     hyps = [o[0][0] if o else "" for o in outs]
     refs = [ad["reference"] for ad in ads]
@@ -325,9 +326,10 @@ def run(args: argparse.Namespace) -> None:
 
     def train(scheme: str, data: dict, cfg: TrainConfig, tag: str) -> tuple[Any, Any, dict]:
         model, tok = fresh_copy(base)
-        model, tok, summary = train_on_index(data["indexes"][scheme], None, cfg, ad_texts=data["ad_texts"],
+        model, tok, trained = train_on_index(data["indexes"][scheme], None, cfg, ad_texts=data["ad_texts"],
                                              labelled=data["labelled"], model=model, tokenizer=tok,
                                              device=device, progress=False)
+        summary = trained.to_dict()  # the result files' JSON; int4_compress reads its qat and sparsity
         results["curves"][tag] = {"losses": summary["losses"], "density": summary["density"]}
         results.setdefault("train", {})[tag] = summary["train"] | {"data": summary["data"],
                                                                    "prepare_seconds": summary["prepare_seconds"]}
@@ -485,10 +487,11 @@ def check(args: argparse.Namespace) -> None:
         model, tok = load_base(args.model, args.smoke, device)
         # a model folder an earlier call trained on this index: training continues from it (a warm start)
         init = args.model if args.model and Path(args.model).is_dir() else None
-        model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
+        model, tok, trained = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
                                              init_model=init, model=model, tokenizer=tok, device=device, progress=False,
                                              query_gen=query_gen,
                                              exclude_queries=[*data["qrels"], *data["valid"]])
+        summary = trained.to_dict()  # the result files' JSON; int4_compress reads its qat and sparsity
     results["train"] = {"dense-text": summary["train"] | {"data": summary["data"],
                                                           "wall_s": round(time.perf_counter() - t0, 1)}}
     results["query_source"] = args.query_source
@@ -502,7 +505,9 @@ def check(args: argparse.Namespace) -> None:
         import adbatch_baseline_decoding as old
 
     def ranker(mod: Any, m: Any, verify: str, batch: int) -> Any:
-        tcfg = mod.TargetSearchConfig(num_beams=args.beams, top_k=10, verify=verify, batch_size=batch)
+        # the baseline engine still takes its batch size as a config field; ours searches each rank() batch whole
+        sized = {"batch_size": batch} if "batch_size" in inspect.signature(mod.TargetSearchConfig).parameters else {}
+        tcfg = mod.TargetSearchConfig(num_beams=args.beams, top_k=10, verify=verify, **sized)
 
         def rank(qs: list[str]) -> list[list[Any]]:
             prompts = encode_targeting_prompts(tok, qs)  # one batched call, the same ids
@@ -664,13 +669,14 @@ def sweep(args: argparse.Namespace) -> None:
         valid = data["valid"]
         if c.get("valid") == "titles":  # how much of the index the model knows: title -> its own ad
             valid = title_qrels(index.ad_ids, data["ad_texts"], c.get("valid_ads", 100))
-        m, t, summary = train_on_index(index, None, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
+        m, t, trained = train_on_index(index, None, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
                                        valid_qrels=valid or None, model=m, tokenizer=t, device=device,
                                        init_model=c.get("init"),
                                        progress=False, query_gen=bench_query_gen(args.smoke),
                                        # one file per catalogue: keyed by its inputs, so configs share it
                                        query_cache=out / f"generated_queries_{cat}.parquet",
                                        exclude_queries=[*data["qrels"], *data["valid"]])
+        summary = trained.to_dict()  # the result files' JSON; int4_compress reads its qat and sparsity
         tr = summary["train"]
         results["curves"][name] = {"losses": summary["losses"], "density": summary["density"],
                                    "evals": tr.get("evals", [])}

@@ -4,10 +4,17 @@ Run it with ``python jobs/nightly_refresh.py --config examples/refresh.toml`` (i
 ``ray job submit -- python jobs/nightly_refresh.py --config ...`` (joins the cluster through
 ``RAY_ADDRESS``), or as ``adbatch refresh --config ...``.
 
+Each stage is a module of ``pipelines/`` exposing a :class:`pipelines.stage.StageContract`: its job
+config, ``inputs(config)`` (what invalidates its output: files by content, format / prompt / id
+versions), its output manifest and ``run``. A stage's section here holds ``enabled`` (where a stage can
+be off), its job config under ``config`` and the refresh's own choices for it (which model serves,
+stable ids, warm start); the refresh fills in the job config's ``wired`` fields (the output folder and
+the paths of upstream outputs, e.g. the compress job's ``model`` is the train stage's folder) and
+refuses a section that sets them. Adding a stage: a module with its contract, and its line below.
+
 Every stage writes into ``<work>/<stage>`` and, when it succeeds, a stamp ``<work>/_refresh/<stage>.json``
-holding the hash of its config, the hashes of its inputs (the upstream stages' manifests, the ad
-corpus, the request files, the base model) and the hash of its own output manifest. On the next run
-a stage is skipped when all three still match: its inputs and config are unchanged since its last
+holding the hash of its job config, its ``inputs`` and the hash of its own output manifest. On the next
+run a stage is skipped when all three still match: its inputs and config are unchanged since its last
 successful output, and that output is still there untouched. A changed stage changes its manifest,
 so everything downstream of it runs again.
 """
@@ -26,19 +33,23 @@ from typing import Any, Callable
 if __package__ in (None, ""):  # run as a script (``python jobs/nightly_refresh.py`` / ray job submit)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adbatch.artifacts import (ArtifactKind, claim_output, sha256_file, sha256_json, sha256_paths, verify_outputs,
-                               write_json_atomic)
-from adbatch.index.clustering import require_updatable
+import pipelines.compress as compress_stage
+import pipelines.evaluate as eval_stage
+import pipelines.generate as generate_stage
+import pipelines.index as index_stage
+import pipelines.train as train_stage
+from adbatch.artifacts import ArtifactKind, claim_output, sha256_file, sha256_json, verify_outputs, write_json_atomic
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.compress import CalibrationConfig, CompressConfig
-from adbatch.decoding import CreativeConfig, TargetSearchConfig
-from adbatch.index.build import IndexConfig
-from adbatch.training import TrainConfig
+from adbatch.index.clustering import require_updatable
+from adbatch.serving.requests import GenerateTask
 from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape
 from adbatch.training.warm_start import WarmStartConfig
+from pipelines.compress import CompressJobConfig
 from pipelines.evaluate import EvalJobConfig
-from pipelines.generate import Executor
-from adbatch.serving.requests import GenerateTask, RequestValidationConfig, list_request_files
+from pipelines.generate import GenerateJobConfig
+from pipelines.index import IndexJobConfig
+from pipelines.stage import StageContract
+from pipelines.train import TrainJobConfig
 
 log = logging.getLogger("adbatch.refresh")
 
@@ -80,25 +91,24 @@ class CreativesModel(str, enum.Enum):
 
 @dataclasses.dataclass
 class IndexStage(ConfigBase):
-    ads: Path = dataclasses.field(default=Path("examples/slogan_ads.parquet"),
-                                  metadata={"help": "ad corpus Parquet"})
-    config: IndexConfig = dataclasses.field(default_factory=IndexConfig)
+    config: IndexJobConfig = dataclasses.field(
+        default_factory=lambda: IndexJobConfig(ads=Path("examples/slogan_ads.parquet")), metadata={
+            "help": "the index job (its out, previous, num_cpus and progress are the refresh's)"})
     stable_ids: bool = dataclasses.field(default=True, metadata={
         "help": "ads already in the last run's index keep their codes; new ads join the nearest clusters"})
 
     def validate(self) -> None:
+        index_stage.STAGE.check_unwired(self.config, "index.config")
         if self.stable_ids:  # refused here, before any stage runs, not on the index stage's first night
-            require_updatable(self.config.cluster)
+            require_updatable(self.config.index.cluster)
 
 
 @dataclasses.dataclass
 class TrainStage(ConfigBase):
     enabled: bool = dataclasses.field(default=True, metadata={"help": "train the index into the model"})
-    queries: Path | None = dataclasses.field(
-        default=None, metadata={"help": "labelled (query, ad_id) Parquet; None = indexing examples only"})
-    config: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    config: TrainJobConfig = dataclasses.field(default_factory=TrainJobConfig, metadata={
+        "help": "the train job (its index, out, init_model, ads, creatives and creative_pairs are the refresh's)"})
     warm_start: WarmStartConfig = dataclasses.field(default_factory=WarmStartConfig)
-    num_workers: int = dataclasses.field(default=1, metadata={"help": "Ray Train workers"})
     creatives: CreativeTuneConfig = dataclasses.field(default_factory=CreativeTuneConfig, metadata={
         "help": "creative fine-tune on the corpus's own headlines (stage train_creatives for shape separate; "
                 "mixed into this stage's training for shape shared)"})
@@ -106,30 +116,23 @@ class TrainStage(ConfigBase):
         "help": "never train on the ads generate.creatives_requests asks headlines for"})
 
     def validate(self) -> None:
+        train_stage.STAGE.check_unwired(self.config, "train.config")
         # checked when the file is read, not when the stage's job is built after the earlier stages ran
         if self.creatives.enabled and self.creatives.shape is CreativeTuneShape.SHARED and not self.enabled:
             raise ConfigError("train.creatives.shape = shared mixes the headline pairs into the targeting training: "
                               "it needs train.enabled (or shape = separate)")
-        if self.num_workers < 1:
-            raise ConfigError(f"TrainStage.num_workers must be >= 1, got {self.num_workers}")
 
 
 @dataclasses.dataclass
 class CompressStage(ConfigBase):
     enabled: bool = dataclasses.field(default=True, metadata={"help": "compress the model"})
-    calib: Path | None = dataclasses.field(default=None, metadata={
-        "help": "calibration texts; None = this refresh's ads and (labelled, else pseudo) queries as the "
-                "served model reads them (targeting prompt + the ad's target)"})
-    compress: CompressConfig = dataclasses.field(default_factory=CompressConfig)
-    calibration: CalibrationConfig = dataclasses.field(default_factory=CalibrationConfig)
-    eval_texts: int = dataclasses.field(default=16, metadata={"help": "held-out texts for perplexity"})
-    eval_seq_len: int = dataclasses.field(default=128, metadata={"help": "tokens per perplexity block"})
+    # calib None: this refresh's ads and (labelled, else pseudo) queries as the served model reads them
+    config: CompressJobConfig = dataclasses.field(
+        default_factory=lambda: CompressJobConfig(eval_texts=16, eval_seq_len=128), metadata={
+            "help": "the compress job (its model, out, index, ads and queries are the refresh's)"})
 
     def validate(self) -> None:
-        if self.eval_texts < 1:
-            raise ConfigError(f"CompressStage.eval_texts must be >= 1, got {self.eval_texts}")
-        if self.eval_seq_len < 2:
-            raise ConfigError(f"CompressStage.eval_seq_len must be >= 2, got {self.eval_seq_len}")
+        compress_stage.STAGE.check_unwired(self.config, "compress.config")
 
 
 @dataclasses.dataclass
@@ -146,8 +149,6 @@ class GenerateStage(ConfigBase):
     use: GenerateWith = dataclasses.field(default=GenerateWith.COMPRESSED, metadata={
         "help": "dense | compressed: which model serves targets (compressed pays off where the packed "
                 "kernels beat dense matmuls: large models, small batches)"})
-    targets: TargetSearchConfig = dataclasses.field(default_factory=TargetSearchConfig)
-    creatives: CreativeConfig = dataclasses.field(default_factory=CreativeConfig)
     creatives_model: CreativesModel = dataclasses.field(
         default=CreativesModel.BASE, metadata={"help": "base | served | tuned: which model writes creatives"})
     # dense by default: on the default model the engine runs dense matmuls at the creative buckets either way
@@ -157,23 +158,22 @@ class GenerateStage(ConfigBase):
         "help": "dense | compressed: how the separate creative model (creatives_model = tuned) is served; "
                 "compressed fine-tunes it with QAT from step 0 and compresses it (stage compress_creatives) "
                 "with the compress stage's settings"})
-    validation: RequestValidationConfig = dataclasses.field(default_factory=RequestValidationConfig)
-    concurrency: int = dataclasses.field(default=1, metadata={"help": "generation actors"})
-    batch_size: int | None = dataclasses.field(
-        default=None, metadata={"help": "requests per model call (default by device, see adbatch generate)"})
-    partition_size: int = dataclasses.field(default=64, metadata={"help": "requests per output partition"})
-    executor: Executor = dataclasses.field(default=Executor.RAY, metadata={"help": "ray | local"})
+    config: GenerateJobConfig = dataclasses.field(
+        default_factory=lambda: GenerateJobConfig(partition_size=64), metadata={
+            "help": "both tasks' generate job (task, requests, index, model, compressed and out are the refresh's)"})
 
     def validate(self) -> None:
-        for name in ("concurrency", "batch_size", "partition_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"GenerateStage.{name} must be >= 1, got {getattr(self, name)}")
+        generate_stage.STAGE.check_unwired(self.config, "generate.config")
 
 
 @dataclasses.dataclass
 class EvalStage(ConfigBase):
     enabled: bool = dataclasses.field(default=True, metadata={"help": "write the evaluation report"})
-    config: EvalJobConfig = dataclasses.field(default_factory=EvalJobConfig)
+    config: EvalJobConfig = dataclasses.field(default_factory=EvalJobConfig, metadata={
+        "help": "the eval job (its out is the refresh's; models left unset are the refresh's)"})
+
+    def validate(self) -> None:
+        eval_stage.STAGE.check_unwired(self.config, "eval.config")
 
 
 @dataclasses.dataclass
@@ -240,10 +240,13 @@ class _Runner:
     def stamp_file(self, stage: Stage) -> Path:
         return self.work / STAMP_DIR / f"{stage.value}.json"
 
-    def run(self, stage: Stage, job_config: ConfigBase, inputs: dict[str, str], output: Path,
-            fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Run ``fn`` unless the stamp says the same config + inputs produced ``output``."""
-        config_hash = sha256_json(_portable(job_config.to_dict()))
+    def run(self, stage: Stage, contract: StageContract, job: ConfigBase,
+            run: Callable[[], dict[str, Any]] | None = None, inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run ``job`` (``run``, default ``contract.run(job)``) unless the stamp says the same config and
+        inputs (``contract.inputs(job)`` unless given) produced the output manifest that is there now."""
+        config_hash = sha256_json(_portable(job.to_dict()))
+        inputs = contract.inputs(job) if inputs is None else inputs
+        output = contract.manifest_file(job)
         stamp = _read(self.stamp_file(stage))
         forced = stage.value in self.config.force or "all" in self.config.force
         current_out = sha256_file(output) if output.is_file() and _outputs_intact(output) else None
@@ -257,7 +260,7 @@ class _Runner:
         log.info("stage %s: running (%s)", stage.value,
                  "forced" if forced else "no stamp" if not stamp else "inputs or config changed")
         t0 = time.perf_counter()
-        result = fn()
+        result = run() if run is not None else contract.run(job)
         seconds = time.perf_counter() - t0
         if not output.is_file():
             raise RuntimeError(f"stage {stage.value} finished without writing {output}")
@@ -270,28 +273,12 @@ class _Runner:
         return result
 
 
-def _train_warm_or_cold(job: Any, warm: WarmStartConfig, previous_index: Any, same_base_model: bool) -> dict[str, Any]:
-    """Run the train stage from last night's model in ``job.out`` when :func:`plan_warm_start` allows
-    (the model folder is replaced atomically at the end, so a crash keeps last night's model)."""
-    from adbatch.training.checkpoint import recover_interrupted_save
-    from adbatch.training.warm_start import IndexSnapshot, plan_warm_start
-    from pipelines.train import run_train
-
-    recover_interrupted_save(job.out)  # last night's model back in place if a save was cut short
-    plan = plan_warm_start(job.out, previous_index, IndexSnapshot.read(job.index), job.train.epochs, warm,
-                           same_base_model=same_base_model)
-    log.info("train: %s start (%s), %g epochs", "warm" if plan.init_model else "cold", plan.reason, plan.epochs)
-    if plan.init_model is not None:
-        job = job.replace(init_model=plan.init_model, train=job.train.replace(epochs=plan.epochs))
-    return {**run_train(job), "warm_start": plan.to_dict()}
-
-
 def _creative_pairs(config: RefreshConfig, ads: Path, req_files: dict[GenerateTask, list[Path]],
                     work: Path) -> tuple[Path, str]:
     """The creative fine-tune's (fields -> headline) pairs from the ad corpus, written to
     ``<work>/creative_pairs.parquet``: never the ads the creatives requests ask for
     (``train.creatives_hold_out_requested``) nor a row of the creatives evaluation file (by description
-    or headline). Returns the file and the pairs' content hash (the fine-tune's input key)."""
+    or headline). Returns the file and the pairs' content hash."""
     import pyarrow.parquet as pq
 
     from adbatch.training.creatives import read_headline_pairs, write_headline_pairs
@@ -336,41 +323,14 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _model_hash(model: str | None) -> str:
-    from adbatch.serving.generators import ModelSpec
-
-    return ModelSpec(model=model).identity()["sha256"]
-
-
-def _folder_hash(path: Path | str | None, kind: str) -> str | None:
-    """Content hash of a configured model / checkpoint / index folder (None when not configured)."""
-    if path is None:
-        return None
-    if kind == "model":
-        try:
-            return _model_hash(str(path))
-        except (OSError, ValueError) as e:  # not resolvable here: the eval stage will say why
-            return f"unresolved: {e}"
-    manifest = _abs(path) / "manifest.json"
-    return sha256_file(manifest) if manifest.is_file() else "absent"
-
-
-def _eval_inputs(job: Any) -> dict[str, Any]:
-    """What the eval stage reads beyond its (stamped) config: the evaluation data files and every model,
-    checkpoint and index the user's eval config names (``job`` = ``eval.config`` before the refresh
-    fills in its own models, which the stage's other inputs already identify). Their paths are in the
-    config, their contents are not: a re-trained override model or an updated test file re-runs the stage."""
+def _eval_paths_absolute(job: EvalJobConfig) -> EvalJobConfig:
+    """The eval job's user-given data files and folders, made absolute the way :func:`_abs` does."""
     t, c = job.targeting, job.creatives
-    data = {}
-    for name, path in (("home_depot_csv", t.home_depot.csv_path), ("slogans_csv", c.csv)):
-        f = _abs(path)
-        data[name] = sha256_file(f) if f.is_file() else "absent"
-    folders = {"model": _folder_hash(job.model, "model"), "compressed": _folder_hash(job.compressed, "dir"),
-               "targeting.model": _folder_hash(t.model, "model"), "targeting.compressed": _folder_hash(t.compressed, "dir"),
-               "targeting.index": _folder_hash(t.index, "dir"), "targeting.extra_index": _folder_hash(t.extra_index, "dir"),
-               "targeting.extra_model": _folder_hash(t.extra_model, "model"),
-               "creatives.model": _folder_hash(c.model, "model"), "creatives.compressed": _folder_hash(c.compressed, "dir")}
-    return {"data": data, "folders": {k: v for k, v in folders.items() if v is not None}}
+    return job.replace(
+        model=job.model, compressed=_abs(job.compressed),
+        targeting=t.replace(home_depot=t.home_depot.replace(csv_path=_abs(t.home_depot.csv_path)),
+                            compressed=_abs(t.compressed), index=_abs(t.index), extra_index=_abs(t.extra_index)),
+        creatives=c.replace(csv=_abs(c.csv), compressed=_abs(c.compressed)))
 
 
 def run_refresh(config: RefreshConfig) -> dict[str, Any]:
@@ -379,9 +339,9 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     # fail on unusable inputs before Ray starts and before any stage spends time
-    ads = _abs(config.index.ads)
+    ads = _abs(config.index.config.ads)
     if not ads.exists():
-        raise FileNotFoundError(f"RefreshConfig.index.ads: {config.index.ads} not found")
+        raise FileNotFoundError(f"RefreshConfig.index.config.ads: {config.index.config.ads} not found")
     gen = config.generate
     req_files = {}
     for task, path in ((GenerateTask.TARGETS, gen.targets_requests), (GenerateTask.CREATIVES, gen.creatives_requests)):
@@ -396,143 +356,85 @@ def run_refresh(config: RefreshConfig) -> dict[str, Any]:
 
 
 def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path]], t_start: float) -> dict[str, Any]:
-    """The part of :func:`run_refresh` that runs the stages: under the work folder's claim."""
+    """The part of :func:`run_refresh` that runs the stages: under the work folder's claim. Each stage's
+    job is its section's job config with the wired paths filled in (``StageContract.wired``)."""
+    from adbatch.training.warm_start import IndexSnapshot
+
     runner = _Runner(config)
     work = runner.work
     gen = config.generate
 
     # --- index
-    from pipelines.index import IndexJobConfig, run_index
-
-    ads = _abs(config.index.ads)
+    ads = _abs(config.index.config.ads)
     index_dir = work / "index"
     # the index last night's model learned, read before the index stage replaces it (warm start)
-    from adbatch.training.warm_start import IndexSnapshot
-
     previous_index = IndexSnapshot.of(index_dir) if config.train.enabled else None
-    index_job = IndexJobConfig(ads=str(ads), out=str(index_dir), index=config.index.config,
-                               num_cpus=config.num_cpus, progress=False,
-                               previous=str(index_dir) if config.index.stable_ids else None)
-    from adbatch.index.ids import ID_RENDER_VERSION
-
-    # a new id rendering rebuilds the index (and so everything trained on it) even when nothing else changed
-    runner.run(Stage.INDEX, index_job, {"ads": sha256_paths(list_request_files(ads)),
-                                        "id_render_version": str(ID_RENDER_VERSION)},
-               index_dir / "manifest.json", lambda: run_index(index_job))
-    index_in = sha256_file(index_dir / "manifest.json")
+    index_job = config.index.config.replace(ads=ads, out=str(index_dir), num_cpus=config.num_cpus, progress=False,
+                                            previous=str(index_dir) if config.index.stable_ids else None)
+    runner.run(Stage.INDEX, index_stage.STAGE, index_job)
 
     # --- headline pairs of the creative fine-tune (both shapes): chosen here, once, as a file the stages read
     tune = config.train.creatives
-    pairs_file, pairs_hash = None, None
+    pairs_file = None
     if tune.enabled:
-        pairs_file, pairs_hash = _creative_pairs(config, ads, req_files, work)
+        pairs_file, _ = _creative_pairs(config, ads, req_files, work)
     shared = tune.enabled and tune.shape is CreativeTuneShape.SHARED
 
     # --- train
-    base_hash = _model_hash(config.model)
     model_dir: str | None = config.model
-    model_in = base_hash
     if config.train.enabled:
-        from pipelines.train import TrainJobConfig
-
-        model_out = work / "model"
-        train_job = TrainJobConfig(index=index_dir, out=model_out, init_model=config.model,
-                                   train=config.train.config, ads=ads,
-                                   queries=_abs(config.train.queries), num_workers=config.train.num_workers,
-                                   num_cpus=config.num_cpus,
-                                   creatives=tune if shared else CreativeTuneConfig(),
-                                   creative_pairs=pairs_file if shared else None)
-        from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
-
-        # a new prompt rendering invalidates the trained model even when nothing else changed
-        inputs = {"index": index_in, "base_model": base_hash, "targeting_prompt_version": str(TARGETING_PROMPT_VERSION)}
-        if shared:  # the headline pairs by content, and the tuned creative prompt's rendering
-            from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION
-
-            inputs.update({"creative_pairs": pairs_hash, "creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)})
-        if train_job.queries:
-            inputs["queries"] = sha256_file(train_job.queries)
+        tjob = config.train.config
+        train_job = tjob.replace(index=index_dir, out=work / "model", init_model=config.model, ads=ads,
+                                 queries=_abs(tjob.queries), valid_queries=_abs(tjob.valid_queries),
+                                 num_cpus=config.num_cpus, creatives=tune if shared else CreativeTuneConfig(),
+                                 creative_pairs=pairs_file if shared else None)
         # the stamp hashes the configured job; a warm start (decided only when the stage runs) changes
         # the starting model and epochs, not whether the stage is up to date
-        previous_stamp = _read(runner.stamp_file(Stage.TRAIN)) or {}
-        runner.run(Stage.TRAIN, train_job, inputs, model_out / "adbatch_training.json",
-                   lambda: _train_warm_or_cold(train_job, config.train.warm_start, previous_index,
-                                               (previous_stamp.get("inputs") or {}).get("base_model") == base_hash))
-        model_dir = str(model_out)
-        model_in = sha256_file(model_out / "adbatch_training.json")
+        inputs = train_stage.STAGE.inputs(train_job)
+        previous = (_read(runner.stamp_file(Stage.TRAIN)) or {}).get("inputs") or {}
+        runner.run(Stage.TRAIN, train_stage.STAGE, train_job, inputs=inputs,
+                   run=lambda: train_stage.run_train_warm(train_job, config.train.warm_start, previous_index,
+                                                          previous.get("init_model") == inputs["init_model"]))
+        model_dir = str(train_job.out)
 
-    # --- train_creatives: the separate creative model (base model + headline pairs), retrained only when
-    # the pairs, the base model, its config or the tuned prompt's rendering change
+    # --- train_creatives: the separate creative model (base model + headline pairs)
     creative_dir: Path | None = None
-    creative_in: str | None = None
     if tune.enabled and not shared:
-        from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION
-        from pipelines.train import CreativeTrainJobConfig, run_train_creatives
-
-        creative_dir = work / "creative_model"
         ctune = tune
         if gen.creatives_use is GenerateWith.COMPRESSED and not tune.train.qat.enabled:
             # served compressed: QAT over the fine-tune (its own start, 0 by default) is what keeps the INT4 copy
             # within 5 % of dense (RESULTS.md: -1.3 % with it, -7.5 % with QAT on the last 20 % only)
             ctune = tune.replace(train=tune.train.replace(qat=tune.train.qat.replace(enabled=True)))
-        cjob = CreativeTrainJobConfig(out=creative_dir, pairs=pairs_file, init_model=config.model, creatives=ctune,
-                                      num_workers=1, num_cpus=config.num_cpus)
-        inputs = {"creative_pairs": pairs_hash, "base_model": base_hash,
-                  "creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)}
-        runner.run(Stage.TRAIN_CREATIVES, cjob, inputs, creative_dir / "adbatch_training.json",
-                   lambda: run_train_creatives(cjob))
-        creative_in = sha256_file(creative_dir / "adbatch_training.json")
+        creative_dir = work / "creative_model"
+        cjob = train_stage.CreativeTrainJobConfig(out=creative_dir, pairs=pairs_file, init_model=config.model,
+                                                  creatives=ctune, num_workers=1, num_cpus=config.num_cpus)
+        runner.run(Stage.TRAIN_CREATIVES, train_stage.CREATIVES_STAGE, cjob)
 
     # --- compress
     compressed_dir: Path | None = None
     creative_compressed: Path | None = None
     if config.compress.enabled:
-        from pipelines.compress import CompressJobConfig, run_compress
-
         compressed_dir = work / "compressed"
-        calib = _abs(config.compress.calib)
+        calib = _abs(config.compress.config.calib)
         # without a calibration file: calibrate on what the served model reads -- this refresh's ads (the
         # texts its index was built from) and its labelled queries (else span pseudo-queries) rendered as
         # the targeting prompt + the ad's target
         served = calib is None
-        comp_job = CompressJobConfig(model=model_dir, calib=calib, out=compressed_dir,
-                                     index=index_dir if served else None, ads=ads if served else None,
-                                     queries=_abs(config.train.queries) if served else None,
-                                     compress=config.compress.compress,
-                                     calibration=config.compress.calibration,
-                                     eval_texts=config.compress.eval_texts,
-                                     eval_seq_len=config.compress.eval_seq_len, num_cpus=config.num_cpus)
-        # the packed byte layout's version is an input: a checkpoint of an older layout is rebuilt
-        # rather than skipped and then refused by the loader
-        from kernels.nm_int4 import FORMAT_VERSION
-
-        inputs = {"model": model_in, "packed_format_version": str(FORMAT_VERSION)}
-        if comp_job.calib:
-            inputs["calib"] = sha256_file(comp_job.calib)
-        else:  # the calibration source by content: the index (its manifest hashes the ads) and the queries
-            inputs["calibration_index"] = index_in
-            if comp_job.queries:
-                inputs["calibration_queries"] = sha256_file(comp_job.queries)
-        runner.run(Stage.COMPRESS, comp_job, inputs, compressed_dir / "manifest.json",
-                   lambda: run_compress(comp_job))
+        comp_job = config.compress.config.replace(
+            model=model_dir, calib=calib, out=compressed_dir, index=index_dir if served else None,
+            ads=ads if served else None, queries=_abs(config.train.config.queries) if served else None,
+            num_cpus=config.num_cpus)
+        runner.run(Stage.COMPRESS, compress_stage.STAGE, comp_job)
         # the separate creative model, compressed with the same settings (a QAT-trained model is quantized on
         # the grid its record names); calibration on the compress stage's default texts
         if creative_dir is not None and gen.creatives_use is GenerateWith.COMPRESSED:
             creative_compressed = work / "creative_compressed"
-            ccomp_job = comp_job.replace(model=str(creative_dir), out=creative_compressed, calib=calib,
-                                         index=None, ads=None, queries=None)
-            inputs = {"model": creative_in, "packed_format_version": str(FORMAT_VERSION)}
-            if calib:
-                inputs["calib"] = sha256_file(calib)
-            runner.run(Stage.COMPRESS_CREATIVES, ccomp_job, inputs, creative_compressed / "manifest.json",
-                       lambda: run_compress(ccomp_job))
-            creative_in = sha256_file(creative_compressed / "manifest.json")
+            ccomp_job = comp_job.replace(model=str(creative_dir), out=creative_compressed, index=None, ads=None,
+                                         queries=None)
+            runner.run(Stage.COMPRESS_CREATIVES, compress_stage.STAGE, ccomp_job)
     use_compressed = compressed_dir is not None and gen.use is GenerateWith.COMPRESSED
-    serve_in = sha256_file(compressed_dir / "manifest.json") if use_compressed else model_in
 
     # --- generate
-    from pipelines.generate import GenerateJobConfig, run_generate
-
     outputs: dict[str, str] = {}
     gen_results: dict[str, Any] = {}
     # the creatives are written by a model that learned the tuned creative prompt
@@ -546,34 +448,22 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
         creatives = task is GenerateTask.CREATIVES
         from_base = creatives and gen.creatives_model is CreativesModel.BASE
         from_creative = creatives and gen.creatives_model is CreativesModel.TUNED and creative_dir is not None
-        job = GenerateJobConfig(
+        job = gen.config.replace(
             task=task, requests=_abs(path), index=index_dir, out=out,
             model=(config.model if from_base
                    else (None if creative_compressed else str(creative_dir)) if from_creative
                    else (None if use_compressed else model_dir)),
             compressed=(creative_compressed if from_creative
                         else compressed_dir if (use_compressed and not from_base) else None),
-            targets=gen.targets, creatives=gen.creatives, validation=gen.validation,
-            concurrency=gen.concurrency, batch_size=gen.batch_size, partition_size=gen.partition_size,
-            executor=gen.executor, num_cpus=config.num_cpus, overwrite=True, progress=False)
-        inputs = {"requests": sha256_paths(req_files[task]),
-                  "model": base_hash if from_base else creative_in if from_creative else serve_in, "index": index_in}
-        if task is GenerateTask.CREATIVES:  # a new creative prompt rendering rewrites the headlines
-            from adbatch.serving.prompts import CREATIVE_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
-
-            inputs["creative_prompt_version"] = (f"tuned{TUNED_CREATIVE_PROMPT_VERSION}" if tuned_prompt
-                                                 else str(CREATIVE_PROMPT_VERSION))
-        gen_results[task.value] = runner.run(stage, job, inputs, out / "manifest.json",
-                                             lambda job=job: run_generate(job))
+            num_cpus=config.num_cpus, overwrite=True, progress=False)
+        gen_results[task.value] = runner.run(stage, generate_stage.STAGE, job)
         outputs[task.value] = str(out / task.value)
 
     # --- eval
     report = None
     if config.eval.enabled:
-        from pipelines.evaluate import run_eval
-
         eval_dir = work / "eval"
-        base = config.eval.config
+        base = _eval_paths_absolute(config.eval.config)
         # targeting on Home Depot needs a model that has not learned another index: the base model;
         # creatives compare the served model dense (trained) vs compressed
         eval_job = base.replace(
@@ -587,12 +477,7 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
                                                                   or compressed_dir),
                 creatives=base.creatives.replace(model=base.creatives.model or str(creative_dir),
                                                  compressed=base.creatives.compressed or creative_compressed))
-        inputs = {"model": base_hash, "served_model": model_in, "read": _eval_inputs(base)}
-        if creative_in is not None:
-            inputs["creative_model"] = creative_in
-        if compressed_dir is not None:
-            inputs["compressed"] = sha256_file(compressed_dir / "manifest.json")
-        runner.run(Stage.EVAL, eval_job, inputs, eval_dir / "manifest.json", lambda: run_eval(eval_job))
+        runner.run(Stage.EVAL, eval_stage.STAGE, eval_job)
         report = str(eval_dir / "report.md")
 
     summary = runner.summary

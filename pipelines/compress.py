@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from adbatch.artifacts import ArtifactKind
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.compress.recipe import CalibrationConfig, CompressConfig
+from pipelines.stage import StageContract
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompressJobConfig", "RayLayerExecutor", "run_compress"]
+__all__ = ["CompressJobConfig", "RayLayerExecutor", "run_compress", "compress_inputs", "STAGE"]
 
 
 @dataclasses.dataclass
@@ -173,15 +175,16 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
     from adbatch.training.checkpoint import model_binding, read_training_record
 
     record = read_training_record(src)
-    # a model trained with QAT is quantized on the grid it trained on (uniform groups of its size),
-    # unless the config asks otherwise (rule: adbatch.compress.recipe.follow_training_qat)
+    # the one compress config of this run (calibration, ablations, the checkpoint): a model trained with QAT
+    # is quantized on the grid it trained on (uniform groups of its size), unless the config asks otherwise
+    # (rule: adbatch.compress.recipe.follow_training_qat)
     compress_cfg, qat_note = follow_training_qat(config.compress, record)
     if qat_note:
         log.info("%s", qat_note)
     with timer.phase("calibrate"):
         if texts is None:
             texts = _served_texts(config, tok, calib_cfg)
-        stats = calibrate(model, token_blocks(tok, texts, calib_cfg.seq_len), calib_cfg, config.compress.skip_modules)
+        stats = calibrate(model, token_blocks(tok, texts, calib_cfg.seq_len), calib_cfg, compress_cfg.skip_modules)
     # held-out ads come from the other end of the same seeded permutation: disjoint from calibration
     _, held = example_corpus_split(calib_cfg.num_texts, config.eval_texts, calib_cfg.seed)
     sets = EvalSets.build(tok, held, config.eval_seq_len)
@@ -190,7 +193,7 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
     ablations = None
     if config.ablations:
         with timer.phase("ablations"):
-            ablations = run_ablations(model, stats, sets, config.compress, executor)
+            ablations = run_ablations(model, stats, sets, compress_cfg, executor)
     with timer.phase("compress"):
         masks = None
         if config.keep_training_masks:
@@ -248,3 +251,28 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
     if ablations is not None:
         result["ablations"] = ablations
     return result
+
+
+def compress_inputs(config: CompressJobConfig) -> dict[str, Any]:
+    """What invalidates a compressed checkpoint beyond its config: the model, the calibration source by
+    content (the file; or the index, whose manifest hashes its ads, and the queries; or the bundled
+    example corpus) and the packed byte layout's version (a checkpoint of an older layout is rebuilt
+    rather than skipped and then refused by the loader)."""
+    from kernels.nm_int4 import FORMAT_VERSION
+    from pipelines.stage import file_hash, folder_hash, model_input_hash
+
+    inputs = {"model": model_input_hash(config.model), "packed_format_version": str(FORMAT_VERSION)}
+    if config.calib is not None:
+        inputs["calib"] = file_hash(config.calib)
+    elif config.index is not None:
+        inputs["calibration_index"] = folder_hash(config.index)
+        for name in ("queries", "ads"):
+            if getattr(config, name) is not None:
+                inputs[f"calibration_{name}"] = file_hash(getattr(config, name))
+    return inputs
+
+
+#: ``run`` looks the verb up when called, so the refresh runs whatever this module's ``run_compress`` is then
+STAGE = StageContract("compress", CompressJobConfig, ArtifactKind.COMPRESS, inputs=compress_inputs,
+                      run=lambda config: run_compress(config),
+                      wired=("model", "out", "index", "ads", "queries", "num_cpus"))

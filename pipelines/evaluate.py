@@ -31,6 +31,7 @@ from adbatch.config import ConfigBase, ConfigError
 from adbatch.eval.datasets import HomeDepotConfig, QuerySplit
 from adbatch.decoding import CreativeConfig, TargetSearchConfig, VerifyMode
 from adbatch.serving.generators import CreativeGenerator, GenerateConfig, ModelSpec, TargetGenerator
+from pipelines.stage import StageContract
 
 log = logging.getLogger(__name__)
 
@@ -282,3 +283,36 @@ def _eval_into(config: EvalJobConfig, out: Path) -> dict[str, Any]:
     write_json_atomic(out / "manifest.json", manifest)
     return {"report": str(files["report"]), "targeting": results["targeting"].get("rows", results["targeting"]),
             "creatives": results["creatives"].get("rows", results["creatives"]), "timings_s": manifest["timings_s"]}
+
+
+def _model_or_reason(model: str | None) -> str:
+    from pipelines.stage import model_input_hash
+
+    try:
+        return model_input_hash(model)
+    except (OSError, ValueError) as e:  # not resolvable here: the eval stage will say why
+        return f"unresolved: {e}"
+
+
+def eval_inputs(config: EvalJobConfig) -> dict[str, Any]:
+    """What invalidates a report beyond its config: the evaluation data files and every model, checkpoint
+    and index it names (``model`` None = the default model) by content. Their paths are in the config,
+    their contents are not: a re-trained model or an updated test file re-runs the evaluation."""
+    from pipelines.stage import file_hash, folder_hash
+
+    t, c = config.targeting, config.creatives
+    data = {"home_depot_csv": file_hash(t.home_depot.csv_path), "slogans_csv": file_hash(c.csv)}
+    folders = {"model": _model_or_reason(config.model), "compressed": folder_hash(config.compressed),
+               "targeting.compressed": folder_hash(t.compressed), "targeting.index": folder_hash(t.index),
+               "targeting.extra_index": folder_hash(t.extra_index),
+               "creatives.compressed": folder_hash(c.compressed)}
+    for name, model in (("targeting.model", t.model), ("targeting.extra_model", t.extra_model),
+                        ("creatives.model", c.model)):
+        if model is not None:
+            folders[name] = _model_or_reason(model)
+    return {"data": data, "folders": {k: v for k, v in folders.items() if v is not None}}
+
+
+#: ``run`` looks the verb up when called, so the refresh runs whatever this module's ``run_eval`` is then
+STAGE = StageContract("eval", EvalJobConfig, ArtifactKind.EVAL, inputs=eval_inputs,
+                      run=lambda config: run_eval(config), wired=("out",))

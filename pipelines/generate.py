@@ -46,8 +46,9 @@ from adbatch.decoding import CreativeConfig, TargetSearchConfig
 from adbatch.serving.generators import (DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
                                 TargetGenerator, answers_to_output, check_model_index, default_batch_size,
                                 generator_fingerprint)
-from adbatch.serving.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, output_schema,
-                              validate_requests)
+from adbatch.serving.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, list_request_files,
+                                      output_schema, validate_requests)
+from pipelines.stage import StageContract
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,10 @@ class Executor(str, enum.Enum):
 
 @dataclasses.dataclass
 class GenerateJobConfig(ConfigBase):
-    """``adbatch generate``: what to generate, from what, with which model, and where to."""
+    """``adbatch generate``: what to generate, from what, with which model, and where to.
+
+    That ``requests``, ``out`` and (for targets) ``index`` are given is checked when the job runs
+    (:meth:`check_paths`), not here: the refresh fills them in (:data:`STAGE`'s ``wired``)."""
 
     task: GenerateTask = dataclasses.field(
         default=GenerateTask.TARGETS, metadata={"help": "targets (query -> ads) | creatives (ad -> headline)"})
@@ -101,17 +105,12 @@ class GenerateJobConfig(ConfigBase):
     progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
 
     def validate(self) -> None:
-        if self.requests is None:
-            raise ConfigError("GenerateJobConfig.requests: required (request Parquet file or folder)")
-        if self.out is None:
-            raise ConfigError("GenerateJobConfig.out: required (output folder)")
-        req, out = Path(self.requests).resolve(), Path(self.out).resolve()
-        if out == req or req in out.parents:
-            # the requests folder is read recursively: a rerun would read the answers as requests
-            raise ConfigError(f"GenerateJobConfig.out: {self.out} lies inside the requests folder {self.requests}; "
-                              "choose an output folder outside it")
-        if self.task is GenerateTask.TARGETS and self.index is None:
-            raise ConfigError("GenerateJobConfig.index: required for task targets")
+        if self.requests is not None and self.out is not None:
+            req, out = Path(self.requests).resolve(), Path(self.out).resolve()
+            if out == req or req in out.parents:
+                # the requests folder is read recursively: a rerun would read the answers as requests
+                raise ConfigError(f"GenerateJobConfig.out: {self.out} lies inside the requests folder "
+                                  f"{self.requests}; choose an output folder outside it")
         if self.model is not None and self.compressed is not None:
             raise ConfigError("GenerateJobConfig: give --model or --compressed, not both")
         for name in ("concurrency", "batch_size", "partition_size", "max_query_tokens"):
@@ -119,6 +118,15 @@ class GenerateJobConfig(ConfigBase):
                 raise ConfigError(f"GenerateJobConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"GenerateJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
+
+    def check_paths(self) -> None:
+        """The paths a run needs are given."""
+        if self.requests is None:
+            raise ConfigError("GenerateJobConfig.requests: required (request Parquet file or folder)")
+        if self.out is None:
+            raise ConfigError("GenerateJobConfig.out: required (output folder)")
+        if self.task is GenerateTask.TARGETS and self.index is None:
+            raise ConfigError("GenerateJobConfig.index: required for task targets")
 
     # --- derived pieces -------------------------------------------------------------------------
     @property
@@ -134,24 +142,24 @@ class GenerateJobConfig(ConfigBase):
                               max_query_tokens=self.max_query_tokens)
 
 
-def build_generator(task: GenerateTask, spec: ModelSpec, index: str | None, decoding: dict[str, Any],
-                    gen: dict[str, Any]) -> TargetGenerator | CreativeGenerator:
-    """The core generator from plain (serializable) arguments: what an actor receives."""
-    cfg = GenerateConfig.from_dict(gen)
+def build_generator(task: GenerateTask, spec: ModelSpec, index: str | None,
+                    decoding: TargetSearchConfig | CreativeConfig, gen: GenerateConfig
+                    ) -> TargetGenerator | CreativeGenerator:
+    """The core generator of ``task``: what an actor builds (its arguments travel pickled, typed)."""
     if task is GenerateTask.TARGETS:
-        return TargetGenerator(spec, index, TargetSearchConfig.from_dict(decoding), cfg)
-    return CreativeGenerator(spec, CreativeConfig.from_dict(decoding), cfg)
+        return TargetGenerator(spec, index, decoding, gen)
+    return CreativeGenerator(spec, decoding, gen)
 
 
 class GeneratorActor:
     """Ray Data callable class: loads the generator once in ``__init__``; ``__call__`` maps a batch."""
 
-    def __init__(self, task: str, spec: dict[str, Any], index: str | None, decoding: dict[str, Any],
-                 gen: dict[str, Any]) -> None:
+    def __init__(self, task: GenerateTask, spec: ModelSpec, index: str | None,
+                 decoding: TargetSearchConfig | CreativeConfig, gen: GenerateConfig) -> None:
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         t0 = time.perf_counter()
-        log.info("generation actor pid %d: loading the %s generator", os.getpid(), task)
-        self.generator = build_generator(GenerateTask(task), ModelSpec(**spec), index, decoding, gen)
+        log.info("generation actor pid %d: loading the %s generator", os.getpid(), task.value)
+        self.generator = build_generator(task, spec, index, decoding, gen)
         # the job's log reads as a timeline: the driver's "Starting execution" line to this one is the
         # actor's process start and imports, this line's seconds its model / index load
         log.info("generation actor pid %d: generator ready in %.2f s", os.getpid(), time.perf_counter() - t0)
@@ -338,7 +346,7 @@ def _iter_local(config: GenerateJobConfig, layout: Layout, pending: list[int]) -
     from tqdm.auto import tqdm
 
     gen = build_generator(config.task, config.spec, str(config.index) if config.index else None,
-                          config.decoding.to_dict(), config.generate_config().to_dict())
+                          config.decoding, config.generate_config())
     total = sum(pq.read_metadata(layout.work_file(i)).num_rows for i in pending)
     with tqdm(total=total, desc=f"generate {config.task.value}", unit="req",
               disable=not config.progress) as bar:
@@ -395,9 +403,8 @@ def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> 
     ds = ray.data.from_arrow([pq.read_table(layout.work_file(i)) for i in pending])
     ds = ds.map_batches(
         GeneratorActor,
-        fn_constructor_args=(config.task.value, dataclasses.asdict(config.spec),
-                             str(config.index) if config.index else None, config.decoding.to_dict(),
-                             config.generate_config(num_threads=threads).to_dict()),
+        fn_constructor_args=(config.task, config.spec, str(config.index) if config.index else None,
+                             config.decoding, config.generate_config(num_threads=threads)),
         batch_size=config.batch_size or default_batch_size("cuda" if resources.get("num_gpus") else "cpu"),
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=config.concurrency),
@@ -421,6 +428,7 @@ def _latency(batch_seconds: Iterable[float]) -> dict[str, float]:
 
 def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
     """Run (or resume) one generate job; returns the run summary (also in ``out/manifest.json``)."""
+    config.check_paths()
     timer = StageTimer()
     layout = Layout(Path(config.out), config.task)
     t_start = time.perf_counter()
@@ -526,3 +534,28 @@ def _generate_into(config: GenerateJobConfig, layout: Layout, validated: Any, id
     return {"out": str(layout.out), "outputs": str(layout.parts_dir),
             "rejected": str(layout.out / REJECTED_FILE), "counts": counts,
             "throughput": throughput, "timings_s": manifest["timings_s"]}
+
+
+def generate_inputs(config: GenerateJobConfig) -> dict[str, Any]:
+    """What invalidates a generate run beyond its config: the request files and the index by content, the
+    model (a compressed checkpoint by its manifest) and, for creatives, the versions of both creative prompt
+    renderings (the model's config says which one it reads)."""
+    from pipelines.stage import folder_hash, model_input_hash
+
+    inputs = {"requests": sha256_paths(list_request_files(config.requests)),
+              "model": folder_hash(config.compressed) if config.compressed else model_input_hash(config.model)}
+    if config.index is not None:
+        inputs["index"] = folder_hash(config.index)
+    if config.task is GenerateTask.CREATIVES:  # a new creative prompt rendering rewrites the headlines
+        from adbatch.serving.prompts import CREATIVE_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
+
+        inputs.update({"creative_prompt_version": str(CREATIVE_PROMPT_VERSION),
+                       "tuned_creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)})
+    return inputs
+
+
+#: ``run`` looks the verb up when called, so the refresh runs whatever this module's ``run_generate`` is then
+STAGE = StageContract("generate", GenerateJobConfig, ArtifactKind.GENERATE, inputs=generate_inputs,
+                      run=lambda config: run_generate(config),
+                      wired=("task", "requests", "index", "model", "compressed", "out", "num_cpus", "overwrite",
+                             "progress"))

@@ -20,23 +20,26 @@ from typing import Any
 
 import numpy as np
 
-from adbatch.artifacts import ArtifactKind, StageTimer, claim_output
+from adbatch.artifacts import ArtifactKind, StageTimer, claim_output, sha256_paths
 from adbatch.index.clustering import Child, ClusterConfig, ClusterMethod, Hierarchy, HierarchyBuilder, build_codes, split_node
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.index.corpus import CorpusSchemaError, read_corpus
 from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
 from adbatch.index.build import IndexConfig, cluster_stable, stable_start, write_index
 from pipelines.ray_runtime import init_ray
+from pipelines.stage import StageContract
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class IndexJobConfig(ConfigBase):
-    """``adbatch index``: where the corpus is, where the index goes, and how to build it."""
+    """``adbatch index``: where the corpus is, where the index goes, and how to build it.
 
-    ads: str = dataclasses.field(
-        default="", metadata={"help": "ad corpus: a Parquet file, a folder of parts, or a glob"})
+    ``out`` is checked when the job runs, not here: the refresh fills it in (:data:`STAGE`'s ``wired``)."""
+
+    ads: Path | None = dataclasses.field(
+        default=None, metadata={"help": "ad corpus: a Parquet file, a folder of parts, or a glob"})
     out: str = dataclasses.field(default="", metadata={"help": "output directory of the index"})
     index: IndexConfig = dataclasses.field(default_factory=IndexConfig)
     num_cpus: int | None = dataclasses.field(
@@ -46,10 +49,8 @@ class IndexJobConfig(ConfigBase):
         "help": "an earlier index of the same config (may be `out`): its ads keep their codes (stable ids)"})
 
     def validate(self) -> None:
-        if not self.ads:
+        if self.ads is None:
             raise ConfigError("IndexJobConfig.ads: required (the corpus Parquet path or glob)")
-        if not self.out:
-            raise ConfigError("IndexJobConfig.out: required (the output directory)")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError("IndexJobConfig.num_cpus: must be >= 1")
 
@@ -58,10 +59,9 @@ def _remote_split():
     import ray
 
     @ray.remote(num_cpus=1)
-    def split_task(emb: np.ndarray, rows: np.ndarray, path: tuple[int, ...], cfg: dict,
+    def split_task(emb: np.ndarray, rows: np.ndarray, path: tuple[int, ...], cfg: ClusterConfig,
                    width: int) -> list:
-        children, child_embs, fallback = split_node(emb, rows, tuple(path),
-                                                    ClusterConfig.from_dict(cfg))
+        children, child_embs, fallback = split_node(emb, rows, tuple(path), cfg)
         meta = {"children": [(c.path, c.rows) for c in children], "fallback": fallback}
         empty = np.zeros((0, emb.shape[1]), dtype=np.float32)
         return [meta] + child_embs + [empty] * (width - len(child_embs))
@@ -81,14 +81,13 @@ def cluster_on_ray(emb: np.ndarray, config: ClusterConfig, progress: bool = True
     emb = np.ascontiguousarray(emb, dtype=np.float32)
     n = emb.shape[0]
     builder = HierarchyBuilder(n, config)
-    cfg = config.to_dict()
     split_task = _remote_split()
     pending: dict[Any, list] = {}  # meta ref -> child embedding refs
 
     def submit(emb_ref: Any, child: Child) -> None:
         width = min(config.branching, child.rows.shape[0])
         refs = split_task.options(num_returns=1 + width).remote(
-            emb_ref, child.rows, child.path, cfg, width)
+            emb_ref, child.rows, child.path, config, width)
         pending[refs[0]] = refs[1:]
 
     with tqdm(total=n, desc="cluster", unit="ad", disable=not progress) as bar:
@@ -120,8 +119,8 @@ def _embed_actor():
     class EmbedActor:
         """Loads the sentence encoder once; embeds one shard of texts per call."""
 
-        def __init__(self, cfg: dict) -> None:
-            self.cfg = EmbeddingConfig.from_dict(cfg)
+        def __init__(self, cfg: EmbeddingConfig) -> None:
+            self.cfg = cfg
             self.model = load_embedder(self.cfg)
 
         def embed(self, texts: list[str]) -> np.ndarray:
@@ -142,7 +141,7 @@ def embed_on_ray(texts: list[str], config: EmbeddingConfig, num_actors: int,
 
     shards = [texts[i:i + config.shard_size] for i in range(0, len(texts), config.shard_size)]
     actor_cls = _embed_actor()
-    actors = [actor_cls.remote(config.to_dict()) for _ in range(max(1, min(num_actors, len(shards))))]
+    actors = [actor_cls.remote(config) for _ in range(max(1, min(num_actors, len(shards))))]
     pool = ActorPool(actors)
     out: list[np.ndarray] = []
     with tqdm(total=len(texts), desc="embed", unit="ad", disable=not progress) as bar:
@@ -159,6 +158,8 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
     corpus or a misused ``--out`` fails in a second, not after Ray's start-up."""
     import ray
 
+    if not config.out:
+        raise ConfigError("IndexJobConfig.out: required (the output directory)")
     cfg = config.index
     timer = StageTimer()
     with timer.phase("read"):
@@ -192,3 +193,17 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
         "counts": manifest["counts"],
         "timings_s": manifest["timings_s"],
     }
+
+
+def index_inputs(config: IndexJobConfig) -> dict[str, str]:
+    """What invalidates an index beyond its config: the corpus files by content, and the version of the
+    id rendering (a new rendering rebuilds the index, and so everything trained on it)."""
+    from adbatch.index.ids import ID_RENDER_VERSION
+    from adbatch.serving.requests import list_request_files
+
+    return {"ads": sha256_paths(list_request_files(config.ads)), "id_render_version": str(ID_RENDER_VERSION)}
+
+
+#: ``run`` looks ``run_index`` up when called, so the refresh runs whatever this module's verb is then
+STAGE = StageContract("index", IndexJobConfig, ArtifactKind.INDEX, inputs=index_inputs,
+                      run=lambda config: run_index(config), wired=("out", "num_cpus", "progress", "previous"))

@@ -29,14 +29,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from adbatch.artifacts import ArtifactKind
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.training.checkpoint import TRAINING_RECORD
 from adbatch.training.creatives import CreativeTuneConfig, CreativeTuneShape
 from adbatch.training.query_generation import QueryGenConfig
 from adbatch.training.trainer import TrainConfig
+from pipelines.stage import StageContract
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainJobConfig", "run_train", "CreativeTrainJobConfig", "run_train_creatives", "read_labelled_queries",
+__all__ = ["TrainJobConfig", "run_train", "run_train_warm", "train_inputs", "STAGE", "CreativeTrainJobConfig",
+           "run_train_creatives", "train_creatives_inputs", "CREATIVES_STAGE", "read_labelled_queries",
            "read_validation_qrels", "read_ad_texts", "read_creative_pairs"]
 
 
@@ -138,7 +142,7 @@ def read_validation_qrels(path: str | Path) -> dict[str, dict[Any, float]]:
     return qrels
 
 
-def _worker(job_dict: dict[str, Any]) -> None:
+def _worker(loop_config: dict[str, Any]) -> None:
     """Ray Train worker body: load inputs, train on this rank's share, report the summary."""
     import ray.train
     import ray.train.torch
@@ -146,7 +150,7 @@ def _worker(job_dict: dict[str, Any]) -> None:
     from adbatch.index.build import load_index
     from adbatch.training import train_on_index
 
-    job = TrainJobConfig.from_dict(job_dict)
+    job: TrainJobConfig = loop_config["job"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -161,17 +165,7 @@ def _worker(job_dict: dict[str, Any]) -> None:
                                    world_size=world, progress=rank == 0, creative_pairs=pairs,
                                    creative_config=job.creatives if pairs is not None else None,
                                    query_gen=job.query_gen)
-    flat = {f"train_{k}": v for k, v in summary["train"].items() if v is not None}
-    flat.update({"scheme": summary["scheme"], "index_hash": summary["index_hash"],
-                 "examples_indexing": summary["data"].get("indexing", 0),
-                 "examples_retrieval": summary["data"].get("retrieval", 0),
-                 "labelled_not_in_index": summary["data"].get("labelled_not_in_index", 0),
-                 "examples_generated": summary["data"].get("generated_query", 0),
-                 "prepare_seconds": summary["prepare_seconds"]})
-    if "sparsity" in summary:
-        flat["sparsity_density"] = summary["sparsity"]["density"]
-    flat = {k: v for k, v in flat.items() if not isinstance(v, (list, dict))}  # report scalars only
-    ray.train.report(flat)
+    ray.train.report(summary.flat())
 
 
 def run_train(config: TrainJobConfig) -> dict[str, Any]:
@@ -222,7 +216,7 @@ def _train_into(config: TrainJobConfig) -> dict[str, Any]:
                          valid_queries=Path(config.valid_queries).resolve() if config.valid_queries else None,
                          creative_pairs=Path(config.creative_pairs).resolve() if config.creative_pairs else None)
     # Ray Train's run storage is temporary (the model folder is written by rank 0)
-    _fit(_worker, job.to_dict(), config.num_workers, config.use_gpu, config.num_cpus, "adbatch-train")
+    _fit(_worker, job, config.num_workers, config.use_gpu, config.num_cpus, "adbatch-train")
     # rank 0's record in the model folder is the source of truth (Ray's reported metrics are a
     # convenience whose retention differs across Ray Train versions)
     from adbatch.training.checkpoint import read_training_record
@@ -271,13 +265,13 @@ class CreativeTrainJobConfig(ConfigBase):
             raise ConfigError(f"CreativeTrainJobConfig.num_workers must be >= 1, got {self.num_workers}")
 
 
-def _creative_worker(job_dict: dict[str, Any]) -> None:
+def _creative_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
     from adbatch.training.creatives import tune_creatives
 
-    job = CreativeTrainJobConfig.from_dict(job_dict)
+    job: CreativeTrainJobConfig = loop_config["job"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     pairs = read_creative_pairs(job.pairs, job.ads, job.creatives)
@@ -306,7 +300,7 @@ def run_train_creatives(config: CreativeTrainJobConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     with claim_output(job.out, ArtifactKind.TRAIN, mark=False):
         recover_interrupted_save(job.out)
-        _fit(_creative_worker, job.to_dict(), config.num_workers, config.use_gpu, config.num_cpus, "adbatch-creatives")
+        _fit(_creative_worker, job, config.num_workers, config.use_gpu, config.num_cpus, "adbatch-creatives")
         record = read_training_record(job.out)
         if record is None:
             raise RuntimeError(f"creative fine-tune finished but {job.out} has no training record")
@@ -315,6 +309,67 @@ def run_train_creatives(config: CreativeTrainJobConfig) -> dict[str, Any]:
     out.update({"model_dir": str(job.out), "pairs": record["creative"]["pairs"]["pairs"],
                 "wall_seconds": round(time.perf_counter() - t0, 3)})
     return out
+
+
+def run_train_warm(job: TrainJobConfig, warm: Any, previous_index: Any, same_base_model: bool) -> dict[str, Any]:
+    """:func:`run_train` from the model already in ``job.out`` (last night's) when
+    :func:`adbatch.training.warm_start.plan_warm_start` allows, else from ``job.init_model``: the refresh's
+    train stage. ``warm``: a :class:`WarmStartConfig`; ``previous_index``: the ``IndexSnapshot`` that model
+    learned, read before the index stage replaced it (None: none). The model folder is replaced atomically
+    at the end, so a crash keeps last night's model."""
+    from adbatch.training.checkpoint import recover_interrupted_save
+    from adbatch.training.warm_start import IndexSnapshot, plan_warm_start
+
+    recover_interrupted_save(job.out)  # last night's model back in place if a save was cut short
+    plan = plan_warm_start(job.out, previous_index, IndexSnapshot.read(job.index), job.train.epochs, warm,
+                           same_base_model=same_base_model)
+    log.info("train: %s start (%s), %g epochs", "warm" if plan.init_model else "cold", plan.reason, plan.epochs)
+    if plan.init_model is not None:
+        job = job.replace(init_model=plan.init_model, train=job.train.replace(epochs=plan.epochs))
+    return {**run_train(job), "warm_start": plan.to_dict()}
+
+
+def _pairs_hash(pairs: Path | None, ads: Path | None) -> dict[str, str]:
+    """The headline pairs a fine-tune reads, by content: the pairs themselves when given as a file,
+    else the corpus they are read from."""
+    from pipelines.stage import file_hash
+
+    if pairs is not None:
+        from adbatch.training.creatives import load_headline_pairs
+
+        return {"creative_pairs": load_headline_pairs(pairs).content_hash()}
+    return {"creative_pairs_corpus": file_hash(ads)}
+
+
+def train_inputs(config: TrainJobConfig) -> dict[str, Any]:
+    """What invalidates a trained model beyond its config: the index (by its manifest), the starting model,
+    the labelled / validation queries and the corpus by content, the targeting prompt's rendering version
+    (a new rendering retrains) and, with the shared creative shape, the headline pairs and the tuned
+    creative prompt's version."""
+    from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
+    from pipelines.stage import file_hash, folder_hash, model_input_hash
+
+    inputs = {"index": folder_hash(config.index), "init_model": model_input_hash(config.init_model),
+              "targeting_prompt_version": str(TARGETING_PROMPT_VERSION)}
+    for name in ("ads", "queries", "valid_queries"):
+        if getattr(config, name) is not None:
+            inputs[name] = file_hash(getattr(config, name))
+    if config.creatives.enabled:
+        from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION
+
+        inputs.update(_pairs_hash(config.creative_pairs, config.ads))
+        inputs["creative_prompt_version"] = str(TUNED_CREATIVE_PROMPT_VERSION)
+    return inputs
+
+
+def train_creatives_inputs(config: CreativeTrainJobConfig) -> dict[str, Any]:
+    """What invalidates the separate creative model beyond its config: the headline pairs by content, the
+    base model, and the tuned creative prompt's rendering version."""
+    from adbatch.serving.prompts import TUNED_CREATIVE_PROMPT_VERSION
+    from pipelines.stage import model_input_hash
+
+    return {**_pairs_hash(config.pairs, config.ads), "init_model": model_input_hash(config.init_model),
+            "creative_prompt_version": str(TUNED_CREATIVE_PROMPT_VERSION)}
 
 
 def resolve_use_gpu(use_gpu: bool | None, num_workers: int) -> bool:
@@ -327,9 +382,10 @@ def resolve_use_gpu(use_gpu: bool | None, num_workers: int) -> bool:
     return float(ray.cluster_resources().get("GPU", 0)) >= num_workers
 
 
-def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool | None, num_cpus: int | None,
+def _fit(worker: Any, job: ConfigBase, num_workers: int, use_gpu: bool | None, num_cpus: int | None,
          name: str) -> None:
-    """Run ``worker(job_dict)`` on ``num_workers`` Ray Train workers; raise if it failed."""
+    """Run ``worker({"job": job})`` on ``num_workers`` Ray Train workers; raise if it failed. The job config
+    travels typed (pickled) inside Ray Train's loop-config dict."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -339,7 +395,7 @@ def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool 
     use_gpu = resolve_use_gpu(use_gpu, num_workers)
     log.info("%s: %d Ray Train worker(s), %s", name, num_workers, "one GPU each" if use_gpu else "on CPU")
     storage = Path(tempfile.mkdtemp(prefix=f"{name}-"))
-    trainer = TorchTrainer(worker, train_loop_config=job_dict,
+    trainer = TorchTrainer(worker, train_loop_config={"job": job},
                            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
                            run_config=RunConfig(name=name, storage_path=str(storage)))
     try:
@@ -348,3 +404,13 @@ def _fit(worker: Any, job_dict: dict[str, Any], num_workers: int, use_gpu: bool 
         shutil.rmtree(storage, ignore_errors=True)
     if result.error is not None:
         raise RuntimeError(f"training failed: {result.error}") from result.error
+
+
+#: ``run`` looks the verb up when called, so the refresh runs whatever this module's ``run_train`` is then
+STAGE = StageContract("train", TrainJobConfig, ArtifactKind.TRAIN, inputs=train_inputs,
+                      run=lambda config: run_train(config), manifest=TRAINING_RECORD,
+                      wired=("index", "out", "init_model", "ads", "num_cpus", "creatives", "creative_pairs"))
+CREATIVES_STAGE = StageContract("train_creatives", CreativeTrainJobConfig, ArtifactKind.TRAIN,
+                                inputs=train_creatives_inputs, run=lambda config: run_train_creatives(config),
+                                manifest=TRAINING_RECORD,
+                                wired=("out", "ads", "pairs", "init_model", "creatives", "num_workers", "num_cpus"))

@@ -129,7 +129,7 @@ def _refresh_job(a, work):
 
     return RefreshConfig.from_dict({
         "work": str(work), "model": str(a["model"]), "num_cpus": 1,
-        "index": {"ads": str(a["corpus"]), "config": INDEX_CFG, "stable_ids": False},
+        "index": {"config": {"ads": str(a["corpus"]), "index": INDEX_CFG}, "stable_ids": False},
         "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
         "generate": {"targets_requests": None, "creatives_requests": None}})
 
@@ -542,8 +542,8 @@ CLI_MISTAKES = {
                                                   "--queries", str(a["requests"])],
                                     "labelled queries need column(s) ['ad_id']"),
     "refresh-unknown-force": (lambda a, t: ["refresh", "--force", "everything"], "RefreshConfig.force: unknown stage"),
-    "refresh-ads-missing": (lambda a, t: ["refresh", "--work", str(t / "w"), "--index.ads", str(t / "none.parquet")],
-                            "RefreshConfig.index.ads"),
+    "refresh-ads-missing": (lambda a, t: ["refresh", "--work", str(t / "w"), "--index.config.ads", str(t / "none.parquet")],
+                            "RefreshConfig.index.config.ads"),
 }
 
 
@@ -614,8 +614,8 @@ def test_entry_point_exit_status_2_and_one_line(script, assets, tmp_path):
            "batch_generate": [sys.executable, str(REPO / "jobs" / "batch_generate.py")],
            "nightly_refresh": [sys.executable, str(REPO / "jobs" / "nightly_refresh.py")]}[script]
     if script == "nightly_refresh":
-        args = ["--work", str(tmp_path / "w"), "--index.ads", str(tmp_path / "none.parquet")]
-        expected = "RefreshConfig.index.ads"
+        args = ["--work", str(tmp_path / "w"), "--index.config.ads", str(tmp_path / "none.parquet")]
+        expected = "RefreshConfig.index.config.ads"
     else:
         args = ["--requests", str(tmp_path / "none.parquet"), "--out", str(tmp_path / "o"), "--index", str(assets["index"])]
         expected = "requests not found"
@@ -643,7 +643,8 @@ BEFORE_RAY = {
         index=t / "none", out=t / "o"), "index folder not found"),
     "compress-calib-missing": lambda a, t: ("compress", _compress_job(a, t / "o").replace(calib=t / "none.txt"), "not found"),
     "refresh-ads-missing": lambda a, t: ("refresh", _refresh_job(a, t / "o").replace(
-        index=_refresh_job(a, t / "o").index.replace(ads=t / "none.parquet")), "not found"),
+        index=_refresh_job(a, t / "o").index.replace(config=_refresh_job(a, t / "o").index.config.replace(
+                       ads=t / "none.parquet"))), "not found"),
 }
 
 

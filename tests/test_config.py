@@ -78,23 +78,23 @@ def test_wrong_types_are_refused_naming_the_key():
     for key, value in bad.items():
         with pytest.raises(ConfigError, match=f"RefreshConfig.{key}: expected a table"):
             RefreshConfig.from_dict({key: value})
-    with pytest.raises(ConfigError, match="TrainStage.num_workers: expected int"):
-        RefreshConfig.from_dict({"train": {"num_workers": 1.5}})
+    with pytest.raises(ConfigError, match="TrainJobConfig.num_workers: expected int"):
+        RefreshConfig.from_dict({"train": {"config": {"num_workers": 1.5}}})
     with pytest.raises(ConfigError, match="RefreshConfig.force: expected a list"):
         RefreshConfig.from_dict({"force": "train"})
     with pytest.raises(ConfigError, match="verify_modes: expected a list"):
         RefreshConfig.from_dict({"eval": {"config": {"targeting": {"verify_modes": "off"}}}})
     with pytest.raises(ConfigError, match="RefreshConfig.model: expected str"):
         RefreshConfig.from_dict({"model": ["a"]})
-    with pytest.raises(ConfigError, match="IndexStage.ads: expected a path"):
-        RefreshConfig.from_dict({"index": {"ads": 5}})
-    with pytest.raises(ConfigError, match="IndexStage.ads: expected a path"):
-        RefreshConfig.from_dict({"index": {"ads": ""}})
+    with pytest.raises(ConfigError, match="IndexJobConfig.ads: expected a path"):
+        RefreshConfig.from_dict({"index": {"config": {"ads": 5}}})
+    with pytest.raises(ConfigError, match="IndexJobConfig.ads: required"):
+        RefreshConfig.from_dict({"index": {"config": {"ads": ""}}})
     # still accepted: integral floats (TOML 1e3), numeric strings, and "" = None for an optional path
-    cfg = RefreshConfig.from_dict({"train": {"num_workers": 2.0, "config": {"max_steps": 1e3}},
-                                   "generate": {"creatives_requests": "", "batch_size": "4"}})
-    assert cfg.train.num_workers == 2 and cfg.train.config.max_steps == 1000
-    assert cfg.generate.creatives_requests is None and cfg.generate.batch_size == 4
+    cfg = RefreshConfig.from_dict({"train": {"config": {"num_workers": 2.0, "train": {"max_steps": 1e3}}},
+                                   "generate": {"creatives_requests": "", "config": {"batch_size": "4"}}})
+    assert cfg.train.config.num_workers == 2 and cfg.train.config.train.max_steps == 1000
+    assert cfg.generate.creatives_requests is None and cfg.generate.config.batch_size == 4
 
 
 def test_subcommand_table_vs_nested_table_of_the_same_name(tmp_path):

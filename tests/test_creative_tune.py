@@ -193,7 +193,7 @@ def test_shared_shape_mixes_pairs_into_the_targeting_training(tok, tmp_path):
                                        ad_texts=dict(zip(idx.ad_ids, TITLES)), model=tiny(tok),
                                        tokenizer=tok.__class__.from_pretrained(tok.name_or_path), device="cpu",
                                        progress=False, creative_pairs=pairs, creative_config=cfg)
-    assert summary["data"]["creative_pairs"]["examples"] == 2 * len(pairs)
+    assert summary.data["creative_pairs"]["examples"] == 2 * len(pairs)
     assert creative_prompt_of(model) is CreativePrompt.TUNED
     record = json.loads((tmp_path / "m" / "adbatch_training.json").read_text())
     assert record["trained_on_index"] == idx.index_hash and record["creative"]["shape"] == "shared"
@@ -272,7 +272,7 @@ def test_refresh_trains_the_creative_model_only_when_its_inputs_change(tmp_path,
     trained, generated = [], []
     nr = _refresh_with_fake_creative_stages(monkeypatch, trained, generated)
     cfg = nr.RefreshConfig.from_dict({
-        "work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
+        "work": str(tmp_path / "work"), "index": {"config": {"ads": "examples/slogan_ads.parquet"}, "stable_ids": False},
         "train": {"enabled": False, "creatives": {"enabled": True}}, "compress": {"enabled": False},
         "eval": {"enabled": False},
         "generate": {"targets_requests": None, "creatives_model": "tuned"}})
@@ -312,9 +312,9 @@ def test_refresh_serves_the_creative_model_compressed_when_asked(tmp_path, monke
 
     nr = _refresh_with_fake_creative_stages(monkeypatch, trained, generated)
     monkeypatch.setattr(pipelines.compress, "run_compress", fake_compress)
-    base = {"work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
+    base = {"work": str(tmp_path / "work"), "index": {"config": {"ads": "examples/slogan_ads.parquet"}, "stable_ids": False},
             "train": {"enabled": False, "creatives": {"enabled": True}}, "eval": {"enabled": False},
-            "compress": {"eval_texts": 3},
+            "compress": {"config": {"eval_texts": 3}},
             "generate": {"targets_requests": None, "creatives_model": "tuned", "creatives_use": "compressed"}}
     cfg = nr.RefreshConfig.from_dict(base)
     first = nr.run_refresh(cfg)

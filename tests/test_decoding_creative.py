@@ -37,7 +37,7 @@ def _hf_greedy(model, prompt, n):
 
 def test_greedy_matches_hf_and_scores_are_mean_logprob(tiny):
     prompts = [[5, 6, 7, 8], [9, 10]]
-    cfg = CreativeConfig(strategy="greedy", max_new_tokens=6, stop_strings=["zzzz"], batch_size=2, **NO_GUARDS)
+    cfg = CreativeConfig(strategy="greedy", max_new_tokens=6, stop_strings=["zzzz"], **NO_GUARDS)
     out = generate_creatives(tiny, _Tok(), prompts, cfg)
     for prompt, [(text, score)] in zip(prompts, out):
         toks = _hf_greedy(tiny, prompt, 6)

@@ -247,10 +247,10 @@ def test_captured_selection_equals_eager_on_cuda(monkeypatch, mode):
     model = make_tiny_llama(vocab_size=48, seed=0).cuda().eval()
     seqs, prompts = _random_case(1, n_seq=200, max_len=9, n_prompts=40)
     trie = Trie.from_sequences(seqs)
-    cfg = TargetSearchConfig(num_beams=4, top_k=6, verify=mode, batch_size=8)
-    captured = [search_targets(model, prompts, trie, cfg, CHEAP_VERIFY) for _ in range(3)]  # keys replayed
+    cfg = TargetSearchConfig(num_beams=4, top_k=6, verify=mode)
+    captured = [search_targets(model, prompts, trie, cfg, CHEAP_VERIFY, batch_size=8) for _ in range(3)]  # keys replayed
     monkeypatch.setattr(bs, "CAPTURE_MAX_WIDTH", 0)  # every step's selection eager
-    eager = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY)
+    eager = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY, batch_size=8)
     for res in captured:
         assert torch.equal(res.rows, eager.rows)
         assert torch.equal(res.scores, eager.scores)

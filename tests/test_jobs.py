@@ -33,11 +33,11 @@ def _refresh_config(assets, work, requests):
     ads = assets["root"] / "tiny_ads.parquet"
     return RefreshConfig.from_dict({
         "work": str(work), "model": str(assets["model"]), "num_cpus": 2,
-        "index": {"ads": str(ads), "config": {"columns": {"embedding": "vec"},
-                                              "cluster": {"branching": 4, "leaf_size": 8}}},
+        "index": {"config": {"ads": str(ads), "index": {"columns": {"embedding": "vec"},
+                                                        "cluster": {"branching": 4, "leaf_size": 8}}}},
         "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
         "generate": {"targets_requests": str(requests), "creatives_requests": None,
-                     "executor": "local", "batch_size": 4, "partition_size": 4, "targets": SEARCH},
+                     "config": {"executor": "local", "batch_size": 4, "partition_size": 4, "targets": SEARCH}},
     })
 
 
@@ -64,10 +64,11 @@ def test_refresh_skips_unchanged_stages(ray_local, assets, tmp_path):
     assert third["generate"]["targets"]["counts"]["answered"] == 7
 
     # a changed decoding config reruns generation; a changed index config reruns both
-    cfg2 = cfg.replace(generate=cfg.generate.replace(targets=cfg.generate.targets.replace(top_k=1)))
+    cfg2 = cfg.replace(generate=cfg.generate.replace(config=cfg.generate.config.replace(
+        targets=cfg.generate.config.targets.replace(top_k=1))))
     assert run_refresh(cfg2)["stages"]["generate_targets"]["status"] == "ran"
     cfg3 = cfg2.replace(index=cfg2.index.replace(config=cfg2.index.config.replace(
-        cluster=cfg2.index.config.cluster.replace(leaf_size=6))))
+        index=cfg2.index.config.index.replace(cluster=cfg2.index.config.index.cluster.replace(leaf_size=6)))))
     fourth = run_refresh(cfg3)
     assert {k: v["status"] for k, v in fourth["stages"].items()} == {"index": "ran", "generate_targets": "ran"}
 
@@ -89,7 +90,7 @@ def test_refresh_skips_unchanged_stages(ray_local, assets, tmp_path):
     pq.write_table(table, tmp_path / "night2.parquet")
     before = dict(zip(*[pq.read_table(tmp_path / "work" / "index" / "ad_codes.parquet").column(c).to_pylist()
                         for c in ("ad_id", "code")]))
-    cfg4 = cfg3.replace(index=cfg3.index.replace(ads=tmp_path / "night2.parquet"))
+    cfg4 = cfg3.replace(index=cfg3.index.replace(config=cfg3.index.config.replace(ads=tmp_path / "night2.parquet")))
     assert run_refresh(cfg4)["stages"]["index"]["status"] == "ran"
     stable = manifest()["stable_ids"]
     assert stable["new"] == 1 and stable["kept"] + stable["resplit"] == n - 1
@@ -229,7 +230,7 @@ def test_train_job_passes_absolute_paths_to_the_workers(tmp_path, monkeypatch):
 
     class FakeTrainer:
         def __init__(self, fn, train_loop_config, **kwargs):
-            seen.update(train_loop_config)
+            seen.update(train_loop_config["job"].to_dict())
 
         def fit(self):
             raise Stop
@@ -255,6 +256,7 @@ def _refresh_without_ray(monkeypatch, **stage_runs):
     import jobs.nightly_refresh as nr
     import pipelines.index
     import pipelines.ray_runtime
+    import pipelines.stage
     from adbatch.artifacts import write_json_atomic
 
     def fake_index(job):
@@ -263,7 +265,7 @@ def _refresh_without_ray(monkeypatch, **stage_runs):
 
     monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
     monkeypatch.setattr(pipelines.index, "run_index", fake_index)
-    monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    monkeypatch.setattr(pipelines.stage, "model_hash", lambda model: "base")
     for module, fn in stage_runs.items():
         name = {"eval": "evaluate"}.get(module, module)
         monkeypatch.setattr(importlib.import_module(f"pipelines.{name}"), f"run_{module}", fn)
@@ -287,7 +289,7 @@ def test_refresh_stamp_does_not_depend_on_the_working_directory(tmp_path, monkey
     relative input path resolves to the same file, so the unchanged stage is skipped."""
     nr = _refresh_without_ray(monkeypatch)
     cfg = nr.RefreshConfig.from_dict({
-        "work": str(tmp_path / "work"), "index": {"ads": "examples/slogan_ads.parquet", "stable_ids": False},
+        "work": str(tmp_path / "work"), "index": {"config": {"ads": "examples/slogan_ads.parquet"}, "stable_ids": False},
         "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
         "generate": {"targets_requests": None, "creatives_requests": None}})
     monkeypatch.chdir(REPO)
@@ -296,16 +298,18 @@ def test_refresh_stamp_does_not_depend_on_the_working_directory(tmp_path, monkey
     assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "skipped"
 
 
-@pytest.mark.parametrize("bad", [{"num_cpus": 0}, {"train": {"num_workers": 0}},
-                                 {"compress": {"eval_texts": 0}}, {"compress": {"eval_seq_len": 1}},
-                                 {"generate": {"batch_size": 0}}, {"generate": {"partition_size": 0}},
-                                 {"generate": {"concurrency": 0}}])
+@pytest.mark.parametrize("bad", [{"num_cpus": 0}, {"train": {"config": {"num_workers": 0}}},
+                                 {"compress": {"config": {"eval_texts": 0}}}, {"compress": {"config": {"eval_seq_len": 1}}},
+                                 {"generate": {"config": {"batch_size": 0}}}, {"generate": {"config": {"partition_size": 0}}},
+                                 {"generate": {"config": {"concurrency": 0}}}])
 def test_refresh_config_refuses_bad_stage_values_up_front(bad):
     """Refused when the config is read, naming the key, not hours later when that stage's job is built."""
     from adbatch.config import ConfigError
     from jobs.nightly_refresh import RefreshConfig
 
-    key = next(iter(bad.values())) if isinstance(next(iter(bad.values())), dict) else bad
+    key = bad
+    while isinstance(next(iter(key.values())), dict):  # the innermost key: the value refused
+        key = next(iter(key.values()))
     with pytest.raises(ConfigError, match=next(iter(key))):
         RefreshConfig.from_dict(bad)
 
@@ -316,10 +320,11 @@ def test_refresh_config_refuses_residual_ids_with_stable_ids_up_front():
     from adbatch.config import ConfigError
     from jobs.nightly_refresh import RefreshConfig
 
-    residual = {"config": {"cluster": {"method": "residual"}, "render": {"scheme": "codes"}}}
+    residual = {"config": {"ads": "examples/slogan_ads.parquet",
+                           "index": {"cluster": {"method": "residual"}, "render": {"scheme": "codes"}}}}
     with pytest.raises(ConfigError, match="stable_ids false"):
         RefreshConfig.from_dict({"index": residual})
-    assert RefreshConfig.from_dict({"index": {**residual, "stable_ids": False}}).index.config.cluster.method.value == "residual"
+    assert RefreshConfig.from_dict({"index": {**residual, "stable_ids": False}}).index.config.index.cluster.method.value == "residual"
 
 
 def test_refresh_reruns_a_stage_whose_listed_outputs_were_damaged(tmp_path, monkeypatch):
@@ -327,6 +332,7 @@ def test_refresh_reruns_a_stage_whose_listed_outputs_were_damaged(tmp_path, monk
     import jobs.nightly_refresh as nr
     import pipelines.index
     import pipelines.ray_runtime
+    import pipelines.stage
     from adbatch.artifacts import sha256_file, write_json_atomic
 
     def fake_index(job):
@@ -339,9 +345,9 @@ def test_refresh_reruns_a_stage_whose_listed_outputs_were_damaged(tmp_path, monk
 
     monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
     monkeypatch.setattr(pipelines.index, "run_index", fake_index)
-    monkeypatch.setattr(nr, "_model_hash", lambda model: "base")
+    monkeypatch.setattr(pipelines.stage, "model_hash", lambda model: "base")
     cfg = nr.RefreshConfig.from_dict({
-        "work": str(tmp_path / "work"), "index": {"ads": str(REPO / "examples/slogan_ads.parquet"), "stable_ids": False},
+        "work": str(tmp_path / "work"), "index": {"config": {"ads": str(REPO / "examples/slogan_ads.parquet")}, "stable_ids": False},
         "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
         "generate": {"targets_requests": None, "creatives_requests": None}})
     assert nr.run_refresh(cfg)["stages"]["index"]["status"] == "ran"
@@ -356,8 +362,11 @@ def test_refresh_reruns_a_stage_whose_listed_outputs_were_damaged(tmp_path, monk
 def test_refresh_reruns_eval_when_what_it_reads_changes(tmp_path, monkeypatch):
     """The eval stage's stamp covers the evaluation data files and explicitly configured model folders
     by content, not only by path: an updated test file or a re-trained override model re-runs it."""
+    import pipelines.stage
+    from adbatch.artifacts import sha256_paths
+
     nr = _refresh_without_ray(monkeypatch, eval=_manifest_writer("eval"))
-    monkeypatch.setattr(nr, "_model_hash", lambda model: "base" if model is None else nr.sha256_paths(
+    monkeypatch.setattr(pipelines.stage, "model_hash", lambda model: "base" if model is None else sha256_paths(
         sorted(Path(model).glob("*.safetensors"))))
     slogans, hd = tmp_path / "slogans.csv", tmp_path / "hd.csv"
     slogans.write_text("a,b\n1,2\n")
@@ -366,7 +375,7 @@ def test_refresh_reruns_eval_when_what_it_reads_changes(tmp_path, monkeypatch):
     override.mkdir()
     (override / "model.safetensors").write_bytes(b"weights v1")
     cfg = nr.RefreshConfig.from_dict({
-        "work": str(tmp_path / "work"), "index": {"ads": str(REPO / "examples/slogan_ads.parquet"), "stable_ids": False},
+        "work": str(tmp_path / "work"), "index": {"config": {"ads": str(REPO / "examples/slogan_ads.parquet")}, "stable_ids": False},
         "train": {"enabled": False}, "compress": {"enabled": False},
         "eval": {"enabled": True, "config": {"creatives": {"csv": str(slogans), "model": str(override)},
                                              "targeting": {"home_depot": {"csv_path": str(hd)}}}},
@@ -394,8 +403,8 @@ def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monk
     pq.write_table(pa.table({"query": ["red sofa"], "ad_id": ["a1"]}), queries)
     ads = REPO / "examples/slogan_ads.parquet"
     cfg = nr.RefreshConfig.from_dict({
-        "work": str(tmp_path / "work"), "index": {"ads": str(ads), "stable_ids": False},
-        "train": {"enabled": False, "queries": str(queries)}, "eval": {"enabled": False},
+        "work": str(tmp_path / "work"), "index": {"config": {"ads": str(ads)}, "stable_ids": False},
+        "train": {"enabled": False, "config": {"queries": str(queries)}}, "eval": {"enabled": False},
         "generate": {"targets_requests": None, "creatives_requests": None}})
     stages = nr.run_refresh(cfg)["stages"]
     assert stages["compress"]["status"] == "ran"
@@ -411,7 +420,7 @@ def test_refresh_calibrates_compress_on_its_own_index_and_queries(tmp_path, monk
     # an explicit calibration file is used as before, and the index is not
     calib = tmp_path / "calib.txt"
     calib.write_text("one text\n")
-    nr.run_refresh(cfg.replace(compress=cfg.compress.replace(calib=calib)))
+    nr.run_refresh(cfg.replace(compress=cfg.compress.replace(config=cfg.compress.config.replace(calib=calib))))
     assert jobs_seen[-1].calib == calib and jobs_seen[-1].index is None and jobs_seen[-1].queries is None
 
 
@@ -421,7 +430,7 @@ def test_refresh_rewrites_creatives_when_the_creative_prompt_changes(tmp_path, m
 
     nr = _refresh_without_ray(monkeypatch, generate=_manifest_writer("generate"))
     cfg = nr.RefreshConfig.from_dict({
-        "work": str(tmp_path / "work"), "index": {"ads": str(REPO / "examples/slogan_ads.parquet"), "stable_ids": False},
+        "work": str(tmp_path / "work"), "index": {"config": {"ads": str(REPO / "examples/slogan_ads.parquet")}, "stable_ids": False},
         "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
         "generate": {"targets_requests": None,
                      "creatives_requests": str(REPO / "examples/requests_creatives.parquet")}})

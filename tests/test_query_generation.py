@@ -206,7 +206,7 @@ def test_train_on_index_trains_on_generated_queries_and_caches_them_in_the_model
                               valid_qrels={"shower faucet chrome": {102: 3.0}})
 
     _, tokenizer, summary = train()
-    data = summary["data"]
+    data = summary.data
     assert data["generated_query"] == data["query_gen"]["generated"]["kept"] > 0
     assert (data.get("pseudo_query", 0) > 0) == (source == "mix")
     assert data["query_gen"]["status"] == "generated" and data["query_gen"]["pairs"]["pairs"] == len(TRAIN)
@@ -217,8 +217,8 @@ def test_train_on_index_trains_on_generated_queries_and_caches_them_in_the_model
     assert record["query_gen"]["key"] == cached.key and record["config"]["pseudo_queries"]["source"] == source
     assert len(tokenizer) == len(tok)  # text scheme: the generator's copy and the model share one vocabulary
     _, _, again = train()  # a re-run with unchanged inputs: read from the model folder, not generated again
-    assert again["data"]["query_gen"]["status"] == "cached"
-    assert again["data"]["generated_query"] == data["generated_query"]
+    assert again.data["query_gen"]["status"] == "cached"
+    assert again.data["generated_query"] == data["generated_query"]
 
 
 def test_no_labels_falls_back_to_spans_or_prompts_the_base_model(tok, tmp_path, caplog):
@@ -229,7 +229,7 @@ def test_no_labels_falls_back_to_spans_or_prompts_the_base_model(tok, tmp_path, 
                                        tokenizer=tok, device="cpu", progress=False,
                                        query_gen=FAST.replace(min_pairs=3))
     assert "cannot be trained; training on span pseudo-queries instead" in caplog.text
-    data = summary["data"]
+    data = summary.data
     assert data["query_gen"]["status"] == "no_labels" and data["pseudo_query"] == 2 * len(TITLES)
     assert "generated_query" not in data
     # zero-shot: the untuned base model writes the queries; nothing is fine-tuned

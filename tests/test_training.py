@@ -106,14 +106,14 @@ def test_loss_decreases_and_checkpoint_binds_index(tok, tmp_path, scheme):
         idx, tmp_path / "model", cfg, ad_texts=dict(zip(idx.ad_ids, TITLES)),
         labelled=[(q, 100 + r) for q, r in QUERIES], model=tiny(tok), tokenizer=tok.__class__.from_pretrained(tok.name_or_path),
         device="cpu", progress=False)
-    first, final = summary["train"]["first_loss"], summary["train"]["final_loss"]
+    first, final = summary.train["first_loss"], summary.train["final_loss"]
     assert final < 0.4 * first, (first, final)
     if scheme == "codes":
         base = idx.manifest["base_vocab_size"]
         assert tok2.convert_tokens_to_ids(idx.manifest["special_tokens"]) == list(range(base, base + 8))
         assert model.get_input_embeddings().weight.shape[0] == base + 8
         # tokens <c0_2>, <c0_3> belong to no ad: they fall back to the vocabulary mean
-        assert summary["embedding_init"] == {"code_tokens": 8, "initialised": 8, "from_ads": 6, "fallback": 2}
+        assert summary.embedding_init == {"code_tokens": 8, "initialised": 8, "from_ads": 6, "fallback": 2}
     rec = check_index_compat(tmp_path / "model", idx)
     assert rec["trained_on_index"] == idx.index_hash and rec["scheme"] == scheme
     other = fake_index(tok, scheme, salt="changed")
@@ -179,7 +179,7 @@ def test_progressive_sparsity_hits_target(tok, tmp_path):
                                        tokenizer=tok, device="cpu", progress=False)
     layers = prunable_linears(model)
     masks = load_masks(tmp_path / "sparse")
-    assert set(masks) == set(layers) == set(summary["sparsity"]["patterns"])
+    assert set(masks) == set(layers) == set(summary.sparsity["patterns"])
     n_per_layer = {}
     for name, mod in layers.items():
         w = mod.weight.detach().reshape(mod.out_features, -1, 4)
@@ -188,18 +188,18 @@ def test_progressive_sparsity_hits_target(tok, tmp_path):
         assert per_group.min() == per_group.max(), name  # exactly n in every group
         n_per_layer[name] = int(per_group[0, 0])
         assert torch.all(w[~m] == 0), name  # masked weights stay zero
-        assert summary["sparsity"]["patterns"][name] == f"{n_per_layer[name]}:4"
+        assert summary.sparsity["patterns"][name] == f"{n_per_layer[name]}:4"
     assert sorted(n_per_layer.values()).count(1) == round(0.5 * len(layers))
     assert set(n_per_layer.values()) == {1, 2}
     want = sum(layers[n].weight.numel() * k / 4 for n, k in n_per_layer.items()) / sum(
         m.weight.numel() for m in layers.values())
-    assert summary["sparsity"]["density"] == pytest.approx(want)
+    assert summary.sparsity["density"] == pytest.approx(want)
     # density went down in steps over the run and the loss still fell
-    dens = [d for _, d in summary["density"]]
+    dens = [d for _, d in summary.density]
     assert dens[0] == 1.0 and all(a >= b - 1e-12 for a, b in zip(dens, dens[1:]))
-    assert summary["train"]["final_loss"] < summary["train"]["first_loss"]
+    assert summary.train["final_loss"] < summary.train["first_loss"]
     rec = read_training_record(tmp_path / "sparse")
-    assert rec["sparsity"]["frozen"] is True and rec["layer_patterns"] == summary["sparsity"]["patterns"]
+    assert rec["sparsity"]["frozen"] is True and rec["layer_patterns"] == summary.sparsity["patterns"]
 
 
 def _tiny_corpus(tmp_path, n=24):
@@ -252,9 +252,9 @@ def test_ray_train_one_worker_and_warm_start(tmp_path, tok, ray_local):
     _, _, summary = train_on_index(index2, tmp_path / "model2", TrainConfig(epochs=1, batch_tokens=2048),
                                    ad_texts=dict(zip(range(1000, 1025), titles2)),
                                    init_model=tmp_path / "model", device="cpu", progress=False)
-    assert summary["warm_started_from_index"] == index.index_hash
+    assert summary.warm_started_from_index == index.index_hash
     # yesterday's model already knows most of the index: its first loss is far below a fresh model's
-    assert summary["train"]["first_loss"] < out["train_first_loss"]
+    assert summary.train["first_loss"] < out["train_first_loss"]
     assert check_index_compat(tmp_path / "model2", index2)["warm_started_from_index"] == index.index_hash
     with pytest.raises(IndexMismatchError):
         check_index_compat(tmp_path / "model2", index)
@@ -298,7 +298,7 @@ def test_creative_rehearsal_examples_and_training(tok, tmp_path, monkeypatch):
     _, _, summary = train_on_index(idx, None, train_cfg, ad_texts=texts, model=tiny(tok),
                                    tokenizer=tok.__class__.from_pretrained(tok.name_or_path), device="cpu",
                                    progress=False)
-    assert summary["data"]["creative_rehearsal"]["examples"] == stats["examples"]
+    assert summary.data["creative_rehearsal"]["examples"] == stats["examples"]
     with pytest.raises(ConfigError):
         CreativeRehearsalConfig(ads=0).validate()
 

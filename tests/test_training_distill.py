@@ -117,8 +117,8 @@ def test_sparsify_a_trained_model_with_distillation(tok, tmp_path):
                       distill=DistillConfig(enabled=True, alpha=0.5, temperature=2.0))
     model, _, s2 = train_on_index(idx, None, cfg, ad_texts=texts, labelled=LABELLED, init_model=tmp_path / "dense",
                                   device="cpu", progress=False)
-    assert s2["sparsity"]["density"] == pytest.approx(0.5, abs=0.02)
-    assert s2["warm_started_from_index"] == idx.index_hash
+    assert s2.sparsity["density"] == pytest.approx(0.5, abs=0.02)
+    assert s2.warm_started_from_index == idx.index_hash
     ex, _ = build_examples(t1, idx.ad_ids, idx.ad_codes.column("token_ids").to_pylist(), texts, LABELLED)
     b = collate(ex, torch.arange(len(ex)), t1.pad_token_id)
     with torch.no_grad():

@@ -250,8 +250,8 @@ def test_qat_then_compress_loses_less_to_int4(tok, tmp_path):
         record = read_training_record(tmp_path / f"m{int(qat)}")
         base = CompressConfig(score=ScoreMethod.MAGNITUDE, pattern_policy=PatternPolicy.NONE)
         if qat:
-            assert record["qat"] == summary["qat"] and record["qat"]["group_size"] == 128
-            assert record["qat"]["steps"] == summary["train"]["steps"] - record["qat"]["start_step"] > 0
+            assert record["qat"] == summary.qat and record["qat"]["group_size"] == 128
+            assert record["qat"]["steps"] == summary.train["steps"] - record["qat"]["start_step"] > 0
             assert record["config"]["qat"]["enabled"] is True
             cfg_c, note = follow_training_qat(base, record)
             assert cfg_c.group_policy is GroupPolicy.UNIFORM and cfg_c.reference_group_size == 128, note

@@ -185,10 +185,10 @@ def test_train_on_index_with_validation_qrels(tok, tmp_path):
                                    device="cpu", progress=False,
                                    valid_qrels={"deck over": {1001: 3.0}, "microwave": {1003: 3.0},
                                                 "never evaluated": {1004: 3.0}})
-    assert summary["data"]["pseudo_query"] == 48
-    evals = summary["train"]["evals"]
+    assert summary.data["pseudo_query"] == 48
+    evals = summary.train["evals"]
     assert len(evals) == 2 and all(0.0 <= m <= 1.0 for _, _, m in evals)
-    assert summary["train"]["best"]["metric"] == max(m for _, _, m in evals)
+    assert summary.train["best"]["metric"] == max(m for _, _, m in evals)
 
 
 @pytest.mark.parametrize("bad", [{"valid_metric": "recall@5"}, {"valid_metric": "recal@10"},

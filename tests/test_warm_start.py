@@ -104,18 +104,17 @@ def test_nightly_train_stage_applies_the_plan(nights, tmp_path, monkeypatch):
     """The refresh's train stage warm-starts from its own output folder with the shortened schedule,
     and trains cold (configured model, full epochs) when the plan says so."""
     import pipelines.train
-    from jobs.nightly_refresh import _train_warm_or_cold
-    from pipelines.train import TrainJobConfig
+    from pipelines.train import TrainJobConfig, run_train_warm
 
     seen = []
     monkeypatch.setattr(pipelines.train, "run_train", lambda job: seen.append(job) or {"ok": True})
     prev = IndexSnapshot.of(nights["night1"])
     model = _model(tmp_path, prev.index_hash)
     job = TrainJobConfig(index=nights["night2"], out=model, init_model=None, train=TrainConfig(epochs=6.0))
-    result = _train_warm_or_cold(job, WarmStartConfig(), prev, same_base_model=True)
+    result = run_train_warm(job, WarmStartConfig(), prev, same_base_model=True)
     assert seen[-1].init_model == str(model.resolve()) and seen[-1].train.epochs == 3.0
     assert result["ok"] and result["warm_start"]["init_model"] == str(model.resolve())
-    result = _train_warm_or_cold(job, WarmStartConfig(), None, same_base_model=True)
+    result = run_train_warm(job, WarmStartConfig(), None, same_base_model=True)
     assert seen[-1].init_model is None and seen[-1].train.epochs == 6.0
     assert result["warm_start"]["init_model"] is None
 

@@ -403,7 +403,7 @@ def _new_stats(cfg: TargetSearchConfig) -> dict[str, Any]:
 
 
 def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: TargetSearchConfig,
-                   cost_model: CostModel | None = None) -> TargetSearchResult:
+                   cost_model: CostModel | None = None, batch_size: int | None = None) -> TargetSearchResult:
     """Best ``config.top_k`` ads per prompt, by exact constrained log-probability.
 
     Args:
@@ -415,6 +415,8 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
         config: :class:`TargetSearchConfig`.
         cost_model: the trigger's measurements for ``verify=auto``; default: the saved calibration
             for this model/device/dtype, measured now if absent.
+        batch_size: prompts searched together; None = all of them (the generators pass one batch, sized
+            by the generate job's ``batch_size``).
     Returns:
         :class:`TargetSearchResult` with ``rows Long[Q, k]``, ``scores Float32[Q, k]`` (CPU) and
         ``stats`` (steps, decode rows, verify passes, beams verified, tree tokens, verified depths).
@@ -439,8 +441,9 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     was_training = model.training
     model.eval()
     try:
-        for start in range(0, len(prompts), config.batch_size):
-            chunk = [list(map(int, p)) for p in prompts[start:start + config.batch_size]]
+        step = batch_size or max(len(prompts), 1)
+        for start in range(0, len(prompts), step):
+            chunk = [list(map(int, p)) for p in prompts[start:start + step]]
             r, s = _search_batch(engine, chunk, aux, trie, config, cost_model, pad_id, stats)
             rows.append(r.cpu())
             scores.append(s.cpu())

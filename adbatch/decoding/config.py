@@ -39,7 +39,6 @@ class TargetSearchConfig(ConfigBase):
     length_penalty: float = field(
         default=0.0, metadata={"help": "final score = sum log-prob / length**length_penalty (0 = plain sum)"})
     max_steps: int = field(default=0, metadata={"help": "decode steps cap; 0 = the trie's height"})
-    batch_size: int = field(default=64, metadata={"help": "queries searched together"})
     logprob_chunk: int = field(
         default=1024, metadata={"help": "positions per chunk when turning tree hidden states into log-probs"})
     profile: bool = field(
@@ -57,8 +56,6 @@ class TargetSearchConfig(ConfigBase):
                               f"({self.max_tokens_per_pass} < {self.max_tree_tokens})")
         if self.max_steps < 0:
             raise ConfigError(f"TargetSearchConfig.max_steps must be >= 0, got {self.max_steps}")
-        if self.batch_size < 1:
-            raise ConfigError(f"TargetSearchConfig.batch_size must be >= 1, got {self.batch_size}")
         if self.logprob_chunk < 1:
             raise ConfigError(f"TargetSearchConfig.logprob_chunk must be >= 1, got {self.logprob_chunk}")
 
@@ -89,7 +86,6 @@ class CreativeConfig(ConfigBase):
         "help": "never generate an n-gram of this many tokens that occurs in the prompt (0 = off): a headline "
                 "does not copy its ad's description; shorter runs (a name) stay allowed"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
-    batch_size: int = field(default=32, metadata={"help": "prompts decoded together"})
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -116,5 +112,3 @@ class CreativeConfig(ConfigBase):
         if self.no_repeat_ngram_size < 0 or self.no_repeat_ngram_size == 1:
             raise ConfigError("CreativeConfig.no_repeat_ngram_size must be 0 (off) or >= 2, got "
                               f"{self.no_repeat_ngram_size}")
-        if self.batch_size < 1:
-            raise ConfigError(f"CreativeConfig.batch_size must be >= 1, got {self.batch_size}")

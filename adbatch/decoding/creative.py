@@ -325,13 +325,15 @@ def _beam_batch(engine: DecodeEngine, tokenizer: Any, prompts: list[list[int]], 
     return out
 
 
-def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], config: CreativeConfig
-                       ) -> list[list[tuple[str, float]]]:
+def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], config: CreativeConfig,
+                       batch_size: int | None = None) -> list[list[tuple[str, float]]]:
     """Free-text generation for each prompt.
 
     Args:
         prompts: ``Q`` token-id lists (e.g. from ``encode_creative_prompt``).
         config: :class:`CreativeConfig`.
+        batch_size: prompts decoded together; None = all of them (the generators pass one batch, sized by
+            the generate job's ``batch_size``).
     Returns:
         per prompt up to ``num_return`` ``(text, mean log-prob per generated token)``, best first
         for beam search, in sample order otherwise.
@@ -345,8 +347,9 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
     model.eval()
     out: list[list[tuple[str, float]]] = []
     try:
-        for s in range(0, len(prompts), config.batch_size):
-            chunk = [list(map(int, p)) for p in prompts[s:s + config.batch_size]]
+        step = batch_size or max(len(prompts), 1)
+        for s in range(0, len(prompts), step):
+            chunk = [list(map(int, p)) for p in prompts[s:s + step]]
             if config.strategy is CreativeStrategy.BEAM:
                 out.extend(_beam_batch(engine, tokenizer, chunk, config, end_mask))
             else:

@@ -71,13 +71,13 @@ def generative_ranker(model: Any, tokenizer: Any, index: Any, *, num_beams: int 
     from adbatch.decoding import TargetSearchConfig, VerifyMode, search_targets
     from adbatch.serving.prompts import encode_targeting_prompts
 
-    cfg = TargetSearchConfig(num_beams=num_beams, top_k=top_k, verify=VerifyMode.OFF, batch_size=batch_size)
+    cfg = TargetSearchConfig(num_beams=num_beams, top_k=top_k, verify=VerifyMode.OFF)
     ad_ids = index.ad_ids
 
     def rank(batch: list[str]) -> list[list[Hashable]]:
         prompts = encode_targeting_prompts(tokenizer, batch)
         with torch.inference_mode():
-            res = search_targets(model, prompts, index.trie, cfg)
+            res = search_targets(model, prompts, index.trie, cfg, batch_size=batch_size)
         return [[ad_ids[r] for r in row if r >= 0] for row in res.rows.tolist()]
 
     return rank

@@ -391,8 +391,7 @@ class TargetGenerator(_GeneratorBase):
         from adbatch.serving.prompts import encode_targeting_prompts
 
         prompts = encode_targeting_prompts(self.tokenizer, [r["query"] for r in rows], self.config.max_query_tokens)
-        cfg = self.search.replace(batch_size=len(rows))
-        result = search_targets(self.model, prompts, self.trie, cfg, cost_model=self.cost_model)
+        result = search_targets(self.model, prompts, self.trie, self.search, cost_model=self.cost_model)
         rows_t = result.rows.tolist()  # [Q, k], -1 padding
         scores_t = result.scores.tolist()
         verified = int(result.stats.get("beams_verified", 0))
@@ -459,8 +458,7 @@ class CreativeGenerator(_GeneratorBase):
 
         prompts = [encode_creative_prompt(self.tokenizer, r, style=self.prompt_style) for r in rows]
         _warn_cut_ad_text(rows)
-        cfg = self.creative.replace(batch_size=len(rows))
-        results = generate_creatives(self.model, self.tokenizer, prompts, cfg)
+        results = generate_creatives(self.model, self.tokenizer, prompts, self.creative)
         return [{"request_id": r["request_id"], "ad_id": r["ad_id"], "error": None,
                  "headlines": [t for t, _ in res], "scores": [float(s) for _, s in res]}
                 for r, res in zip(rows, results)]

@@ -7,6 +7,7 @@ Pieces: :mod:`.data` (examples), :mod:`.trainer` (loop, :class:`TrainConfig`), :
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -31,10 +32,55 @@ if TYPE_CHECKING:
 
 __getattr__ = lazy_members(__name__, _LAZY)
 
-__all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "DistillConfig", "train_on_index", "check_index_compat",
+__all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "DistillConfig", "train_on_index", "TrainSummary",
+           "check_index_compat",
            "IndexMismatchError", "read_training_record", "load_masks", "save_trained", "scheme_name"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainSummary:
+    """What :func:`train_on_index` reports beside the model.
+
+    ``data``: example counts by kind (``indexing``, ``retrieval``, ``pseudo_query``, ``generated_query``,
+    ``labelled_not_in_index``) and the stats of the query generator, creative pairs and rehearsal when used.
+    ``train``: the loop's summary (steps, first/final loss, tokens/s, epochs done, best/evals with model
+    selection, ...). ``losses`` / ``density``: (step, value) curves. ``qat``: the QAT record, None unless QAT
+    ran. ``sparsity``: the N:M schedule's outcome (``density``, per-layer ``patterns``), None without it.
+    ``embedding_init``: how new code tokens were initialised (codes scheme). ``model_dir``: the saved folder
+    (rank 0 with an ``out_dir``)."""
+
+    scheme: str
+    index_hash: str
+    data: dict[str, Any]
+    train: dict[str, Any]
+    prepare_seconds: float
+    warm_started_from_index: str | None
+    losses: list[Any]
+    density: list[Any]
+    qat: dict[str, Any] | None = None
+    sparsity: dict[str, Any] | None = None
+    embedding_init: dict[str, Any] | None = None
+    model_dir: str | None = None
+
+    def flat(self) -> dict[str, Any]:
+        """The scalars a manifest or a Ray Train report holds: ``train_<key>`` for the loop's numbers, the
+        example counts, the scheme and index hash, and the sparsity density when pruned."""
+        flat = {f"train_{k}": v for k, v in self.train.items() if v is not None}
+        flat.update({"scheme": self.scheme, "index_hash": self.index_hash,
+                     "examples_indexing": self.data.get("indexing", 0),
+                     "examples_retrieval": self.data.get("retrieval", 0),
+                     "labelled_not_in_index": self.data.get("labelled_not_in_index", 0),
+                     "examples_generated": self.data.get("generated_query", 0),
+                     "prepare_seconds": self.prepare_seconds})
+        if self.sparsity is not None:
+            flat["sparsity_density"] = self.sparsity["density"]
+        return {k: v for k, v in flat.items() if not isinstance(v, (list, dict))}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (benchmark result files)."""
+        return dataclasses.asdict(self)
 
 
 def scheme_name(index: Any) -> str:
@@ -170,7 +216,7 @@ def train_on_index(
     query_gen: Any = None,
     query_cache: str | Path | None = None,
     exclude_queries: Iterable[str] = (),
-) -> tuple[Any, Any, dict[str, Any]]:
+) -> tuple[Any, Any, TrainSummary]:
     """Train a causal LM on ``index`` and (rank 0, when ``out_dir``) save the model folder.
 
     ``index``: an ``AdIndex`` (``ad_codes`` with ``token_ids``, ``ad_ids``, ``manifest``,
@@ -191,7 +237,7 @@ def train_on_index(
     ``generated_queries.parquet``, keyed by the content hash of their inputs; a staging copy beside the
     folder until the save) or ``query_cache`` when given, so a re-run with unchanged inputs reads them.
     Too few labelled pairs: ``query_gen.no_labels`` (spans, with a warning, or zero-shot generation).
-    Returns ``(model, tokenizer, summary)``.
+    Returns ``(model, tokenizer, TrainSummary)``.
     """
     import torch
 
@@ -284,13 +330,11 @@ def train_on_index(
         from adbatch.serving.prompts import declare_creative_prompt
 
         declare_creative_prompt(model)  # in config.json: dense and compressed loads render the tuned prompt
-    summary = {**info, "data": data_stats, "train": stats.summary(model, torch.device(device)),
-               "prepare_seconds": round(prep_s, 3), "warm_started_from_index": warm_from,
-               "index_hash": index.index_hash, "losses": stats.losses, "density": stats.density}
-    if stats.sparsity:
-        summary["sparsity"] = stats.sparsity
-    # None unless QAT ran; the compression stage reads it to use the same INT4 grid (uniform groups)
-    summary["qat"] = stats.qat
+    # qat: None unless QAT ran; the compression stage reads it to use the same INT4 grid (uniform groups)
+    summary = TrainSummary(scheme=info["scheme"], index_hash=index.index_hash, data=data_stats,
+                           train=stats.summary(model, torch.device(device)), prepare_seconds=round(prep_s, 3),
+                           warm_started_from_index=warm_from, losses=stats.losses, density=stats.density,
+                           qat=stats.qat, sparsity=stats.sparsity or None, embedding_init=info.get("embedding_init"))
     if out_dir is not None and rank == 0:
         from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
 
@@ -298,7 +342,7 @@ def train_on_index(
                   "targeting_prompt_version": TARGETING_PROMPT_VERSION,
                   "num_ads": len(index.ad_ids), "init_model": str(init_model) if init_model else "default",
                   "warm_started_from_index": warm_from, "config": config.to_dict(),
-                  "train": summary["train"], "data": data_stats,
+                  "train": summary.train, "data": data_stats,
                   "sparsity": {k: v for k, v in (stats.sparsity or {}).items() if k != "patterns"},
                   "layer_patterns": (stats.sparsity or {}).get("patterns", {}),
                   "qat": stats.qat}
@@ -316,5 +360,5 @@ def train_on_index(
 
             write_generated_queries(generated, Path(out_dir) / GENERATED_QUERIES_FILE)
             Path(out_dir).with_name(f".{Path(out_dir).name}.{GENERATED_QUERIES_FILE}").unlink(missing_ok=True)
-        summary["model_dir"] = str(out_dir)
+        summary.model_dir = str(out_dir)
     return model, tokenizer, summary

@@ -146,7 +146,7 @@ class QueryGenConfig(ConfigBase):
 
         return CreativeConfig(strategy=CreativeStrategy.SAMPLE, num_return=self.queries_per_ad,
                               temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
-                              seed=self.seed, batch_size=self.batch_size, stop_strings=["\n"],
+                              seed=self.seed, stop_strings=["\n"],
                               # the headline guards were measured for headlines only; a query may repeat
                               # a run of its ad's title
                               no_repeat_ngram_size=0, prompt_ngram_block=0)

@@ -26,6 +26,9 @@ from adbatch.config import ConfigBase, ConfigError
 
 log = logging.getLogger(__name__)
 
+#: sampled ads whose headlines are decoded together (bounds the decode's memory; no effect on the texts)
+DECODE_BATCH = 32
+
 
 @dataclasses.dataclass
 class CreativeRehearsalConfig(ConfigBase):
@@ -56,7 +59,9 @@ def rehearsal_examples(model: Any, tokenizer: Any, ad_ids: list[Hashable], ad_te
     gen = torch.Generator().manual_seed(config.seed)
     pick = torch.randperm(len(ad_ids), generator=gen)[:config.ads].sort().values.tolist()
     prompts = [encode_creative_prompt(tokenizer, {"title": ad_texts.get(ad_ids[r], "")}) for r in pick]
-    outs = generate_creatives(model, tokenizer, prompts, CreativeConfig(max_new_tokens=config.max_new_tokens))
+    decoding = CreativeConfig(max_new_tokens=config.max_new_tokens)
+    outs = [out for s in range(0, len(prompts), DECODE_BATCH)
+            for out in generate_creatives(model, tokenizer, prompts[s:s + DECODE_BATCH], decoding)]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     keep = [(r, prompt, out[0][0]) for r, prompt, out in zip(pick, prompts, outs) if out and out[0][0].strip()]
     rows = [r for r, _, _ in keep]
