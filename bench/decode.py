@@ -447,10 +447,12 @@ def workload(shape: str, smoke: bool) -> dict:
     return w
 
 
-def build_model(shape: str, dev: torch.device, smoke: bool):
+def build_model(shape: str, dev: torch.device, smoke: bool, layers: int | None = None):
+    """A random-init bf16 Llama of ``SHAPES[shape]`` (``layers``: another decoder layer count)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**{**SHAPES[shape], **(SMOKE_SHAPE if smoke else {})})
+    cfg = LlamaConfig(**{**SHAPES[shape], **(SMOKE_SHAPE if smoke else {}),
+                         **({} if layers is None else {"num_hidden_layers": layers})})
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     try:

@@ -17,28 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.decode import SHAPES, compress_copy, random_prompts  # noqa: E402
+from bench.decode import build_model, compress_copy, random_prompts  # noqa: E402
+from bench.step_profile import graphed_step_ms, write_report  # noqa: E402
 from adbatch.decoding.engine import DecodeEngine  # noqa: E402
-
-
-def build(layers: int, dev: torch.device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**{**SHAPES["8b"], "num_hidden_layers": layers})
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(dev):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    return model.eval()
 
 
 def sparse_copy_bytes(t: torch.Tensor) -> int:
@@ -46,23 +32,6 @@ def sparse_copy_bytes(t: torch.Tensor) -> int:
     names, _ = t.__tensor_flatten__()
     inner = [getattr(t, n) for n in names]
     return sum(x.numel() * x.element_size() for x in inner if isinstance(x, torch.Tensor))
-
-
-def step_ms(eng: DecodeEngine, queries, qn: int, beams: int, t: int, repeats: int, dev) -> float:
-    eng.prefill(queries[:qn], beams, t + 4)
-    Qb = eng.bucket(qn)
-    R = Qb * beams
-    tok = torch.randint(100, 40000, (R,), device=dev)
-    par = torch.randperm(R, device=dev)
-    eng.step(tok, t, Qb, par)  # captures (and plans the linears at this bucket)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        t1 = time.perf_counter()
-        eng.step(tok, t, Qb, par)
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t1)
-    return 1e3 * float(np.median(ts))
 
 
 def main() -> None:
@@ -76,7 +45,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     t0 = time.perf_counter()
-    dense = build(args.layers, dev)
+    dense = build_model("8b", dev, smoke=False, layers=args.layers)
     comp, summary = compress_copy(dense, dev)
     print(f"built + compressed in {time.perf_counter() - t0:.1f} s: {summary}", flush=True)
     queries = random_prompts(max(args.queries), 32, 100, 40000, seed=0)
@@ -85,8 +54,8 @@ def main() -> None:
              f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              "| queries | rows | dense step ms | compressed step ms | compressed / dense speed |", "|---:|---:|---:|---:|---:|"]
     for qn in args.queries:
-        d = step_ms(e_dense, queries, qn, args.beams, args.t, args.repeats, dev)
-        c = step_ms(e_comp, queries, qn, args.beams, args.t, args.repeats, dev)
+        d = graphed_step_ms(e_dense, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
+        c = graphed_step_ms(e_comp, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
         lines.append(f"| {qn} | {qn * args.beams} | {d:.2f} | {c:.2f} | {d / c:.2f}x |")
         print(lines[-1], flush=True)
     lines += ["", "per layer shape and bucket (graph-replayed us): packed / dense / semi-structured sparse -> choice", "",
@@ -96,11 +65,7 @@ def main() -> None:
                      f"{'-' if s is None else f'{s:.1f}'} | {e_comp.plan.choice[key]} |")
     sparse_bytes = sum(sparse_copy_bytes(t) for t in e_comp._sparse.values())
     lines += ["", f"semi-structured copies kept: {len(e_comp._sparse)} layers, {sparse_bytes / 2**20:.1f} MiB"]
-    text = "\n".join(lines) + "\n"
-    print(text, flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

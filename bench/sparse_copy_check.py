@@ -17,14 +17,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adbatch.decoding.engine import DecodeEngine, _shape_key, semi_structured_copy  # noqa: E402
-from bench.decode import compress_copy, random_prompts  # noqa: E402
-from bench.large_rows import build  # noqa: E402
+from bench.decode import build_model, compress_copy, random_prompts  # noqa: E402
 from kernels.nm_int4 import dequantize_nm_int4  # noqa: E402
 
 
 def main() -> None:
     dev = torch.device("cuda")
-    comp, _ = compress_copy(build(2, dev), dev)
+    comp, _ = compress_copy(build_model("8b", dev, smoke=False, layers=2), dev)
     engines = {}
     for route in ("dense", "sparse"):
         eng = DecodeEngine(comp)

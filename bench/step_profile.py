@@ -81,6 +81,35 @@ def roofline_ms(model, eng, rows: int, queries: int, t: int) -> float:
     return 1e3 * max(flops / PEAK_BF16_FLOPS, moved / PEAK_HBM_BYTES)
 
 
+def graphed_step_ms(eng, queries, qn: int, beams: int, t: int, suffix: int, repeats: int, dev) -> tuple[float, float]:
+    """(median ms of a graph-replayed ``DecodeEngine.step`` at ``qn`` queries x ``beams`` rows and suffix
+    position ``t``, seconds of its first call: prefill + planning + capture)."""
+    t0 = time.perf_counter()
+    eng.prefill(queries[:qn], beams, suffix)
+    Qb = eng.bucket(qn)
+    R = Qb * beams
+    tok = torch.randint(100, 40000, (R,), device=dev)
+    par = torch.randperm(R, device=dev)
+    eng.step(tok, t, Qb, par)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    ts = []
+    for _ in range(repeats):
+        t1 = time.perf_counter()
+        eng.step(tok, t, Qb, par)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t1)
+    return 1e3 * float(np.median(ts)), first
+
+
+def write_report(lines: list[str], out: Path | None) -> None:
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+
+
 def attention_sweep(model, beams: int, dev, queries: list[int], t: int) -> list[str]:
     """Graph-replayed time of one layer's decode attention per launch configuration (block_j,
     num_warps, num_stages) at each query batch: which configuration the kernel should default to."""
@@ -177,22 +206,9 @@ def main() -> None:
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for qn in args.queries:
         for t in args.positions:
-            t0 = time.perf_counter()
-            eng.prefill(queries[:qn], args.beams, max(args.positions) + 4)
+            ms, first = graphed_step_ms(eng, queries, qn, args.beams, t, max(args.positions) + 4, args.repeats, dev)
             Qb = eng.bucket(qn)
             R = Qb * args.beams
-            tok = torch.randint(100, 40000, (R,), device=dev)
-            par = torch.randperm(R, device=dev)
-            eng.step(tok, t, Qb, par)
-            torch.cuda.synchronize()
-            first = time.perf_counter() - t0
-            ts = []
-            for _ in range(args.repeats):
-                t1 = time.perf_counter()
-                eng.step(tok, t, Qb, par)
-                torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t1)
-            ms = 1e3 * float(np.median(ts))
             roof = roofline_ms(model, eng, R, Qb, t)
             row = f"| {qn} | {args.beams} | {R} | {t} | {ms:.2f} | {roof:.2f} | {roof / ms:.0%} | {first:.1f} |"
             lines.append(row)
@@ -221,11 +237,7 @@ def main() -> None:
     lines += [f"| `{n}` | {len(v)} | {sum(v):.3f} | {100 * sum(v) / total:.1f} % |" for n, v in top]
     if args.tree:
         lines += tree_profile(eng, queries, args, dev)
-    text = "\n".join(lines) + "\n"
-    print(text, flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    write_report(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ def compress_inputs(config: CompressJobConfig) -> dict[str, Any]:
     content (the file; or the index, whose manifest hashes its ads, and the queries; or the bundled
     example corpus) and the packed byte layout's version (a checkpoint of an older layout is rebuilt
     rather than skipped and then refused by the loader)."""
-    from kernels.nm_int4 import FORMAT_VERSION
+    from adbatch.compress import FORMAT_VERSION
     from pipelines.stage import file_hash, folder_hash, model_input_hash
 
     inputs = {"model": model_input_hash(config.model), "packed_format_version": str(FORMAT_VERSION)}

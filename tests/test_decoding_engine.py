@@ -112,6 +112,15 @@ def test_unsupported_family_is_refused_by_name():
         check_supported(model)
 
 
+def _two_steps(engine):
+    """Log-probs after a prefill of two prompts (2 beams) and two steps, the second with reordered parents."""
+    with torch.no_grad():
+        _, _, Qb = engine.prefill([[3, 4, 5, 6], [7, 8]], 2, 4)
+        engine.step(torch.tensor([20, 21] * Qb), 0, Qb)
+        logits, lse = engine.step(torch.tensor([30, 31] * Qb), 1, Qb, torch.tensor([1, 0, 3, 2]))
+    return logits.float() - lse[:, None]
+
+
 def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results():
     """A plan that routes every compressed layer to its dense copy: q/k/v and gate/up become one
     fused GEMM each (views of one copy), and the step's log-probs equal the packed path's."""
@@ -121,18 +130,10 @@ def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results()
     model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
     compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", group_policy="uniform",
                                     dense_dtype="float32"))
-    prompts, B = [[3, 4, 5, 6], [7, 8]], 2
-
-    def run(engine):
-        with torch.no_grad():
-            _, _, Qb = engine.prefill(prompts, B, 4)
-            engine.step(torch.tensor([20, 21] * Qb), 0, Qb)
-            logits, lse = engine.step(torch.tensor([30, 31] * Qb), 1, Qb, torch.tensor([1, 0, 3, 2]))
-        return logits.float() - lse[:, None]
 
     packed = DecodeEngine(model)
     assert packed._packed_modules and not packed._fused  # nothing dense to fuse up front
-    want = run(packed)
+    want = _two_steps(packed)
     routed = DecodeEngine(model)
     for m in routed._packed_modules:
         routed.plan.choice[_shape_key(m) + (4,)] = "dense"
@@ -141,7 +142,7 @@ def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results()
     qkv = routed._fused_copies[id(model.model.layers[0].self_attn.q_proj)]
     assert routed._dense[id(model.model.layers[0].self_attn.k_proj)].data_ptr() != qkv[0].data_ptr()
     assert routed._dense[id(model.model.layers[0].self_attn.q_proj)].data_ptr() == qkv[0].data_ptr()
-    torch.testing.assert_close(run(routed), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_two_steps(routed), want, atol=1e-4, rtol=1e-4)
 
 
 def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(monkeypatch):
@@ -156,16 +157,8 @@ def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(mon
     model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
     compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", uniform_pattern="2:4",
                                     group_policy="uniform", dense_dtype="float32"))
-    prompts, B = [[3, 4, 5, 6], [7, 8]], 2
 
-    def run(engine):
-        with torch.no_grad():
-            _, _, Qb = engine.prefill(prompts, B, 4)
-            engine.step(torch.tensor([20, 21] * Qb), 0, Qb)
-            logits, lse = engine.step(torch.tensor([30, 31] * Qb), 1, Qb, torch.tensor([1, 0, 3, 2]))
-        return logits.float() - lse[:, None]
-
-    want = run(DecodeEngine(model))
+    want = _two_steps(DecodeEngine(model))
     copies = []
     monkeypatch.setattr(engine_mod, "semi_structured_copy", lambda w: copies.append(w) or w.clone())
     routed = DecodeEngine(model)
@@ -178,7 +171,7 @@ def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(mon
     packed_calls = []
     for m in routed._packed_modules:
         monkeypatch.setattr(m, "forward", lambda *a, **k: packed_calls.append(1))
-    torch.testing.assert_close(run(routed), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_two_steps(routed), want, atol=1e-4, rtol=1e-4)
     assert not packed_calls
     monkeypatch.undo()
     refused = DecodeEngine(model)

@@ -13,9 +13,10 @@ from adbatch.compress.linear import CompressedLinear, compress_
 from adbatch.compress.recipe import (
     CalibrationConfig, CompressConfig, CompressionRecipe, GroupPolicy, LayerRecipe, PatternPolicy, ScoreMethod,
 )
+from kernels.nm_int4 import FORMAT_VERSION  # the packed layout's version: what a checkpoint on disk must match
 
 __all__ = [
-    "CalibrationConfig", "CalibrationStats", "CheckpointError", "CompressConfig", "CompressedLinear",
+    "FORMAT_VERSION", "CalibrationConfig", "CalibrationStats", "CheckpointError", "CompressConfig", "CompressedLinear",
     "CompressionRecipe", "GroupPolicy", "LayerRecipe", "LayerStats", "PatternPolicy", "ScoreMethod",
     "calibrate", "compress_", "load_compressed", "save_compressed",
 ]
