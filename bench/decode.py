@@ -192,7 +192,8 @@ def engine_runner(mod, model, trie: Trie, beams: int, k: int, verify: str, qbatc
 
     def run(batch):
         r = mod.search_targets(model, batch, trie, cfg, cost)
-        return r.rows.tolist(), r.scores.tolist(), r.stats
+        # the baseline engine (bench/results' copy of the loop before issue 16) returns a plain dict
+        return r.rows.tolist(), r.scores.tolist(), r.stats.flat() if hasattr(r.stats, "flat") else r.stats
     return run
 
 

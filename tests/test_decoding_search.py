@@ -91,7 +91,7 @@ def test_verification_never_worse_than_off(seed, beams):
         cfg = TargetSearchConfig(num_beams=beams, top_k=beams, verify=mode, max_tree_tokens=cap,
                                  max_tokens_per_pass=max(cap, 12))
         res = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY)
-        verified += res.stats["beams_verified"]
+        verified += res.stats.beams_verified
         # Verified beams keep their places as virtual beams, so every off result is matched or beaten.
         assert (res.scores >= off.scores - 1e-4).all()
     assert verified > 0
@@ -151,12 +151,12 @@ def test_codes_scheme_terminal_with_children_and_stats():
                              CHEAP_VERIFY)
         for q in range(2):
             np.testing.assert_allclose(res.scores[q].numpy(), np.sort(exact[q])[::-1][:8], atol=2e-4)
-        assert res.stats["mode"] == mode.value
+        assert res.stats.mode == mode.value
         if mode is VerifyMode.ALWAYS:
-            assert res.stats["beams_verified"] > 0 and res.stats["verify_passes"] > 0
-            assert sum(res.stats["verified_depths"].values()) == res.stats["beams_verified"]
+            assert res.stats.beams_verified > 0 and res.stats.verify_passes > 0
+            assert sum(res.stats.verified_depths.values()) == res.stats.beams_verified
         if mode is VerifyMode.OFF:
-            assert res.stats["beams_verified"] == 0
+            assert res.stats.beams_verified == 0
 
 
 def test_trigger_rule():
@@ -216,7 +216,7 @@ def test_no_prompts_gives_an_empty_result():
     trie = Trie.from_sequences([[10, 20], [11, 21]])
     for mode in VerifyMode:
         res = search_targets(model, [], trie, TargetSearchConfig(verify=mode, top_k=3))
-        assert res.rows.shape == (0, 3) and res.scores.shape == (0, 3) and res.stats["queries"] == 0
+        assert res.rows.shape == (0, 3) and res.scores.shape == (0, 3) and res.stats.queries == 0
 
 
 def test_prepared_trie_is_made_once_per_trie_and_device(case):

@@ -74,7 +74,50 @@ class TargetSearchResult:
 
     rows: torch.Tensor
     scores: torch.Tensor
-    stats: dict[str, Any]
+    stats: "SearchStats"
+
+
+@dataclasses.dataclass
+class SearchStats:
+    """Counters of one :func:`search_targets` call (docs/decoding.md); :meth:`flat` for manifests and logs.
+
+    ``mode``: the verify mode searched. ``steps``: decode forwards; ``decode_rows``: real beam rows they
+    advanced, ``rows_computed``: rows computed (padding of graph-replayed buckets included). ``verify_*``,
+    ``beams_verified``, ``tree_tokens_*``, ``verified_depths`` ({depth: beams}): prefix-tree verification.
+    ``width_*``: running beams per step. ``compactions``: batch compactions after queries finished.
+    ``phase_ms``: wall ms per phase when ``TargetSearchConfig.profile`` (synchronizing), else empty.
+    """
+
+    mode: str
+    queries: int = 0
+    prefill_rows: int = 0
+    steps: int = 0
+    decode_rows: int = 0
+    rows_computed: int = 0
+    verify_passes: int = 0
+    beams_verified: int = 0
+    verify_tokens: int = 0
+    tree_tokens_sum: int = 0
+    tree_tokens_max: int = 0
+    width_max: int = 0
+    width_sum: int = 0
+    compactions: int = 0
+    verified_depths: Counter = dataclasses.field(default_factory=Counter)
+    phase_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def tree_tokens_mean(self) -> float | None:
+        return self.tree_tokens_sum / self.beams_verified if self.beams_verified else None
+
+    def flat(self) -> dict[str, Any]:
+        """One level of JSON-ready values: the counters, ``verified_depths`` with int keys in depth order,
+        ``tree_tokens_mean`` once a beam was verified, and ``ms_<phase>`` per profiled phase."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("verified_depths", "phase_ms")}
+        out["verified_depths"] = {int(k): int(v) for k, v in sorted(self.verified_depths.items())}
+        if self.beams_verified:
+            out["tree_tokens_mean"] = self.tree_tokens_mean
+        out.update({f"ms_{k}": v for k, v in self.phase_ms.items()})
+        return out
 
 
 def _merge_pool(pool_s: torch.Tensor, pool_n: torch.Tensor, new_s: torch.Tensor,
@@ -106,10 +149,10 @@ def _rows_from_pool(pool_s: torch.Tensor, pool_n: torch.Tensor, aux: TrieAux, k:
 
 
 class _PhaseClock:
-    """Accumulates wall time per phase into ``stats['ms_<phase>']`` when profiling (syncs the
+    """Accumulates wall time per phase into ``stats.phase_ms[<phase>]`` when profiling (syncs the
     device at each mark, so off by default)."""
 
-    def __init__(self, stats: dict[str, Any], device: torch.device, on: bool) -> None:
+    def __init__(self, stats: SearchStats, device: torch.device, on: bool) -> None:
         self.stats, self.device, self.on = stats, device, on
         self.t = time.perf_counter()
 
@@ -119,8 +162,7 @@ class _PhaseClock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        key = f"ms_{phase}"
-        self.stats[key] = self.stats.get(key, 0.0) + 1e3 * (now - self.t)
+        self.stats.phase_ms[phase] = self.stats.phase_ms.get(phase, 0.0) + 1e3 * (now - self.t)
         self.t = now
 
 
@@ -249,7 +291,7 @@ def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.T
 @torch.no_grad()
 def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, trie: Any,
                   cfg: TargetSearchConfig, cost: CostModel | None, pad_id: int,
-                  stats: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+                  stats: SearchStats) -> tuple[torch.Tensor, torch.Tensor]:
     """One query batch on the engine's static cache. Query rows ``Qb`` (a power-of-two bucket)
     hold ``B`` beam slots each; slot ``q * B + b`` is also the slot's cache row. A slot is REAL
     (its prefix decoded step by step) or VIRTUAL (inside a verified subtree: every descendant's
@@ -283,7 +325,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     pool_s = torch.full((Qb, P), NEG_INF, device=dev)
     pool_n = torch.full((Qb, P), -1, dtype=torch.long, device=dev)
     has_virtual = False  # set once a verification pass turns slots virtual (then steps stay eager)
-    stats["prefill_rows"] += Q
+    stats.prefill_rows += Q
     clock.mark("prefill")
 
     def flush() -> None:  # the pools of real query rows into the batch's results
@@ -339,20 +381,20 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
             run_virtual = run_virtual.clone()  # (a captured graph's output buffer otherwise)
             run_virtual[v_slots] = True
             has_virtual = True
-            stats["verify_passes"] += 1
-            stats["beams_verified"] += int(vs.size)
-            stats["verify_tokens"] += int(vs.size) * fed_max
-            stats["verified_depths"].update(host[6][vs].tolist())
-            stats["tree_tokens_max"] = max(stats["tree_tokens_max"], int(host[2][vs].max()))
-            stats["tree_tokens_sum"] += int(host[2][vs].sum())
+            stats.verify_passes += 1
+            stats.beams_verified += int(vs.size)
+            stats.verify_tokens += int(vs.size) * fed_max
+            stats.verified_depths.update(host[6][vs].tolist())
+            stats.tree_tokens_max = max(stats.tree_tokens_max, int(host[2][vs].max()))
+            stats.tree_tokens_sum += int(host[2][vs].sum())
             clock.mark("verify")
 
         s_node = torch.where(alive, run_c, -1)
         s_score = torch.where(alive, run_s, NEG_INF)
         s_virtual, s_vbase = run_virtual, new_vbase
         width = max(int(host[5][h_alive].max()), 1)
-        stats["width_max"] = max(stats["width_max"], width)
-        stats["width_sum"] += width
+        stats.width_max = max(stats.width_max, width)
+        stats.width_sum += width
         if not cont.any() or t + 1 >= max_steps:
             break
         # = pending & ~verify on the device (verified slots turned virtual above): no upload
@@ -377,7 +419,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
             tokens, parent_slot = tokens[src], parent_slot[src]  # parents: rows of the old layout
             cont_t = cont_t[src] & ~pad_slot
             Qb = new_qb
-            stats["compactions"] += 1
+            stats.compactions += 1
         if engine.graphs_enabled:  # every slot row, one captured shape per bucket
             logits, lse = engine.step(tokens, t, Qb, parent_slot)
             logit_row = torch.arange(Qb * B, device=dev)
@@ -387,19 +429,13 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
             logit_row = torch.zeros(Qb * B, dtype=torch.long, device=dev)
             logit_row[live] = torch.arange(live.numel(), device=dev)
         clock.mark("decode")
-        stats["steps"] += 1
-        stats["decode_rows"] += int(cont.sum())
-        stats["rows_computed"] += Qb * B if engine.graphs_enabled else int(cont.sum())
+        stats.steps += 1
+        stats.decode_rows += int(cont.sum())
+        stats.rows_computed += Qb * B if engine.graphs_enabled else int(cont.sum())
     flush()
     out = _rows_from_pool(out_s, out_n, aux, cfg.top_k)
     clock.mark("finish")
     return out
-
-
-def _new_stats(cfg: TargetSearchConfig) -> dict[str, Any]:
-    return {"mode": cfg.verify.value, "queries": 0, "prefill_rows": 0, "steps": 0, "decode_rows": 0,
-            "verify_passes": 0, "beams_verified": 0, "compactions": 0, "rows_computed": 0, "verify_tokens": 0, "tree_tokens_sum": 0,
-            "tree_tokens_max": 0, "width_max": 0, "width_sum": 0, "verified_depths": Counter()}
 
 
 def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: TargetSearchConfig,
@@ -435,7 +471,7 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
         cost_model = load_or_calibrate(model)
     pad_id = getattr(model.config, "pad_token_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)
-    stats = _new_stats(config)
+    stats = SearchStats(mode=config.verify.value)
     engine = engine_for(model)
     rows, scores = [], []
     was_training = model.training
@@ -449,11 +485,8 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
             scores.append(s.cpu())
     finally:
         model.train(was_training)
-    stats["queries"] = len(prompts)
-    stats["verified_depths"] = {int(k): int(v) for k, v in sorted(stats["verified_depths"].items())}
-    if stats["beams_verified"]:
-        stats["tree_tokens_mean"] = stats["tree_tokens_sum"] / stats["beams_verified"]
-    log.debug("search_targets stats: %s", stats)
+    stats.queries = len(prompts)
+    log.debug("search_targets stats: %s", stats.flat())
     if not rows:  # no prompts: empty [0, k] results, not an error
         return TargetSearchResult(torch.empty(0, config.top_k, dtype=torch.long), torch.empty(0, config.top_k), stats)
     return TargetSearchResult(torch.cat(rows, 0), torch.cat(scores, 0), stats)

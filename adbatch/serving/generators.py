@@ -394,7 +394,7 @@ class TargetGenerator(_GeneratorBase):
         result = search_targets(self.model, prompts, self.trie, self.search, cost_model=self.cost_model)
         rows_t = result.rows.tolist()  # [Q, k], -1 padding
         scores_t = result.scores.tolist()
-        verified = int(result.stats.get("beams_verified", 0))
+        verified = result.stats.beams_verified
         out = []
         for r, ad_rows, sc in zip(rows, rows_t, scores_t):
             keep = [(a, s) for a, s in zip(ad_rows, sc) if a >= 0]
