@@ -22,7 +22,8 @@ from adbatch.config import ConfigError
 from adbatch.training import trainer
 from adbatch.training.data import (ExampleKind, build_prompted, collate, collate_packed, packed_attention_mask,
                                    packed_batches)
-from adbatch.training.trainer import (TrainConfig, TrainStats, check_packing, count_params, linear_cross_entropy,
+from adbatch.training.head_loss import linear_cross_entropy
+from adbatch.training.trainer import (TrainConfig, TrainStats, check_packing, count_params,
                                       packed_masks, target_logits, train_loop)
 
 from conftest import make_tiny_llama

@@ -25,6 +25,10 @@ Two paths, same statistics (``CalibrationConfig.mode``; tests/test_compress_laye
 Both paths record through the same hooks (:class:`_StatsCollector`). Texts are concatenated
 (EOS-separated) and cut into fixed-length sequences, each starting with the tokenizer's own prefix
 (BOS where it declares one), so there is no padding to mask out (:func:`token_blocks`).
+
+Why one module of ~700 lines: the two paths must produce the same statistics (the tests compare them),
+and they share the hooks, the statistics type, the text sources and the memory estimate that picks
+between them; kept side by side so a change to one is seen against the other.
 """
 
 from __future__ import annotations

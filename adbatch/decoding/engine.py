@@ -31,6 +31,10 @@ Hopper's / Ampere's sparse tensor cores (:func:`semi_structured_copy`), the thir
 
 Supported decoder families: Llama (SmolLM2), Mistral, Qwen2, Qwen3 (q/k norms), Gemma 3 (q/k norms,
 sandwich norms, sliding-window layers, scaled embeddings). Others are refused with a clear error.
+
+Why one module of ~900 lines: :class:`DecodeEngine` is one object over one set of preallocated
+buffers; prefill, step, tree pass, graph capture and the per-bucket linear plan all index the same
+tensors and the same captured-graph table, so splitting it would spread one state across files.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ code is its ``rq_levels`` nearest-centroid indices; ads whose codes are equal ge
 counter in row order (TIGER's disambiguation), so codes are unique and prefix-free (every un-collided
 code has exactly ``rq_levels`` entries, so none is a prefix of another). It has no incremental update:
 :func:`require_updatable` refuses it (an ad's code would change when a new ad collides with it).
+
+Why one module of ~600 lines: the two methods share the :class:`Hierarchy` they return, the node
+bookkeeping (paths, leaf positions, prefix-freeness) and the FAISS k-means wrapper; split, each half
+would import most of the other.
 """
 
 from __future__ import annotations
