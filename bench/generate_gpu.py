@@ -291,22 +291,28 @@ def prepare(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> None
         _write_json(work / "requests.json", rkey)
 
     if search_config(args).verify.value == "auto":
-        # Both runs read the cost model saved here (same ADBATCH_CACHE, same model / device / dtype):
-        # it picks which beams get verified, so the two must share it for the top-10 to compare.
-        import torch
-
-        from adbatch.decoding import load_or_calibrate
-        from adbatch.serving.generators import ModelSpec, load_model, resolve_device
-
-        t = _now()
-        lm, _ = load_model(ModelSpec(model=model), resolve_device(device_choice(args)))
-        load_or_calibrate(lm)
-        del lm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        state["calibration_s"] = round(_now() - t, 2)
+        state["calibration_s"] = calibrate_once(model, device_choice(args))
     state["prepare_s"] = round(_now() - t0, 2)
+
+
+def calibrate_once(model: str | None, device: Any) -> float:
+    """Measure (or read) the ``verify=auto`` cost model of ``model`` on ``device`` (a ``DeviceChoice``) into
+    ``$ADBATCH_CACHE`` before the timed runs. Every run (and Ray actor) then reads the same saved one (same
+    ADBATCH_CACHE, model, device, dtype): it picks which beams get verified, so runs whose top-10 are
+    compared must share it. Returns the seconds it took."""
+    import torch
+
+    from adbatch.decoding import load_or_calibrate
+    from adbatch.serving.generators import ModelSpec, load_model, resolve_device
+
+    t = _now()
+    lm, _ = load_model(ModelSpec(model=model), resolve_device(device))
+    load_or_calibrate(lm)
+    del lm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return round(_now() - t, 2)
 
 
 # --- the two timed runs ----------------------------------------------------------------------------

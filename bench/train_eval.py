@@ -174,14 +174,15 @@ def load_bundle(bundle: Path, name: str) -> dict[str, Any]:
     }
 
 
-def title_qrels(ad_ids: list, ad_texts: dict, n: int) -> dict[str, dict[int, float]]:
+def title_qrels(ad_ids: list, ad_texts: dict, n: int) -> dict[str, dict[Any, float]]:
     """Qrels "ad title -> that ad" (and any other ad with the same title) for ``n`` ads evenly spaced
     over the index order: scores how much of the index a model has learned (the *indexing* task;
-    validation for warm-start runs, where held-out queries of a small catalogue are too few)."""
+    validation for warm-start runs, where held-out queries of a small catalogue are too few). Integer ids
+    stay ints (numpy ones become Python's), string ids stay strings."""
     step = max(1, len(ad_ids) // n)
-    by_title: dict[str, dict[int, float]] = {}
+    by_title: dict[str, dict[Any, float]] = {}
     for a in ad_ids:
-        by_title.setdefault(ad_texts[a], {})[int(a)] = 3.0
+        by_title.setdefault(ad_texts[a], {})[a if isinstance(a, str) else int(a)] = 3.0
     return {ad_texts[a]: by_title[ad_texts[a]] for a in ad_ids[::step][:n]}
 
 

@@ -239,6 +239,7 @@ def _train_into(config: TrainJobConfig) -> dict[str, Any]:
     out["model_dir"] = str(job.out)
     out["wall_seconds"] = round(time.perf_counter() - t0, 3)
     out["num_workers"] = config.num_workers
+    out["world_size"] = record.get("world_size", 1)  # the torch.distributed world rank 0 trained in
     return out
 
 

@@ -341,8 +341,8 @@ def train_on_index(
         record = {"trained_on_index": index.index_hash, "scheme": info["scheme"],
                   "targeting_prompt_version": TARGETING_PROMPT_VERSION,
                   "num_ads": len(index.ad_ids), "init_model": str(init_model) if init_model else "default",
-                  "warm_started_from_index": warm_from, "config": config.to_dict(),
-                  "train": summary.train, "data": data_stats,
+                  "warm_started_from_index": warm_from, "config": config.to_dict(), "world_size": world_size,
+                  "train": summary.train, "losses": summary.losses, "data": data_stats,
                   "sparsity": {k: v for k, v in (stats.sparsity or {}).items() if k != "patterns"},
                   "layer_patterns": (stats.sparsity or {}).get("patterns", {}),
                   "qat": stats.qat}

@@ -379,6 +379,47 @@ def packed_batches(lengths: torch.Tensor, row_len: int, rows_per_batch: int,
     return out
 
 
+def _plan_examples(plan: torch.Tensor | PackedMicroBatch) -> int:
+    return int(plan.index.numel() if isinstance(plan, PackedMicroBatch) else plan.numel())
+
+
+def _split_plan(plan: torch.Tensor | PackedMicroBatch) -> list[Any]:
+    """Two micro-batches holding the examples of ``plan`` (at least two): a padded batch's first and second
+    half; a packed one's first and last rows, or, with a single row, the first and second half of its examples."""
+    if not isinstance(plan, PackedMicroBatch):
+        return [plan[: plan.numel() // 2], plan[plan.numel() // 2:]]
+    if plan.row_sizes.numel() >= 2:
+        h = plan.row_sizes.numel() // 2
+        k = int(plan.row_sizes[:h].sum())
+        return [PackedMicroBatch(plan.index[:k], plan.row_sizes[:h]), PackedMicroBatch(plan.index[k:], plan.row_sizes[h:])]
+    k = plan.index.numel()
+    return [PackedMicroBatch(plan.index[: k // 2], torch.tensor([k // 2])),
+            PackedMicroBatch(plan.index[k // 2:], torch.tensor([k - k // 2]))]
+
+
+def split_for_ranks(batches: list[Any], world_size: int) -> list[Any]:
+    """``batches`` (of :func:`token_budget_batches` or :func:`packed_batches`) with the largest cut in two
+    until their number is a multiple of ``world_size``.
+
+    Under DDP every rank takes every ``world_size``-th micro-batch of the same list and all ranks must run
+    the same number of them, so a remainder would be dropped: after the cuts every example of the epoch is
+    seen exactly once across the ranks (none dropped, none repeated). A half stays within its batch's token
+    budget (fewer examples; a packed half keeps the batch's shape, with more padding rows). The two halves
+    sit side by side, so they go to different ranks. Falls short of a multiple only when no batch has two
+    examples left to cut (fewer examples than ranks).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    out = list(batches)
+    while len(out) % world_size:
+        sizes = [_plan_examples(b) for b in out]
+        i = max(range(len(out)), key=sizes.__getitem__)
+        if sizes[i] < 2:
+            break
+        out[i:i + 1] = _split_plan(out[i])
+    return out
+
+
 def collate_packed(ex: TrainingExamples, plan: PackedMicroBatch, rows: int, row_len: int, pad_id: int) -> Batch:
     """Lay the examples of ``plan`` into a packed :class:`Batch` of ``[rows, row_len]`` (vectorised).
 

@@ -49,7 +49,7 @@ from torch import nn
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.data import (Batch, ExampleKind, TrainingExamples, collate, collate_packed, packed_attention_mask,
-                                   packed_batches, repeat_kinds, token_budget_batches)
+                                   packed_batches, repeat_kinds, split_for_ranks, token_budget_batches)
 from adbatch.training.distill import DistillConfig, distill_loss
 from adbatch.training.head_loss import linear_cross_entropy
 from adbatch.training.pseudo_queries import PseudoQueryConfig
@@ -407,13 +407,21 @@ class TrainStats:
     qat: dict[str, Any] | None = None  # QuantAwareTraining.summary() when QAT ran
     packing: dict[str, Any] = field(default_factory=dict)  # enabled, row_tokens, rows, fallback reason
     compiled: bool = False
+    examples: int = 0  # examples trained on (an example repeated in an epoch, or in several epochs, counts each time)
+    world_size: int = 1
+    # the counters summed over the ranks (seconds: the slowest rank's); None under a world size > 1 without
+    # torch.distributed (ranks run apart, e.g. a test)
+    all_ranks: dict[str, Any] | None = None
 
     def summary(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
         """The run's numbers. MFU = model FLOPs / seconds / peak with model FLOPs
         ``6 · body · tokens + 6 · head · target_tokens`` (:func:`count_params`: the body's matmuls at
         every real token, the LM head's only at target positions where it runs; real tokens only, so
         padding is not credited; attention's ``L²`` terms are not counted, as in the usual 6·N·D) and
-        peak = one H200's dense bf16 989 TFLOP/s (``mfu_peak_tflops``), reported on CUDA only."""
+        peak = one H200's dense bf16 989 TFLOP/s (``mfu_peak_tflops``), reported on CUDA only.
+
+        The counters and rates are this rank's; ``*_all_ranks`` (examples, tokens, target tokens,
+        micro-batches and tokens/s over the slowest rank's seconds) are the whole job's."""
         body, head = count_params(model)
         tok_s = self.tokens / self.seconds if self.seconds > 0 else 0.0
         flops = 6.0 * body * self.tokens + 6.0 * head * self.target_tokens
@@ -425,7 +433,7 @@ class TrainStats:
                "padded_tokens_per_s": round(slots / self.seconds, 1) if self.seconds > 0 else 0.0,
                "packing": self.packing, "compiled": self.compiled,
                "mfu_params": {"body": body, "lm_head": head}, "model_flops": flops,
-               "stopped_early": self.stopped_early,
+               "stopped_early": self.stopped_early, "examples": self.examples, "world_size": self.world_size,
                "epochs_done": round(self.micro_batches / max(1, self.micro_batches_per_epoch), 4),
                "seconds_per_epoch": round(self.seconds * self.micro_batches_per_epoch / max(1, self.micro_batches), 3),
                "first_loss": self.losses[0][1] if self.losses else None,
@@ -434,6 +442,8 @@ class TrainStats:
             out["mfu"] = round(flops / self.seconds / H200_BF16_PEAK_FLOPS, 4)
             out["mfu_peak"] = MFU_PEAK_NAME
             out["mfu_peak_tflops"] = H200_BF16_PEAK_FLOPS / 1e12
+        if self.all_ranks is not None:
+            out.update({f"{k}_all_ranks": v for k, v in self.all_ranks.items()})
         if self.sparsity:
             out["sparsity_density"] = self.sparsity.get("density")
         if self.evals:
@@ -519,6 +529,27 @@ class BestWeights:
             core.load_state_dict(self.state)
 
 
+def _all_ranks(stats: TrainStats, device: torch.device) -> dict[str, Any] | None:
+    """The run's counters over all ranks: summed (seconds: the slowest rank's), one collective each for the
+    counts and the time; this rank's own with one rank; None with several but no torch.distributed."""
+    names = ("examples", "tokens", "target_tokens", "micro_batches")
+    counts = [getattr(stats, n) for n in names]
+    seconds = stats.seconds
+    if stats.world_size > 1:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        t = torch.tensor(counts, dtype=torch.int64, device=device)  # on the device: NCCL reduces CUDA tensors
+        dist.all_reduce(t)
+        s = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(s, op=dist.ReduceOp.MAX)
+        counts, seconds = t.tolist(), float(s)
+    out: dict[str, Any] = dict(zip(names, counts))
+    out["tokens_per_s"] = round(out["tokens"] / seconds, 1) if seconds > 0 else 0.0
+    return out
+
+
 def train_loop(
     model: nn.Module,
     examples: TrainingExamples,
@@ -545,8 +576,10 @@ def train_loop(
     rank evaluates (the callback must be deterministic so all ranks agree).
 
     Under torch.distributed (``world_size > 1``) pass the DDP-wrapped model; each rank takes every
-    ``world_size``-th micro-batch of the same seeded order. Returns the stats and, when enabled,
-    the sparsity driver (its masks are final and applied to the weights).
+    ``world_size``-th micro-batch of the same seeded order, whose largest batches are cut so that their
+    number divides by ``world_size`` (:func:`adbatch.training.data.split_for_ranks`): every example once
+    per epoch across the ranks. The counters are summed over the ranks at the end (``all_ranks``).
+    Returns the stats and, when enabled, the sparsity driver (its masks are final and applied to the weights).
     """
     device = torch.device(device)
     gen = torch.Generator().manual_seed(config.seed)
@@ -566,8 +599,10 @@ def train_loop(
 
     def epoch_batches(shuffle: bool) -> list[Any]:
         if packing["enabled"]:
-            return packed_batches(lengths, packing["row_tokens"], packing["rows"], gen, shuffle=shuffle)
-        return token_budget_batches(lengths, config.batch_tokens, gen, shuffle=shuffle)
+            batches = packed_batches(lengths, packing["row_tokens"], packing["rows"], gen, shuffle=shuffle)
+        else:
+            batches = token_budget_batches(lengths, config.batch_tokens, gen, shuffle=shuffle)
+        return split_for_ranks(batches, world_size) if world_size > 1 else batches
 
     def to_batch(plan: Any) -> Batch:
         if packing["enabled"]:
@@ -598,7 +633,7 @@ def train_loop(
                          else "a teacher model was given but TrainConfig.distill is not enabled")
     if teacher is not None:
         teacher.eval().requires_grad_(False)
-    stats = TrainStats(micro_batches_per_epoch=per_epoch, packing=packing)
+    stats = TrainStats(micro_batches_per_epoch=per_epoch, packing=packing, world_size=world_size)
     compiled = None
     if config.compile and device.type == "cuda":
         if sparsity is not None:
@@ -616,8 +651,9 @@ def train_loop(
     def micro_batches():
         while True:
             batches = epoch_batches(shuffle=True)
-            usable = len(batches) // world_size * world_size
+            usable = len(batches) // world_size * world_size  # short only with fewer examples than ranks
             for plan in batches[rank:usable:world_size]:
+                stats.examples += int(plan.index.numel() if packing["enabled"] else plan.numel())
                 yield to_batch(plan)
 
     batch_iter = micro_batches()
@@ -708,6 +744,7 @@ def train_loop(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats.seconds = time.perf_counter() - t0 - stats.eval_seconds
+    stats.all_ranks = _all_ranks(stats, device)
     if compiled is not None:  # the caller evaluates / saves / decodes an eager model
         compiled.off()
     if bar is not None:
