@@ -146,7 +146,9 @@ def _kernel_args(x2: torch.Tensor, p: PackedNMInt4, bias, out, part, cnt, cfg: K
     # the GEMV reads x as int64 words of 4 activations: its K and row stride count words
     xk = x2 if cfg.use_dot else _x_words(x2)
     x_name, k_name = sig.names[sig.i_x], ("K" if cfg.use_dot else "G4")
-    vals = {x_name: xk, "qw_ptr": p.qweight, "qp_ptr": p.qpos if p.pattern.is_sparse else p.qweight,
+    # the tensor-core kernel reads the fragment-ordered copy (built on the layer's first such launch)
+    qw, qp = p.fragments if cfg.use_dot else (p.qweight, p.qpos)
+    vals = {x_name: xk, "qw_ptr": qw, "qp_ptr": qp if p.pattern.is_sparse else qw,
             "sz_ptr": p.scale_zero_words, "gptr_ptr": p.group_ptr, "gshift_ptr": p.group_shift,
             "bias_ptr": bias if bias is not None else out, "out_ptr": out, "part_ptr": part, "cnt_ptr": cnt, "B": batch,
             "N": n_out, k_name: p.in_features if cfg.use_dot else p.in_features // 4, "KP": p.padded_kept,
@@ -166,8 +168,7 @@ def _kernel_meta(cfg: KernelConfig, pattern: SparsityPattern, split: bool, has_b
                 HAS_BIAS=has_bias, IS_BF16=bf16, ASM=asm)
     if cfg.use_dot:
         meta["DOT_F32"] = not asm and bf16  # interpreter only: numpy has no bf16 matmul
-    else:
-        meta["EVEN"] = even
+    meta["EVEN"] = even
     return meta
 
 
@@ -265,7 +266,7 @@ class _Bound:
         self.i_x, self.i_out, self.i_b, self.i_stride, self.i_part_stride = (
             sig.i_x, sig.i_out, sig.i_b, sig.i_stride, sig.i_part_stride)
         self.has_bias = bias is not None
-        self.keep = (p.qweight, p.qpos, p.scale_zero_words, p.group_ptr, p.group_shift)
+        self.keep = (p.qweight, p.qpos, p.scale_zero_words, p.group_ptr, p.group_shift) + (p.fragments if cfg.use_dot else ())
 
     def __call__(self, x2: torch.Tensor, bias):
         if _launch_hooks_set() or x2.get_device() != self.dev or x2.stride(-1) != 1:

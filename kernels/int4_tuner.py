@@ -39,7 +39,7 @@ GEMV_MAX_BATCH = GEMV_BATCH_TILES[-1]
 GEMV_TUNE_MAX_BATCH = 16  # largest bucket whose tuner also times GEMV configs (several batch tiles)
 # part of the tuning-cache file name: configs tuned for older kernels are not reused. Bump it when the
 # code gemv_int4 / tc_int4 generate changes.
-KERNEL_VERSION = 7
+KERNEL_VERSION = 8
 
 
 @dataclasses.dataclass(frozen=True)

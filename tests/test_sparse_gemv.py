@@ -1,11 +1,18 @@
-"""Triton SparseGemv vs the torch reference, on CPU tensors under the Triton interpreter."""
+"""Triton SparseGemv vs the torch reference, on CPU tensors under the Triton interpreter.
+
+``ADBATCH_KERNEL_TEST_DEVICE=cuda`` (with ``TRITON_INTERPRET`` unset) runs the same kernel checks on a GPU,
+through the real inline PTX instead of its emulation; the tests of the interpreter itself and of the
+CPU-side dispatch are skipped there.
+"""
 
 from __future__ import annotations
 
 import os
 
-# The interpreter is chosen when @triton.jit runs, i.e. when the kernel modules are first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = os.environ.get("ADBATCH_KERNEL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    # The interpreter is chosen when @triton.jit runs, i.e. when the kernel modules are first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,10 +24,14 @@ from kernels import int4_launch as launcher  # noqa: E402
 from kernels import int4_tuner as tuner  # noqa: E402
 from kernels import tc_int4 as tc  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or type(gemv._nm_int4_gemv_kernel).__name__ != "InterpretedFunction",
-    reason="needs the Triton interpreter (TRITON_INTERPRET=1 before kernels.int4_launch is imported)",
-)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and type(gemv._nm_int4_gemv_kernel).__name__ == "InterpretedFunction"
+if DEVICE == "cpu":
+    pytestmark = pytest.mark.skipif(not _INTERPRETED, reason="needs the Triton interpreter (TRITON_INTERPRET=1 "
+                                    "before kernels.int4_launch is imported)")
+else:
+    pytestmark = pytest.mark.skipif(_INTERPRETED or not torch.cuda.is_available(),
+                                    reason="ADBATCH_KERNEL_TEST_DEVICE=cuda needs a GPU and TRITON_INTERPRET unset")
+interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="a check of the emulation or of the CPU-side dispatch")
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # rel. Frobenius error; output rounding dominates
 
@@ -35,7 +46,7 @@ def _check(p, batch: int, dtype, cfg, seed: int, bias: bool = True, lead: tuple[
     x = (torch.randn(*lead, batch, p.in_features, generator=g) + 0.1).to(dtype)  # never zero
     b = torch.randn(p.out_features, generator=g).to(dtype) if bias else None
     ref = nm_int4_linear_reference(x.double(), p, None if b is None else b.double())
-    y = launcher.nm_int4_linear_triton(x, p, b, config=cfg)
+    y = launcher.nm_int4_linear_triton(x.to(DEVICE), p.to(DEVICE), None if b is None else b.to(DEVICE), config=cfg).cpu()
     assert y.shape == (*lead, batch, p.out_features) and y.dtype == dtype
     err = _rel_err(y, ref)
     assert err < TOL[dtype], f"{p.pattern.value} B={batch} {dtype} {cfg}: rel err {err:.2e}"
@@ -77,8 +88,9 @@ def test_gemv_even_path(pattern):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch", [8, 17, 64])
 def test_dot_path(pattern, dtype, batch):
-    """The tensor-core kernel (PTX dequant + prmt densify, emulated): N = 19 and Kp not multiples of the
-    blocks, one / two batch tiles, a partial last K step, split-K with bias."""
+    """The tensor-core kernel (PTX dequant + prmt densify, emulated, on the fragment-ordered copy): N = 19
+    and Kp not multiples of the blocks (a partial row block and unit), one / two batch tiles, a partial
+    last K step, split-K with bias."""
     p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
     block_b = 64 if batch == 64 else 16
     for cfg in (
@@ -89,48 +101,19 @@ def test_dot_path(pattern, dtype, batch):
 
 
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
-@pytest.mark.parametrize("bf16", [False, True])
-def test_tc_unit_densify(pattern, bf16):
-    """_tc_unit_dense / _tc_unit_pairs + _pairs_to_half (the emulation of the tensor-core kernel's PTX
-    blocks) against dequantize_nm_int4 on 64 rows of 2 units each: pruned columns exactly zero, kept
-    ones within the fp16 rounding of (16 + zero) * scale and of the value itself."""
-    import triton
-    import triton.language as tl
-
-    from kernels.nm_int4 import dequantize_nm_int4, kept_columns
-
-    @triton.jit
-    def _k(qw_ptr, qp_ptr, sz_ptr, out_ptr, N, NKEEP: tl.constexpr, LOG: tl.constexpr, IS_BF16: tl.constexpr):
-        r = tl.arange(0, 64)[:, None]
-        u = tl.arange(0, 2)[None, :]
-        w0 = tl.load(qw_ptr + (2 * u) * N + r)
-        w1 = tl.load(qw_ptr + (2 * u + 1) * N + r)
-        pw = tl.load(qp_ptr + u * N + r) if NKEEP < 4 else w0
-        v = tl.load(sz_ptr + r)  # one group of 32 values per row
-        s = common._half_to_f32(v, False)
-        z = common._half_to_f32(v >> 16, False)
-        zh = common._f32_to_half(-(z + 16.0) * s, False)
-        s2 = (v & 0xFFFF) | (v << 16)
-        nzs2 = zh | (zh << 16)
-        if NKEEP == 4:
-            dense = tl.reshape(tc._join_tree(tc._tc_unit_dense(w0, w1, s2, nzs2, IS_BF16, False), LOG), [64, 32])
-        else:
-            words = tc._tc_unit_pairs(w0, w1, pw, s2, nzs2, NKEEP, IS_BF16, False)
-            dense = tc._pairs_to_half(tl.reshape(tc._join_tree(words, LOG - 1), [64, 64 // NKEEP]), IS_BF16, False)
-        tl.store(out_ptr + r * (128 // NKEEP) + tl.arange(0, 128 // NKEEP)[None, :], dense.to(tl.float32))
-
-    n = pattern.n
-    p = random_packed(64, 128 // n, pattern, group_sizes=(32,), generator=torch.Generator().manual_seed(41))
-    out = torch.empty(64, 128 // n)
-    qp = p.qpos if pattern.is_sparse else p.qweight
-    _k[(1,)](p.qweight, qp, p.scale_zero_words, out, 64, NKEEP=n, LOG={4: 4, 2: 5, 1: 6}[n], IS_BF16=bf16)
-    ref = dequantize_nm_int4(p)
-    scale = p.scale_zero[:, 0].float()[:, None]
-    kept = torch.zeros_like(ref, dtype=torch.bool).scatter_(1, kept_columns(p), True)
-    assert (out[~kept] == 0).all()  # pruned columns: exact zeros
-    assert ((out - ref).abs() <= 0.02 * scale + (8e-3 if bf16 else 1e-3) * ref.abs()).all()
+def test_dot_even_path(pattern):
+    """N % BLOCK_N == 0 and no padding: the tensor-core kernel's mask-free (EVEN) loads, with and without
+    split-K, and a 128-row tile of 8 row blocks."""
+    p = random_packed(128, 512, pattern, generator=torch.Generator().manual_seed(33))
+    kk = tuner.tc_block_kk(pattern)
+    for cfg in (tuner.KernelConfig(16, 64, kk, 1, True), tuner.KernelConfig(16, 128, kk, 2, True, 8)):
+        _, meta = launcher._kernel_args(torch.zeros(16, 512, dtype=torch.float16), p, None, torch.zeros(16, 128), None,
+                                        None, cfg, launcher._Plan.of(p, cfg))
+        assert meta["EVEN"]
+        _check(p, 16, torch.bfloat16, cfg, seed=34)
 
 
+@interpreter_only
 @pytest.mark.parametrize("batch", [1, 6, 64])
 def test_dispatcher_heuristic(batch, monkeypatch):
     """Default dispatch (no forced config) on CPU: heuristic config, leading dims kept."""
@@ -223,7 +206,9 @@ def test_launcher_slots_follow_kernel_signatures():
         assert args[sig.i_b] == 3 and args[sig.i_part_stride] == 3 * 40
         assert args[sig.i_stride] == (264 if cfg.use_dot else 264 // 4)
         named = dict(zip(sig.names, args))
-        assert named["qw_ptr"] is p.qweight and named["qp_ptr"] is p.qpos and named["bias_ptr"] is out
+        # the tensor-core kernel reads the fragment-ordered copy, the GEMV the stored words
+        qw, qp = p.fragments if cfg.use_dot else (p.qweight, p.qpos)
+        assert named["qw_ptr"] is qw and named["qp_ptr"] is qp and named["bias_ptr"] is out
         assert named["KP"] == p.padded_kept and named["N"] == 40
 
 
@@ -240,6 +225,7 @@ def test_tune_key_buckets(monkeypatch):
         tuner.tune_key(p, 3, torch.bfloat16)
 
 
+@interpreter_only
 def test_rejects_unsupported():
     p = random_packed(8, 64, SparsityPattern.TWO_FOUR)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
@@ -276,10 +262,13 @@ def test_gemv_two_batch_tiles_and_misaligned_rows(pattern):
     x = wide[:, 1:]  # stride 137, data offset 2 bytes
     assert x.stride(0) % 4 and x.data_ptr() % 8
     ref = nm_int4_linear_reference(x.double(), p)
-    y = launcher.nm_int4_linear_triton(x, p, config=tuner.KernelConfig(4, 16, 32, 1, False))
+    if DEVICE != "cpu":
+        x = wide.to(DEVICE)[:, 1:]
+    y = launcher.nm_int4_linear_triton(x, p.to(DEVICE), config=tuner.KernelConfig(4, 16, 32, 1, False)).cpu()
     assert _rel_err(y, ref) < TOL[torch.float16]
 
 
+@interpreter_only
 def test_selector_and_prmt_emulation():
     """The prmt selectors the GEMV kernel builds from a position word (format v2 byte-spread layout) pick
     x[p0] into the low and x[p1] into the high half of every kept pair (2:4), checked on 512 random
