@@ -38,7 +38,7 @@ there to 0, so padding contributes exact zeros. Padding is never returned by :fu
 :func:`dequantize_nm_int4`. The kernels read a sub-block of 32 kept values with one ``(scale, zero)``,
 which is why group sizes are at least 32 and powers of 2.
 
-The tensor-core kernel (:mod:`kernels.tc_int4`) reads a second, *fragment-ordered* copy of ``qweight``
+The fragment-ordered tensor-core kernel (:mod:`kernels.tc_frag_int4`) reads a second copy of ``qweight``
 / ``qpos``, :attr:`PackedNMInt4.fragments` (:func:`fragment_order`), derived from the layout above on
 first use and kept on the object (it is not stored in checkpoints). It is ordered for the
 ``m16n8k16`` A-operand fragment of the weight rows ("swap AB": the weights are the MMA's M side),

@@ -23,6 +23,7 @@ from kernels import int4_common as common  # noqa: E402
 from kernels import int4_launch as launcher  # noqa: E402
 from kernels import int4_tuner as tuner  # noqa: E402
 from kernels import tc_int4 as tc  # noqa: E402
+from kernels import tc_frag_int4 as tc_frag  # noqa: E402
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and type(gemv._nm_int4_gemv_kernel).__name__ == "InterpretedFunction"
 if DEVICE == "cpu":
@@ -87,30 +88,77 @@ def test_gemv_even_path(pattern):
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch", [8, 17, 64])
-def test_dot_path(pattern, dtype, batch):
-    """The tensor-core kernel (PTX dequant + prmt densify, emulated, on the fragment-ordered copy): N = 19
-    and Kp not multiples of the blocks (a partial row block and unit), one / two batch tiles, a partial
-    last K step, split-K with bias."""
+@pytest.mark.parametrize("fragment", [False, True], ids=["tc", "tc_frag"])
+def test_dot_path(pattern, dtype, batch, fragment):
+    """The tensor-core kernels (PTX dequant + prmt densify, emulated; format-2 words or the
+    fragment-ordered copy): N = 19 and Kp not multiples of the blocks (a partial row block and unit),
+    one / two batch tiles, a partial last K step, split-K with bias."""
     p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
     block_b = 64 if batch == 64 else 16
     for cfg in (
-        tuner.KernelConfig(block_b, 16, 32, 1, True),  # one 32-value sub-block per step
-        tuner.KernelConfig(block_b, 32, 64 if batch == 17 else 128, 3, True),  # several sub-blocks per step, 3 splits
+        tuner.KernelConfig(block_b, 16, 32, 1, True, fragment=fragment),  # one 32-value sub-block per step
+        # several sub-blocks per step, 3 splits
+        tuner.KernelConfig(block_b, 32, 64 if batch == 17 else 128, 3, True, fragment=fragment),
     ):
         _check(p, batch, dtype, cfg, seed=batch, bias=cfg.split_k > 1)
 
 
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
-def test_dot_even_path(pattern):
-    """N % BLOCK_N == 0 and no padding: the tensor-core kernel's mask-free (EVEN) loads, with and without
-    split-K, and a 128-row tile of 8 row blocks."""
+def test_tc_frag_even_path(pattern):
+    """N % BLOCK_N == 0 and no padding: the fragment-ordered kernel's mask-free (EVEN) loads, with and
+    without split-K, and a 128-row tile of 8 row blocks on 8 warps."""
     p = random_packed(128, 512, pattern, generator=torch.Generator().manual_seed(33))
     kk = tuner.tc_block_kk(pattern)
-    for cfg in (tuner.KernelConfig(16, 64, kk, 1, True), tuner.KernelConfig(16, 128, kk, 2, True, 8)):
+    for cfg in (tuner.KernelConfig(16, 64, kk, 1, True, fragment=True),
+                tuner.KernelConfig(16, 128, kk, 2, True, 8, fragment=True)):
         _, meta = launcher._kernel_args(torch.zeros(16, 512, dtype=torch.float16), p, None, torch.zeros(16, 128), None,
                                         None, cfg, launcher._Plan.of(p, cfg))
         assert meta["EVEN"]
         _check(p, 16, torch.bfloat16, cfg, seed=34)
+
+
+@interpreter_only
+@pytest.mark.parametrize("pattern", list(SparsityPattern))
+@pytest.mark.parametrize("bf16", [False, True])
+def test_tc_unit_densify(pattern, bf16):
+    """_tc_unit_dense / _tc_unit_pairs + _pairs_to_half (the emulation of the tensor-core kernel's PTX
+    blocks) against dequantize_nm_int4 on 64 rows of 2 units each: pruned columns exactly zero, kept
+    ones within the fp16 rounding of (16 + zero) * scale and of the value itself."""
+    import triton
+    import triton.language as tl
+
+    from kernels.nm_int4 import dequantize_nm_int4, kept_columns
+
+    @triton.jit
+    def _k(qw_ptr, qp_ptr, sz_ptr, out_ptr, N, NKEEP: tl.constexpr, LOG: tl.constexpr, IS_BF16: tl.constexpr):
+        r = tl.arange(0, 64)[:, None]
+        u = tl.arange(0, 2)[None, :]
+        w0 = tl.load(qw_ptr + (2 * u) * N + r)
+        w1 = tl.load(qw_ptr + (2 * u + 1) * N + r)
+        pw = tl.load(qp_ptr + u * N + r) if NKEEP < 4 else w0
+        v = tl.load(sz_ptr + r)  # one group of 32 values per row
+        s = common._half_to_f32(v, False)
+        z = common._half_to_f32(v >> 16, False)
+        zh = common._f32_to_half(-(z + 16.0) * s, False)
+        s2 = (v & 0xFFFF) | (v << 16)
+        nzs2 = zh | (zh << 16)
+        if NKEEP == 4:
+            dense = tl.reshape(tc._join_tree(tc._tc_unit_dense(w0, w1, s2, nzs2, IS_BF16, False), LOG), [64, 32])
+        else:
+            words = tc._tc_unit_pairs(w0, w1, pw, s2, nzs2, NKEEP, IS_BF16, False)
+            dense = tc._pairs_to_half(tl.reshape(tc._join_tree(words, LOG - 1), [64, 64 // NKEEP]), IS_BF16, False)
+        tl.store(out_ptr + r * (128 // NKEEP) + tl.arange(0, 128 // NKEEP)[None, :], dense.to(tl.float32))
+
+    n = pattern.n
+    p = random_packed(64, 128 // n, pattern, group_sizes=(32,), generator=torch.Generator().manual_seed(41))
+    out = torch.empty(64, 128 // n)
+    qp = p.qpos if pattern.is_sparse else p.qweight
+    _k[(1,)](p.qweight, qp, p.scale_zero_words, out, 64, NKEEP=n, LOG={4: 4, 2: 5, 1: 6}[n], IS_BF16=bf16)
+    ref = dequantize_nm_int4(p)
+    scale = p.scale_zero[:, 0].float()[:, None]
+    kept = torch.zeros_like(ref, dtype=torch.bool).scatter_(1, kept_columns(p), True)
+    assert (out[~kept] == 0).all()  # pruned columns: exact zeros
+    assert ((out - ref).abs() <= 0.02 * scale + (8e-3 if bf16 else 1e-3) * ref.abs()).all()
 
 
 @interpreter_only
@@ -188,7 +236,8 @@ def test_launcher_slots_follow_kernel_signatures():
     runtime arguments come first and every constexpr after them, and _kernel_args puts each value in
     its named slot (the fast path itself runs on CUDA only)."""
     for fn, sig, x_name, stride_name in ((gemv._nm_int4_gemv_kernel, launcher._GEMV_SIG, "x64_ptr", "stride_x64"),
-                                         (tc._nm_int4_tc_kernel, launcher._TC_SIG, "x_ptr", "stride_xb")):
+                                         (tc._nm_int4_tc_kernel, launcher._TC_SIG, "x_ptr", "stride_xb"),
+                                         (tc_frag._nm_int4_tc_frag_kernel, launcher._TC_FRAG_SIG, "x_ptr", "stride_xb")):
         names = tuple(fn.arg_names)
         assert sig.names == names
         assert [names[i] for i in (sig.i_x, sig.i_out, sig.i_b, sig.i_stride, sig.i_part_stride)] == [
@@ -197,17 +246,18 @@ def test_launcher_slots_follow_kernel_signatures():
     x2 = torch.zeros(3, 264, dtype=torch.float16)
     out = torch.empty(3, 40, dtype=torch.float16)
     part, cnt = torch.empty(1), torch.zeros(1, dtype=torch.int32)
-    for cfg in (tuner.KernelConfig(4, 64, 64, 2, False), tuner.KernelConfig(16, 32, 64, 2, True)):
+    for cfg in (tuner.KernelConfig(4, 64, 64, 2, False), tuner.KernelConfig(16, 32, 64, 2, True),
+                tuner.KernelConfig(16, 32, 64, 2, True, fragment=True)):
         sig = launcher._signature(cfg)
-        assert sig is (launcher._TC_SIG if cfg.use_dot else launcher._GEMV_SIG)
+        assert sig is (launcher._TC_FRAG_SIG if cfg.fragment else launcher._TC_SIG if cfg.use_dot else launcher._GEMV_SIG)
         args, meta = launcher._kernel_args(x2, p, None, out, part, cnt, cfg, launcher._Plan.of(p, cfg))
         assert len(args) == sig.runtime and set(meta) == set(sig.names[sig.runtime:])
         assert args[sig.i_x].data_ptr() == x2.data_ptr() and args[sig.i_out] is out
         assert args[sig.i_b] == 3 and args[sig.i_part_stride] == 3 * 40
         assert args[sig.i_stride] == (264 if cfg.use_dot else 264 // 4)
         named = dict(zip(sig.names, args))
-        # the tensor-core kernel reads the fragment-ordered copy, the GEMV the stored words
-        qw, qp = p.fragments if cfg.use_dot else (p.qweight, p.qpos)
+        # the fragment-ordered kernel reads the fragment-ordered copy, the others the stored words
+        qw, qp = p.fragments if cfg.fragment else (p.qweight, p.qpos)
         assert named["qw_ptr"] is qw and named["qp_ptr"] is qp and named["bias_ptr"] is out
         assert named["KP"] == p.padded_kept and named["N"] == 40
 
