@@ -54,6 +54,9 @@ class KernelConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
+    # the fragment-ordered tensor-core kernel (kernels.tc_frag_int4): forced configs only (tests,
+    # bench/v3_probe.py) until an H200 run has checked and measured it; candidate_configs never sets it
+    fragment: bool = False
 
     def validate(self, pattern: SparsityPattern) -> None:
         if self.block_kk not in (32, 64, 128):
@@ -68,6 +71,8 @@ class KernelConfig:
                 raise ValueError(f"{name}={v} must be a power of two")
         if self.use_dot and self.block_kk % 32:
             raise ValueError(f"the tensor-core kernel takes whole 32-value sub-blocks: {self}")
+        if self.fragment and not self.use_dot:
+            raise ValueError(f"the fragment-ordered kernel is a tensor-core kernel (use_dot=True): {self}")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k} must be >= 1")
 

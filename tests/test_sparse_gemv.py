@@ -1,11 +1,18 @@
-"""Triton SparseGemv vs the torch reference, on CPU tensors under the Triton interpreter."""
+"""Triton SparseGemv vs the torch reference, on CPU tensors under the Triton interpreter.
+
+``ADBATCH_KERNEL_TEST_DEVICE=cuda`` (with ``TRITON_INTERPRET`` unset) runs the same kernel checks on a GPU,
+through the real inline PTX instead of its emulation; the tests of the interpreter itself and of the
+CPU-side dispatch are skipped there.
+"""
 
 from __future__ import annotations
 
 import os
 
-# The interpreter is chosen when @triton.jit runs, i.e. when the kernel modules are first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = os.environ.get("ADBATCH_KERNEL_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    # The interpreter is chosen when @triton.jit runs, i.e. when the kernel modules are first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -16,11 +23,16 @@ from kernels import int4_common as common  # noqa: E402
 from kernels import int4_launch as launcher  # noqa: E402
 from kernels import int4_tuner as tuner  # noqa: E402
 from kernels import tc_int4 as tc  # noqa: E402
+from kernels import tc_frag_int4 as tc_frag  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or type(gemv._nm_int4_gemv_kernel).__name__ != "InterpretedFunction",
-    reason="needs the Triton interpreter (TRITON_INTERPRET=1 before kernels.int4_launch is imported)",
-)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and type(gemv._nm_int4_gemv_kernel).__name__ == "InterpretedFunction"
+if DEVICE == "cpu":
+    pytestmark = pytest.mark.skipif(not _INTERPRETED, reason="needs the Triton interpreter (TRITON_INTERPRET=1 "
+                                    "before kernels.int4_launch is imported)")
+else:
+    pytestmark = pytest.mark.skipif(_INTERPRETED or not torch.cuda.is_available(),
+                                    reason="ADBATCH_KERNEL_TEST_DEVICE=cuda needs a GPU and TRITON_INTERPRET unset")
+interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="a check of the emulation or of the CPU-side dispatch")
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.2e-2}  # rel. Frobenius error; output rounding dominates
 
@@ -35,7 +47,7 @@ def _check(p, batch: int, dtype, cfg, seed: int, bias: bool = True, lead: tuple[
     x = (torch.randn(*lead, batch, p.in_features, generator=g) + 0.1).to(dtype)  # never zero
     b = torch.randn(p.out_features, generator=g).to(dtype) if bias else None
     ref = nm_int4_linear_reference(x.double(), p, None if b is None else b.double())
-    y = launcher.nm_int4_linear_triton(x, p, b, config=cfg)
+    y = launcher.nm_int4_linear_triton(x.to(DEVICE), p.to(DEVICE), None if b is None else b.to(DEVICE), config=cfg).cpu()
     assert y.shape == (*lead, batch, p.out_features) and y.dtype == dtype
     err = _rel_err(y, ref)
     assert err < TOL[dtype], f"{p.pattern.value} B={batch} {dtype} {cfg}: rel err {err:.2e}"
@@ -76,18 +88,36 @@ def test_gemv_even_path(pattern):
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch", [8, 17, 64])
-def test_dot_path(pattern, dtype, batch):
-    """The tensor-core kernel (PTX dequant + prmt densify, emulated): N = 19 and Kp not multiples of the
-    blocks, one / two batch tiles, a partial last K step, split-K with bias."""
+@pytest.mark.parametrize("fragment", [False, True], ids=["tc", "tc_frag"])
+def test_dot_path(pattern, dtype, batch, fragment):
+    """The tensor-core kernels (PTX dequant + prmt densify, emulated; format-2 words or the
+    fragment-ordered copy): N = 19 and Kp not multiples of the blocks (a partial row block and unit),
+    one / two batch tiles, a partial last K step, split-K with bias."""
     p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
     block_b = 64 if batch == 64 else 16
     for cfg in (
-        tuner.KernelConfig(block_b, 16, 32, 1, True),  # one 32-value sub-block per step
-        tuner.KernelConfig(block_b, 32, 64 if batch == 17 else 128, 3, True),  # several sub-blocks per step, 3 splits
+        tuner.KernelConfig(block_b, 16, 32, 1, True, fragment=fragment),  # one 32-value sub-block per step
+        # several sub-blocks per step, 3 splits
+        tuner.KernelConfig(block_b, 32, 64 if batch == 17 else 128, 3, True, fragment=fragment),
     ):
         _check(p, batch, dtype, cfg, seed=batch, bias=cfg.split_k > 1)
 
 
+@pytest.mark.parametrize("pattern", list(SparsityPattern))
+def test_tc_frag_even_path(pattern):
+    """N % BLOCK_N == 0 and no padding: the fragment-ordered kernel's mask-free (EVEN) loads, with and
+    without split-K, and a 128-row tile of 8 row blocks on 8 warps."""
+    p = random_packed(128, 512, pattern, generator=torch.Generator().manual_seed(33))
+    kk = tuner.tc_block_kk(pattern)
+    for cfg in (tuner.KernelConfig(16, 64, kk, 1, True, fragment=True),
+                tuner.KernelConfig(16, 128, kk, 2, True, 8, fragment=True)):
+        _, meta = launcher._kernel_args(torch.zeros(16, 512, dtype=torch.float16), p, None, torch.zeros(16, 128), None,
+                                        None, cfg, launcher._Plan.of(p, cfg))
+        assert meta["EVEN"]
+        _check(p, 16, torch.bfloat16, cfg, seed=34)
+
+
+@interpreter_only
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
 @pytest.mark.parametrize("bf16", [False, True])
 def test_tc_unit_densify(pattern, bf16):
@@ -131,6 +161,7 @@ def test_tc_unit_densify(pattern, bf16):
     assert ((out - ref).abs() <= 0.02 * scale + (8e-3 if bf16 else 1e-3) * ref.abs()).all()
 
 
+@interpreter_only
 @pytest.mark.parametrize("batch", [1, 6, 64])
 def test_dispatcher_heuristic(batch, monkeypatch):
     """Default dispatch (no forced config) on CPU: heuristic config, leading dims kept."""
@@ -205,7 +236,8 @@ def test_launcher_slots_follow_kernel_signatures():
     runtime arguments come first and every constexpr after them, and _kernel_args puts each value in
     its named slot (the fast path itself runs on CUDA only)."""
     for fn, sig, x_name, stride_name in ((gemv._nm_int4_gemv_kernel, launcher._GEMV_SIG, "x64_ptr", "stride_x64"),
-                                         (tc._nm_int4_tc_kernel, launcher._TC_SIG, "x_ptr", "stride_xb")):
+                                         (tc._nm_int4_tc_kernel, launcher._TC_SIG, "x_ptr", "stride_xb"),
+                                         (tc_frag._nm_int4_tc_frag_kernel, launcher._TC_FRAG_SIG, "x_ptr", "stride_xb")):
         names = tuple(fn.arg_names)
         assert sig.names == names
         assert [names[i] for i in (sig.i_x, sig.i_out, sig.i_b, sig.i_stride, sig.i_part_stride)] == [
@@ -214,16 +246,19 @@ def test_launcher_slots_follow_kernel_signatures():
     x2 = torch.zeros(3, 264, dtype=torch.float16)
     out = torch.empty(3, 40, dtype=torch.float16)
     part, cnt = torch.empty(1), torch.zeros(1, dtype=torch.int32)
-    for cfg in (tuner.KernelConfig(4, 64, 64, 2, False), tuner.KernelConfig(16, 32, 64, 2, True)):
+    for cfg in (tuner.KernelConfig(4, 64, 64, 2, False), tuner.KernelConfig(16, 32, 64, 2, True),
+                tuner.KernelConfig(16, 32, 64, 2, True, fragment=True)):
         sig = launcher._signature(cfg)
-        assert sig is (launcher._TC_SIG if cfg.use_dot else launcher._GEMV_SIG)
+        assert sig is (launcher._TC_FRAG_SIG if cfg.fragment else launcher._TC_SIG if cfg.use_dot else launcher._GEMV_SIG)
         args, meta = launcher._kernel_args(x2, p, None, out, part, cnt, cfg, launcher._Plan.of(p, cfg))
         assert len(args) == sig.runtime and set(meta) == set(sig.names[sig.runtime:])
         assert args[sig.i_x].data_ptr() == x2.data_ptr() and args[sig.i_out] is out
         assert args[sig.i_b] == 3 and args[sig.i_part_stride] == 3 * 40
         assert args[sig.i_stride] == (264 if cfg.use_dot else 264 // 4)
         named = dict(zip(sig.names, args))
-        assert named["qw_ptr"] is p.qweight and named["qp_ptr"] is p.qpos and named["bias_ptr"] is out
+        # the fragment-ordered kernel reads the fragment-ordered copy, the others the stored words
+        qw, qp = p.fragments if cfg.fragment else (p.qweight, p.qpos)
+        assert named["qw_ptr"] is qw and named["qp_ptr"] is qp and named["bias_ptr"] is out
         assert named["KP"] == p.padded_kept and named["N"] == 40
 
 
@@ -240,6 +275,7 @@ def test_tune_key_buckets(monkeypatch):
         tuner.tune_key(p, 3, torch.bfloat16)
 
 
+@interpreter_only
 def test_rejects_unsupported():
     p = random_packed(8, 64, SparsityPattern.TWO_FOUR)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
@@ -276,10 +312,13 @@ def test_gemv_two_batch_tiles_and_misaligned_rows(pattern):
     x = wide[:, 1:]  # stride 137, data offset 2 bytes
     assert x.stride(0) % 4 and x.data_ptr() % 8
     ref = nm_int4_linear_reference(x.double(), p)
-    y = launcher.nm_int4_linear_triton(x, p, config=tuner.KernelConfig(4, 16, 32, 1, False))
+    if DEVICE != "cpu":
+        x = wide.to(DEVICE)[:, 1:]
+    y = launcher.nm_int4_linear_triton(x, p.to(DEVICE), config=tuner.KernelConfig(4, 16, 32, 1, False)).cpu()
     assert _rel_err(y, ref) < TOL[torch.float16]
 
 
+@interpreter_only
 def test_selector_and_prmt_emulation():
     """The prmt selectors the GEMV kernel builds from a position word (format v2 byte-spread layout) pick
     x[p0] into the low and x[p1] into the high half of every kept pair (2:4), checked on 512 random
