@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.int4_common import _f32_to_half, _finish, _half_to_f32, _row_groups, _sz_word
-from kernels.tc_int4 import _emu_rotl, _emu_scatter_pairs, _emu_tc_pair, _join_tree, _pairs_to_half
+from kernels.tc_int4 import _emu_densify, _emu_tc_pair, _join_tree, _pairs_to_half
 
 
 # ---- one lane's share of a unit: dequantize + densify in inline PTX ----------------------------------
@@ -127,18 +127,7 @@ def _tc_frag_unit(w0, w1, pw, sA, zA, sB, zB, NKEEP: tl.constexpr, IS_BF16: tl.c
                         d = _emu_tc_pair(w, t, sA, zA, IS_BF16)
                     else:
                         d = _emu_tc_pair(w, t, sB, zB, IS_BF16)
-                    if t < 2:
-                        am = (pw << (3 - 2 * t)) & 0x18181818
-                    else:
-                        am = (pw.to(tl.uint32, bitcast=True) >> (2 * t - 3)).to(tl.int32, bitcast=True) & 0x18181818
-                    am = (am.to(tl.uint32, bitcast=True) >> (16 * h)).to(tl.int32, bitcast=True)
-                    if NKEEP == 2:
-                        s = _emu_rotl(zero + 0x44444410, am) - ((zero + 0x12) << ((am >> 8) & 31))
-                        out = out + _emu_scatter_pairs(d, zero, s)
-                    else:
-                        for e in tl.static_range(2):
-                            s = _emu_rotl(zero + (0x44444410 if e == 0 else 0x44444432), am >> (8 * e))
-                            out = out + _emu_scatter_pairs(d, zero, s)
+                    out = out + _emu_densify(d, pw, h, t, zero, NKEEP)
         return out
 
 

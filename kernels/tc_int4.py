@@ -164,20 +164,27 @@ def _tc_unit_pairs(w0, w1, pw, s2, nzs2, NKEEP: tl.constexpr, IS_BF16: tl.conste
         for h in tl.static_range(2):
             w = w0 if h == 0 else w1
             for t in tl.static_range(4):
-                d = _emu_tc_pair(w, t, s2, nzs2, IS_BF16)
-                if t < 2:  # the same shifts as _tc_asm (a left shift by 3 - 2t would drop the top position)
-                    am = (pw << (3 - 2 * t)) & 0x18181818
-                else:
-                    am = (pw.to(tl.uint32, bitcast=True) >> (2 * t - 3)).to(tl.int32, bitcast=True) & 0x18181818
-                am = (am.to(tl.uint32, bitcast=True) >> (16 * h)).to(tl.int32, bitcast=True)
-                if NKEEP == 2:
-                    s = _emu_rotl(zero + 0x44444410, am) - ((zero + 0x12) << ((am >> 8) & 31))
-                    out = out + _emu_scatter_pairs(d, zero, s)
-                else:
-                    for e in tl.static_range(2):
-                        s = _emu_rotl(zero + (0x44444410 if e == 0 else 0x44444432), am >> (8 * e))
-                        out = out + _emu_scatter_pairs(d, zero, s)
+                out = out + _emu_densify(_emu_tc_pair(w, t, s2, nzs2, IS_BF16), pw, h, t, zero, NKEEP)
         return out
+
+
+@triton.jit
+def _emu_densify(d, pw, h: tl.constexpr, t: tl.constexpr, zero, NKEEP: tl.constexpr):
+    """Emulation of the ``prmt`` scatter in the PTX of both tensor-core kernels: the dense column words of
+    the dequantized pair ``d`` = kept pair t of value word h, positions from the byte-spread word ``pw``
+    (2:4: two words = one column group; 1:4: four words = two groups)."""
+    if t < 2:  # the same shifts as the PTX (a left shift by 3 - 2t would drop the top position)
+        am = (pw << (3 - 2 * t)) & 0x18181818
+    else:
+        am = (pw.to(tl.uint32, bitcast=True) >> (2 * t - 3)).to(tl.int32, bitcast=True) & 0x18181818
+    am = (am.to(tl.uint32, bitcast=True) >> (16 * h)).to(tl.int32, bitcast=True)
+    if NKEEP == 2:
+        s = _emu_rotl(zero + 0x44444410, am) - ((zero + 0x12) << ((am >> 8) & 31))
+        return _emu_scatter_pairs(d, zero, s)
+    else:
+        s0 = _emu_rotl(zero + 0x44444410, am)
+        s1 = _emu_rotl(zero + 0x44444432, am >> 8)
+        return _emu_scatter_pairs(d, zero, s0) + _emu_scatter_pairs(d, zero, s1)
 
 
 @triton.jit

@@ -94,6 +94,36 @@ def test_calibration_measures_and_is_reused(tmp_path, monkeypatch):
         load_or_calibrate(other, cache_dir=tmp_path)  # another model: another key
 
 
+def test_calibration_measured_once_when_callers_start_together(tmp_path, monkeypatch):
+    """Generation actors starting together on one host share one measurement (file lock per key): the
+    first measures, the others wait and load it, so all of them take the same `auto` decisions."""
+    import threading
+    import time
+
+    from adbatch.decoding import cost_model
+
+    model = make_tiny_llama(vocab_size=64)
+    calls = []
+
+    def slow_calibrate(m, **kwargs):
+        calls.append(threading.get_ident())
+        time.sleep(0.3)  # the others arrive while this one measures
+        return CostModel([8, 32], [1.0, 2.0], [8, 32], [0.5, 1.5], key=cost_model.calibration_key(m))
+
+    monkeypatch.setattr(cost_model, "calibrate", slow_calibrate)
+    got = [None] * 4
+
+    def call(i):
+        got[i] = load_or_calibrate(model, cache_dir=tmp_path)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and all(g == got[0] for g in got)
+
+
 def test_tree_pass_after_decoded_suffix_matches_full_forward():
     """A tree hanging below a beam that already decoded suffix tokens (t > 0, reordered rows) sees
     the shared prompt, the beam's own suffix and its ancestors: scores == a plain full forward."""

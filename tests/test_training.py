@@ -218,22 +218,31 @@ def _tiny_corpus(tmp_path, n=24):
     return path, queries, titles
 
 
-@pytest.mark.slow
-def test_ray_train_one_worker_and_warm_start(tmp_path, tok, ray_local):
+def tiny_train_job_inputs(tmp_path, tok):
+    """A Ray train job's inputs on disk: the tiny corpus and labelled queries, its index (``tmp_path /
+    "index"``, text ids) and a tiny random model with the tokenizer (``tmp_path / "init"``). Returns
+    ``(ads, queries, titles, index, init, index_config)``."""
+    from adbatch.index.build import IndexConfig, build_index, load_index
     from adbatch.index.clustering import ClusterConfig
     from adbatch.index.corpus import CorpusConfig
-    from adbatch.index.build import IndexConfig, build_index, load_index
     from adbatch.index.ids import IdScheme, RenderConfig
-    from pipelines.train import TrainJobConfig, run_train
 
     ads, queries, titles = _tiny_corpus(tmp_path)
     cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
                       cluster=ClusterConfig(branching=2, leaf_size=6), render=RenderConfig(scheme=IdScheme.TEXT))
     build_index(ads, tmp_path / "index", cfg, progress=False)
-    index = load_index(tmp_path / "index")
     init = tmp_path / "init"
     tiny(tok).save_pretrained(init)
     tok.save_pretrained(init)
+    return ads, queries, titles, load_index(tmp_path / "index"), init, cfg
+
+
+@pytest.mark.slow
+def test_ray_train_one_worker_and_warm_start(tmp_path, tok, ray_local):
+    from adbatch.index.build import build_index, load_index
+    from pipelines.train import TrainJobConfig, run_train
+
+    ads, queries, titles, index, init, cfg = tiny_train_job_inputs(tmp_path, tok)
     job = TrainJobConfig(index=tmp_path / "index", out=tmp_path / "model", init_model=str(init), ads=ads,
                          queries=queries, num_workers=1,
                          train=TrainConfig(epochs=3, lr=3e-3, batch_tokens=2048, log_every=1))

@@ -11,7 +11,7 @@ from adbatch.training.data import (PackedMicroBatch, build_examples, collate_pac
                                    split_for_ranks, token_budget_batches)
 from adbatch.training.data import ExampleKind
 from adbatch.training.trainer import train_loop
-from tests.test_training import QUERIES, TITLES, _tiny_corpus, fake_index, tiny
+from tests.test_training import QUERIES, TITLES, fake_index, tiny, tiny_train_job_inputs
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +100,10 @@ def test_ray_train_two_workers_ddp(tmp_path, tok, ray_local):
     """``run_train`` with ``num_workers=2`` on CPU: two Ray Train workers, DDP over gloo, each rank on its
     share of every epoch, rank 0 writing the model folder. The job trains on exactly the examples (and
     tokens) a single worker trains on."""
-    from adbatch.index.clustering import ClusterConfig
-    from adbatch.index.corpus import CorpusConfig
-    from adbatch.index.build import IndexConfig, build_index, load_index
-    from adbatch.index.ids import IdScheme, RenderConfig
     from pipelines.train import TrainJobConfig, read_ad_texts, read_labelled_queries, run_train
 
     assert ray_local.cluster_resources().get("CPU", 0) >= 2  # one CPU per Ray Train worker
-    ads, queries, _ = _tiny_corpus(tmp_path)
-    cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
-                      cluster=ClusterConfig(branching=2, leaf_size=6), render=RenderConfig(scheme=IdScheme.TEXT))
-    build_index(ads, tmp_path / "index", cfg, progress=False)
-    index = load_index(tmp_path / "index")
-    init = tmp_path / "init"
-    tiny(tok).save_pretrained(init)
-    tok.save_pretrained(init)
+    ads, queries, _, index, init, _ = tiny_train_job_inputs(tmp_path, tok)
     train = TrainConfig(epochs=3, lr=1e-2, batch_tokens=256, log_every=1)
     # 2 span pseudo-queries per ad: 80 examples, 23 packed micro-batches an epoch (odd: one is cut for 2 ranks)
     train = train.replace(pseudo_queries=train.pseudo_queries.replace(per_ad=2))
@@ -139,3 +128,22 @@ def test_ray_train_two_workers_ddp(tmp_path, tok, ray_local):
     assert 0 < out["train_examples"] < out["train_examples_all_ranks"]
     assert out["train_micro_batches_all_ranks"] == 2 * out["train_micro_batches"] == 3 * 24
     assert out["train_steps"] == out["train_micro_batches"] < alone.train["steps"]
+
+
+def test_budget_clock_agrees_between_logged_steps(monkeypatch):
+    """Under several ranks the time budget reads one clock the ranks agree on, refreshed only at every
+    ``every``-th step (rank 0's reading is broadcast there), so no rank stops a step before another;
+    one process reads its own clock every step."""
+    from adbatch.training import trainer
+
+    now = [100.0]
+    monkeypatch.setattr(trainer.time, "perf_counter", lambda: now[0])
+    shared = trainer._BudgetClock(100.0, world_size=2, device=torch.device("cpu"), every=3)
+    alone = trainer._BudgetClock(100.0, world_size=1, device=torch.device("cpu"), every=3)
+    seen = []
+    for step in range(7):
+        now[0] = 100.0 + step
+        seen.append((shared.elapsed(step), shared.latest(), alone.elapsed(step), alone.latest()))
+    assert [s[0] for s in seen] == [0.0, 0.0, 0.0, 3.0, 3.0, 3.0, 6.0]
+    assert [s[1] for s in seen] == [s[0] for s in seen]
+    assert [s[2] for s in seen] == [s[3] for s in seen] == [float(i) for i in range(7)]

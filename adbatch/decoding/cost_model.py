@@ -190,16 +190,24 @@ def calibration_dir() -> Path:
 
 
 def load_or_calibrate(model: Any, cache_dir: str | Path | None = None, **kwargs: Any) -> CostModel:
-    """The saved calibration for (model, device, dtype) if present, else measure and save it."""
+    """The saved calibration for (model, device, dtype) if present, else measure and save it.
+
+    Under a file lock per key: generation actors starting together on one host (one per GPU) would
+    otherwise each measure at once -- under each other's load, into different cost models, so the `auto`
+    verification decisions, and with them the output rows, would depend on how many actors ran. With
+    the lock the first one measures alone and the others load its result."""
+    from filelock import FileLock
+
     key = calibration_key(model)
     path = Path(cache_dir) if cache_dir is not None else calibration_dir()
     path = path / f"{key}.json"
-    if path.is_file():
-        try:
-            return CostModel.load(path)
-        except (ValueError, TypeError, json.JSONDecodeError) as exc:
-            log.warning("ignoring unreadable calibration %s (%s); measuring again", path, exc)
-    cm = calibrate(model, **kwargs)
     path.parent.mkdir(parents=True, exist_ok=True)
-    cm.save(path)
-    return cm
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            try:
+                return CostModel.load(path)
+            except (ValueError, TypeError, json.JSONDecodeError) as exc:
+                log.warning("ignoring unreadable calibration %s (%s); measuring again", path, exc)
+        cm = calibrate(model, **kwargs)
+        cm.save(path)
+        return cm

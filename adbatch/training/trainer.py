@@ -529,6 +529,37 @@ class BestWeights:
             core.load_state_dict(self.state)
 
 
+class _BudgetClock:
+    """Seconds since the loop started, as every rank agrees on them (for ``time_budget_s``).
+
+    One process reads its own clock every step. Under torch.distributed each rank's clock differs, and
+    a rank that stopped on its own clock while the others ran on would leave them waiting in DDP's
+    all-reduce forever (and QAT, which starts at a share of the budget, would start at different steps):
+    rank 0's reading is broadcast every ``every`` steps (one collective and one host sync there, at the
+    logged steps, which sync already) and the ranks use that reading until the next one, so they stop at
+    the same step, at most ``every`` steps late."""
+
+    def __init__(self, t0: float, world_size: int, device: torch.device, every: int) -> None:
+        self.t0, self.world_size, self.device, self.every = t0, world_size, device, max(1, every)
+        self.value = 0.0
+
+    def elapsed(self, step: int) -> float:
+        if self.world_size == 1:
+            return time.perf_counter() - self.t0
+        if step % self.every == 0:
+            import torch.distributed as dist
+
+            t = torch.tensor([time.perf_counter() - self.t0], dtype=torch.float64, device=self.device)
+            if dist.is_available() and dist.is_initialized():
+                dist.broadcast(t, src=0)
+            self.value = float(t)
+        return self.value
+
+    def latest(self) -> float:
+        """One process: now; several: the last agreed reading (no collective)."""
+        return time.perf_counter() - self.t0 if self.world_size == 1 else self.value
+
+
 def _all_ranks(stats: TrainStats, device: torch.device) -> dict[str, Any] | None:
     """The run's counters over all ranks: summed (seconds: the slowest rank's), one collective each for the
     counts and the time; this rank's own with one rank; None with several but no torch.distributed."""
@@ -665,12 +696,14 @@ def train_loop(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
+    clock = _BudgetClock(t0, world_size, device, config.log_every)
     loss_acc = torch.zeros((), device=device)
     for step in range(total_steps):
+        elapsed = clock.elapsed(step) if config.time_budget_s is not None else 0.0
         if qat is not None:
             # with a time budget QAT also starts at start_fraction of the budget, so a run cut short by time
-            # still ends on the INT4 grid (the masks must be final first; host clock only, no sync)
-            share = ((time.perf_counter() - t0) / config.time_budget_s
+            # still ends on the INT4 grid (the masks must be final first; host clock only on one rank)
+            share = (elapsed / config.time_budget_s
                      if config.time_budget_s is not None and (sparsity is None or sparsity.frozen) else None)
             qat.maybe_attach(step, sparsity.masks if sparsity is not None else None, share)
             if compiled is not None and qat.active and not compiled.traces_qat:
@@ -736,7 +769,7 @@ def train_loop(
                 stats.stopped_early = True
                 log.info("early stop: %d evaluations without improvement", selector.patience)
                 break
-        if config.time_budget_s is not None and time.perf_counter() - t0 > config.time_budget_s:  # wall, evals included
+        if config.time_budget_s is not None and clock.latest() > config.time_budget_s:  # wall, evals included
             stats.stopped_early = step + 1 < total_steps
             if stats.stopped_early:
                 log.warning("time budget %.0f s reached after %d of %d steps", config.time_budget_s, step + 1, total_steps)
