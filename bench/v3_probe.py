@@ -14,7 +14,7 @@ flushed. Every kernel variant is compiled first in 16 processes. Stops after ``-
 from __future__ import annotations
 
 import concurrent.futures as cf
-import itertools
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -35,34 +35,37 @@ PATS = ["2:4", "1:4", "4:4"]
 
 
 def v3_configs(p, b, sms):
-    from kernels.int4_tuner import _split_for
+    """The forced fragment-ordered configs timed per (layer, B): BLOCK_N 64 / 128 x 3 / 4 stages x split-K
+    for ~4 and ~16 programs per SM."""
+    from kernels.int4_tuner import KernelConfig, _split_for, tc_block_kk
     bb = 16 if b <= 16 else 64
-    kk = 128 * p.pattern.n // 4
+    kk = tc_block_kk(p.pattern)
     out = []
     for bn in (64, 128):
         for st in (3, 4):
-            s4 = _split_for(p, bn, kk, triton.cdiv(b, bb), sms)
-            s16 = _split_for(p, bn, kk, triton.cdiv(b, bb), sms, 16.0)
-            for s in sorted({s4, s16}):
-                out.append(dict(block_b=bb, block_n=bn, block_kk=kk, split=s, stages=st))
+            nb = triton.cdiv(b, bb)
+            for s in sorted({_split_for(p, bn, kk, nb, sms), _split_for(p, bn, kk, nb, sms, 16.0)}):
+                out.append(KernelConfig(bb, bn, kk, s, True, num_stages=st, fragment=True))
     return out
 
 
-def _compile_v3(jobs):
+def _compile(jobs):
+    """Compile (launch once) each (pattern, KernelConfig items) job on a small layer; split 1 and 2 cover
+    the split-K specializations."""
     from kernels import int4_launch as launcher
     from kernels.int4_tuner import KernelConfig
     from kernels.nm_int4 import random_packed
     n, packed = 0, {}
-    for pat, bb, bn, st, split in jobs:
+    for pat, items in jobs:
         if pat not in packed:
             packed[pat] = random_packed(256, 4096, pat, device="cuda")
-        cfg = KernelConfig(bb, bn, 128 * packed[pat].pattern.n // 4, split, True, num_stages=st, fragment=True)
-        x = torch.randn(bb, 4096, device="cuda").half()
+        cfg = KernelConfig(**dict(items))
+        x = torch.randn(max(cfg.block_b, 2), 4096, device="cuda").half()
         try:
             launcher.launch(x, packed[pat], None, cfg)
             n += 1
         except Exception as e:  # noqa: BLE001
-            print("v3 compile fail", pat, cfg, repr(e)[:300], flush=True)
+            print("compile fail", pat, cfg, repr(e)[:300], flush=True)
     torch.cuda.synchronize()
     return n
 
@@ -76,25 +79,6 @@ def ftime(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
 
 
-def _compile_v2(jobs):
-    from kernels import int4_launch as launcher
-    from kernels.int4_tuner import KernelConfig
-    from kernels.nm_int4 import random_packed
-    n, packed = 0, {}
-    for pat, items in jobs:
-        if pat not in packed:
-            packed[pat] = random_packed(64, 4096, pat, device="cuda")
-        cfg = KernelConfig(**dict(items))
-        x = torch.randn(max(cfg.block_b, 2), 4096, device="cuda").half()
-        try:
-            launcher.launch(x, packed[pat], None, cfg)
-            n += 1
-        except Exception as e:  # noqa: BLE001
-            print("v2 compile fail", pat, cfg, repr(e)[:200], flush=True)
-    torch.cuda.synchronize()
-    return n
-
-
 def main(argv=None):
     import argparse
 
@@ -105,40 +89,26 @@ def main(argv=None):
     out_dir = Path(os.environ.get("OUT", "bench/out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     from kernels import int4_launch as launcher
-    from kernels.int4_tuner import KernelConfig
     from kernels.nm_int4 import dequantize_nm_int4, random_packed
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench_kernels", Path(__file__).resolve().parent / "kernels.py")
     kb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kb)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # --- parallel precompile: v3 variants and v2 candidates
+    # --- parallel precompile: the fragment-ordered variants and the tuner's candidates
+    from kernels.int4_tuner import candidate_configs
     jobs = set()
     for pat in PATS:
         p = random_packed(256, 4096, pat)
         for b in BATCHES:
-            for c in v3_configs(p, b, sms):
-                jobs.add((pat, c["block_b"], c["block_n"], c["stages"], 1))
-                jobs.add((pat, c["block_b"], c["block_n"], c["stages"], 2))
+            for cfg in v3_configs(p, b, sms) + candidate_configs(p, b, sms):
+                for split in (1, 2):
+                    jobs.add((pat, tuple(sorted(dict(cfg.__dict__, split_k=split).items()))))
     jobs = sorted(jobs)
     t0 = time.time()
     with cf.ProcessPoolExecutor(16, mp_context=mp.get_context("spawn")) as ex:
-        n = sum(ex.map(_compile_v3, [jobs[i::16] for i in range(16)]))
-    print(f"v3 precompiled {n}/{len(jobs)} in {time.time() - t0:.0f}s", flush=True)
-    t0 = time.time()
-    from kernels.int4_tuner import candidate_configs
-    vjobs = set()
-    for pat in PATS:
-        p = random_packed(64, 256, pat)
-        for b in BATCHES:
-            for cfg in candidate_configs(p, b, sms):
-                for split in (1, 2):
-                    vjobs.add((pat, tuple(sorted(dict(cfg.__dict__, split_k=split).items()))))
-    vjobs = sorted(vjobs)
-    with cf.ProcessPoolExecutor(16, mp_context=mp.get_context("spawn")) as ex:
-        n = sum(ex.map(_compile_v2, [vjobs[i::16] for i in range(16)]))
-    print(f"v2: {n}/{len(vjobs)}", flush=True)
-    print(f"v2 precompiled in {time.time() - t0:.0f}s", flush=True)
+        n = sum(ex.map(_compile, [jobs[i::16] for i in range(16)]))
+    print(f"precompiled {n}/{len(jobs)} in {time.time() - t0:.0f}s", flush=True)
     rows = []
     for n_out, k in SHAPES:
         torch.manual_seed(n_out + k)
@@ -168,9 +138,7 @@ def main(argv=None):
                 best = None
                 for c in v3_configs(p, b, sms):
                     try:
-                        cfg = KernelConfig(c["block_b"], c["block_n"], c["block_kk"], c["split"], True,
-                                           num_stages=c["stages"], fragment=True)
-                        fn = lambda cfg=cfg: launcher.launch(x, p, None, cfg)
+                        fn = lambda c=c: launcher.launch(x, p, None, c)
                         y3 = fn()
                         torch.cuda.synchronize()
                         e3 = ((y3.float() - ref).norm() / ref.norm()).item()
@@ -184,7 +152,7 @@ def main(argv=None):
                 row = dict(shape=f"{n_out}x{k}", pattern=pat, B=b, cublas_us=base[b], cublas_flushed_us=base_f[b],
                            torch_int4_us=ti4.get(b), v2_us=v2, v2_flushed_us=v2f, v2_err=e2,
                            v3_us=best[0] if best else None, v3_flushed_us=v3f, v3_err=best[2] if best else None,
-                           v3_cfg=best[1] if best else None)
+                           v3_cfg=dataclasses.asdict(best[1]) if best else None)
                 rows.append(row)
                 print(f"{row['shape']:>11} {pat} B={b:>2}  fp16 {base[b]:7.1f}  int4 {ti4.get(b, float('nan')):7.1f}  "
                       f"v2 {v2:7.1f} ({base[b] / v2:4.2f}x)  v3 {row['v3_us'] or float('nan'):7.1f} "
