@@ -409,51 +409,54 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def _fragment_shifts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit offsets of slot (h, t, e) in a lane's words, shaped to broadcast over [.., 2 h, 4 t, 2 e]: values
+    ``4t + 16e`` (inside word h), positions ``16h + 8e + 2t`` (one word)."""
+    h = torch.arange(2, device=device, dtype=torch.int64).view(2, 1, 1)
+    t = torch.arange(4, device=device, dtype=torch.int64).view(1, 4, 1)
+    e = torch.arange(2, device=device, dtype=torch.int64).view(1, 1, 2)
+    return (4 * t + 16 * e).expand(2, 4, 2), 16 * h + 8 * e + 2 * t
+
+
 def fragment_order(p: PackedNMInt4) -> tuple[torch.Tensor, torch.Tensor]:
     """The fragment-ordered copy of ``p``'s values and positions for the tensor-core kernel:
     ``(qweight_frag int32 [N16/16, Kp/32, 32, 2], qpos_frag int32 [N16/16, Kp/32, 32] or [0] for DENSE)``
     on ``p``'s device (a pure re-layout; see the module docstring). Use :attr:`PackedNMInt4.fragments`,
     which builds it once per object."""
     n_out, kp, dev = p.out_features, p.padded_kept, p.device
-    n16 = -(-n_out // 16) * 16
-    t = torch.arange(4, device=dev, dtype=torch.int64).view(4, 1)
-    e = torch.arange(2, device=dev, dtype=torch.int64).view(1, 2)
-    q = torch.zeros(n16, kp, dtype=torch.int64, device=dev)
-    q[:n_out] = _unpack_bits(p.qweight, 4)
-    qw = _as_int32((_fragment_axes(q, p.pattern.n).reshape(-1, kp // 32, 8, 4, 2, 4, 2) << (4 * t + 16 * e)).sum(dim=(-1, -2)))
-    qw = qw.reshape(n16 // 16, kp // 32, 32, 2).contiguous()
-    del q
+    rb, units = -(-n_out // 16), kp // 32
+    value_shift, pos_shift = _fragment_shifts(dev)
+
+    def slotted(words: torch.Tensor, bits: int) -> torch.Tensor:  # [RB, U, 8, 4, 2, 4, 2] in fragment order
+        v = torch.zeros(16 * rb, kp, dtype=torch.int64, device=dev)
+        v[:n_out] = _unpack_bits(words, bits)
+        return _fragment_axes(v, p.pattern.n).reshape(rb, units, 8, 4, 2, 4, 2)
+
+    qw = _as_int32((slotted(p.qweight, 4) << value_shift).sum(dim=(-1, -2))).reshape(rb, units, 32, 2).contiguous()
     if not p.pattern.is_sparse:
         return qw, torch.zeros(0, dtype=torch.int32, device=dev)
-    pos = torch.zeros(n16, kp, dtype=torch.int64, device=dev)
-    pos[:n_out] = _unpack_bits(p.qpos, 2)
-    shift = 16 * torch.arange(2, device=dev, dtype=torch.int64).view(2, 1, 1) + 8 * e.view(1, 1, 2) + 2 * t.view(1, 4, 1)
-    qp = _as_int32((_fragment_axes(pos, p.pattern.n).reshape(-1, kp // 32, 8, 4, 2, 4, 2) << shift).sum(dim=(-1, -2, -3)))
-    return qw, qp.reshape(n16 // 16, kp // 32, 32).contiguous()
+    qp = _as_int32((slotted(p.qpos, 2) << pos_shift).sum(dim=(-1, -2, -3))).reshape(rb, units, 32).contiguous()
+    return qw, qp
 
 
 def fragment_values(p: PackedNMInt4, qweight_frag: torch.Tensor, qpos_frag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Inverse of :func:`fragment_order` (tests): ``(q uint8 [N, Kp], pos uint8 [N, Kp] or None)``."""
-    n_out, kp, n = p.out_features, p.padded_kept, p.pattern.n
-    n16 = -(-n_out // 16) * 16
+    n_out, kp = p.out_features, p.padded_kept
+    rb, units = -(-n_out // 16), kp // 32
     dev = qweight_frag.device
-    t = torch.arange(4, device=dev, dtype=torch.int64).view(4, 1)
-    e = torch.arange(2, device=dev, dtype=torch.int64).view(1, 2)
-    words = qweight_frag.to(torch.int64).reshape(n16 // 16, kp // 32, 8, 4, 2, 1, 1) & 0xFFFFFFFF
-    out = []
-    for src, per_slot, bits in ((words, 4 * t + 16 * e, 4), (None, None, 2)):
-        if bits == 2:
-            if not p.pattern.is_sparse:
-                out.append(None)
-                break
-            src = (qpos_frag.to(torch.int64) & 0xFFFFFFFF).reshape(n16 // 16, kp // 32, 8, 4, 1, 1, 1)
-            per_slot = 16 * torch.arange(2, device=dev, dtype=torch.int64).view(2, 1, 1) + 8 * e.view(1, 1, 2) + 2 * t.view(1, 4, 1)
-        vals = (src >> per_slot) & ((1 << bits) - 1)  # [RB, U, 8, 4, 2, 4, 2]
-        dense = torch.empty(n16, kp, dtype=torch.int64, device=dev)
-        view = _fragment_axes(dense, n)
+    value_shift, pos_shift = _fragment_shifts(dev)
+
+    def unslot(words: torch.Tensor, shifts: torch.Tensor, bits: int) -> torch.Tensor:
+        vals = ((words.to(torch.int64) & 0xFFFFFFFF) >> shifts) & ((1 << bits) - 1)  # [RB, U, 8, 4, 2, 4, 2]
+        dense = torch.empty(16 * rb, kp, dtype=torch.int64, device=dev)
+        view = _fragment_axes(dense, p.pattern.n)
         view.copy_(vals.view(view.shape))
-        out.append(dense[:n_out].to(torch.uint8))
-    return out[0], out[1]
+        return dense[:n_out].to(torch.uint8)
+
+    q = unslot(qweight_frag.reshape(rb, units, 8, 4, 2, 1, 1), value_shift, 4)
+    if not p.pattern.is_sparse:
+        return q, None
+    return q, unslot(qpos_frag.reshape(rb, units, 8, 4, 1, 1, 1), pos_shift, 2)
 
 
 def kept_columns(p: PackedNMInt4, pos: torch.Tensor | None = None) -> torch.Tensor:

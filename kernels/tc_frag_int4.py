@@ -19,8 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.int4_common import _f32_to_half, _finish, _half_to_f32, _row_groups, _sz_word
-from kernels.tc_int4 import _emu_densify, _emu_tc_pair, _join_tree, _pairs_to_half
+from kernels.int4_common import _finish, _row_groups, _sz_word
+from kernels.tc_int4 import _emu_densify, _emu_tc_pair, _join_tree, _pairs_to_half, _scale_halves
 
 
 # ---- one lane's share of a unit: dequantize + densify in inline PTX ----------------------------------
@@ -131,16 +131,6 @@ def _tc_frag_unit(w0, w1, pw, sA, zA, sB, zB, NKEEP: tl.constexpr, IS_BF16: tl.c
         return out
 
 
-@triton.jit
-def _scale_pair(v):
-    """(scale, zero) word -> (s2, nzs2) with the value in both halves, fp16 bits."""
-    s = _half_to_f32(v, False)
-    z = _half_to_f32(v >> 16, False)
-    sh = v & 0xFFFF
-    zh = _f32_to_half(-(z + 16.0) * s, False)
-    return sh | (sh << 16), zh | (zh << 16)
-
-
 @triton.jit(do_not_specialize=["B", "part_stride", "n_split"])
 def _nm_int4_tc_frag_kernel(
     x_ptr,  # [B, K] fp16/bf16, stride (stride_xb, 1)
@@ -226,18 +216,18 @@ def _nm_int4_tc_frag_kernel(
         else:
             va = _sz_word(sz_ptr, gp0a, gpla, gsha, kf, rows_a < N)
             vb = _sz_word(sz_ptr, gp0b, gplb, gshb, kf, rows_b < N)
-        if NKEEP == 1:
-            sa = va & 0xFFFF
-            sb = vb & 0xFFFF
-            za = _f32_to_half(-(_half_to_f32(va >> 16, False) + 16.0) * _half_to_f32(va, False), False)
-            zb = _f32_to_half(-(_half_to_f32(vb >> 16, False) + 16.0) * _half_to_f32(vb, False), False)
+        sa, za = _scale_halves(va)  # row lr
+        sb, zb = _scale_halves(vb)  # row lr + 8
+        if NKEEP == 1:  # a 1:4 pair holds one value of each row: the two rows' values side by side
             sA = sa | (sb << 16)
             zA = za | (zb << 16)
             sB = sA
             zB = zA
-        else:
-            sA, zA = _scale_pair(va)
-            sB, zB = _scale_pair(vb)
+        else:  # a dense / 2:4 pair belongs to one row: its value in both halves
+            sA = sa | (sa << 16)
+            zA = za | (za << 16)
+            sB = sb | (sb << 16)
+            zB = zb | (zb << 16)
         words = _tc_frag_unit(w0, w1, pw, sA, zA, sB, zB, NKEEP, IS_BF16, ASM)
         if NKEEP == 4:
             # trailing (h, hc, rowhalf) then e: dims [U, RB, lr, q, h, hc, rh, e]

@@ -100,6 +100,15 @@ _TC_PDT_1 = tl.constexpr((tl.int32,) * 32)
 
 
 @triton.jit
+def _scale_halves(v):
+    """(scale, zero) word (fp16 scale low, zero high) -> (scale, -(16 + zero) * scale) as fp16 bits in the
+    low 16 bits of int32: the fma operands of the PTX's dequantization, before packing into halves."""
+    s = _half_to_f32(v, False)
+    zh = _f32_to_half(-(_half_to_f32(v >> 16, False) + 16.0) * s, False)
+    return v & 0xFFFF, zh
+
+
+@triton.jit
 def _emu_rotl(c, amt):
     """``shf.l.wrap.b32 d, c, c, amt`` for a constant c < 2**31 and amt in {0, 8, 16, 24} (+ junk >= 32)."""
     v = c.to(tl.int64) << (amt & 31).to(tl.int64)
@@ -290,10 +299,7 @@ def _nm_int4_tc_kernel(
             pw = tl.load(qp_ptr + unit * N + n3, mask=m3, other=0)
         # (scale, zero) of each sub-block: s2 = scale, nzs2 = -(16 + zero) * scale, both halves, fp16
         v = _sz_word(sz_ptr, gp0, gp_last, gsh, kk0 + 32 * tl.arange(0, SB)[None, :], nm2)  # [BLOCK_N, SB]
-        s = _half_to_f32(v, False)
-        z = _half_to_f32(v >> 16, False)
-        sh = v & 0xFFFF
-        zh = _f32_to_half(-(z + 16.0) * s, False)
+        sh, zh = _scale_halves(v)
         s2 = (sh | (sh << 16))[:, :, None]
         nzs2 = (zh | (zh << 16))[:, :, None]
         if NKEEP == 4:

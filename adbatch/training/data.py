@@ -379,7 +379,8 @@ def packed_batches(lengths: torch.Tensor, row_len: int, rows_per_batch: int,
     return out
 
 
-def _plan_examples(plan: torch.Tensor | PackedMicroBatch) -> int:
+def plan_examples(plan: torch.Tensor | PackedMicroBatch) -> int:
+    """How many examples a micro-batch plan (of either batcher) holds."""
     return int(plan.index.numel() if isinstance(plan, PackedMicroBatch) else plan.numel())
 
 
@@ -412,7 +413,7 @@ def split_for_ranks(batches: list[Any], world_size: int) -> list[Any]:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     out = list(batches)
     while len(out) % world_size:
-        sizes = [_plan_examples(b) for b in out]
+        sizes = [plan_examples(b) for b in out]
         i = max(range(len(out)), key=sizes.__getitem__)
         if sizes[i] < 2:
             break

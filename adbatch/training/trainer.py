@@ -49,7 +49,7 @@ from torch import nn
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.training.data import (Batch, ExampleKind, TrainingExamples, collate, collate_packed, packed_attention_mask,
-                                   packed_batches, repeat_kinds, split_for_ranks, token_budget_batches)
+                                   packed_batches, plan_examples, repeat_kinds, split_for_ranks, token_budget_batches)
 from adbatch.training.distill import DistillConfig, distill_loss
 from adbatch.training.head_loss import linear_cross_entropy
 from adbatch.training.pseudo_queries import PseudoQueryConfig
@@ -684,7 +684,7 @@ def train_loop(
             batches = epoch_batches(shuffle=True)
             usable = len(batches) // world_size * world_size  # short only with fewer examples than ranks
             for plan in batches[rank:usable:world_size]:
-                stats.examples += int(plan.index.numel() if packing["enabled"] else plan.numel())
+                stats.examples += plan_examples(plan)
                 yield to_batch(plan)
 
     batch_iter = micro_batches()
