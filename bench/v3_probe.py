@@ -3,7 +3,7 @@
 
     python3 bench/v3_probe.py            # prints a line per (shape, pattern, B); writes $OUT/v3_probe.json
 
-For the four large shapes, 2:4 / 1:4 / dense INT4 and B = 1, 8, 16, 64: cuBLAS fp16 and torch int4
+For the 8B shapes and the default 135M model's, 2:4 / 1:4 / dense INT4 and B = 1, 8, 16, 64: cuBLAS fp16 and torch int4
 (``_weight_int4pack_mm``, bf16), the tuned ``nm_int4_linear_triton`` (GEMV or format-2 tensor-core
 kernel, whichever the tuner picks), and the best of a small grid of forced ``KernelConfig(fragment=True)``
 configs (BLOCK_N 64 / 128, 3 / 4 stages, split-K for ~4 and ~16 programs per SM), each with its error
@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-SHAPES = [(8192, 28672), (28672, 8192), (4096, 14336), (14336, 4096)]  # the headline shape first
+# the headline shape first, then the shipped default model's (SmolLM2-135M: MLP 1536x576 / 576x1536,
+# attention 576x576 and the 192-row k/v projections), then the other 8B shapes
+SHAPES = [(8192, 28672), (1536, 576), (576, 1536), (576, 576), (192, 576), (28672, 8192), (4096, 14336), (14336, 4096)]
 BATCHES = [1, 8, 16, 64]
 PATS = ["2:4", "1:4", "4:4"]
 
