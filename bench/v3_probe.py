@@ -1,15 +1,15 @@
-"""The fragment-ordered tensor-core kernel vs the product's tuned path, cuBLAS fp16 and torch int4, in one run
-(issue 20; H200, ~9 min; no carry needed).
+"""Format 2 vs the fragment-ordered copy (v3) on the product's own tuner, next to cuBLAS fp16 and torch int4,
+in one run (issue 20; H200 or H100, ~4-8 min; no carry needed).
 
     python3 bench/v3_probe.py            # prints a line per (shape, pattern, B); writes $OUT/v3_probe.json
 
-For the 8B shapes and the default 135M model's, 2:4 / 1:4 / dense INT4 and B = 1, 8, 16, 64: cuBLAS fp16 and torch int4
-(``_weight_int4pack_mm``, bf16), the tuned ``nm_int4_linear_triton`` (GEMV or format-2 tensor-core
-kernel, whichever the tuner picks), and the best of a small grid of forced ``KernelConfig(fragment=True)``
-configs (BLOCK_N 64 / 128, 3 / 4 stages, split-K for ~4 and ~16 programs per SM), each with its error
-against an fp32 reference. Times: CUDA-graph replays (L2 warm, median) and ``do_bench`` with the L2
-flushed. Every kernel variant is compiled first in 16 processes. Stops after ``--time-budget`` seconds
-(default 520; results are written after every shape).
+For the 8B shapes and the default 135M model's, 2:4 / 1:4 / dense INT4 and B = 1, 8, 16, 64: cuBLAS fp16 and
+torch int4 (``_weight_int4pack_mm``, bf16); the product's dispatch (``nm_int4_linear_triton``, tuned by
+:data:`kernels.int4_launch.TUNER` with its defaults) with its error against an fp32 reference; and, from
+the tuner's log of the same tuning, the best config of each kernel family (GEMV, format-2 tensor-core,
+fragment-ordered tensor-core) with the L2 warm (CUDA-graph replays, the tuner's default) and cold (flushed
+before every call, in graphs). Every candidate is compiled first in 16 processes. Stops after
+``--time-budget`` seconds (default 520; results are written after every shape).
 """
 from __future__ import annotations
 
@@ -34,21 +34,6 @@ import triton
 SHAPES = [(8192, 28672), (1536, 576), (576, 1536), (576, 576), (192, 576), (28672, 8192), (4096, 14336), (14336, 4096)]
 BATCHES = [1, 8, 16, 64]
 PATS = ["2:4", "1:4", "4:4"]
-
-
-def v3_configs(p, b, sms):
-    """The forced fragment-ordered configs timed per (layer, B): BLOCK_N 64 / 128 x 3 / 4 stages x split-K
-    for ~4 and ~16 programs per SM."""
-    from kernels.int4_tuner import KernelConfig, _split_for, tc_block_kk
-    bb = 16 if b <= 16 else 64
-    kk = tc_block_kk(p.pattern)
-    out = []
-    for bn in (64, 128):
-        for st in (3, 4):
-            nb = triton.cdiv(b, bb)
-            for s in sorted({_split_for(p, bn, kk, nb, sms), _split_for(p, bn, kk, nb, sms, 16.0)}):
-                out.append(KernelConfig(bb, bn, kk, s, True, num_stages=st, fragment=True))
-    return out
 
 
 def _compile(jobs):
@@ -97,13 +82,13 @@ def main(argv=None):
     kb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kb)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # --- parallel precompile: the fragment-ordered variants and the tuner's candidates
+    # --- parallel precompile of every candidate the tuner will time
     from kernels.int4_tuner import candidate_configs
     jobs = set()
     for pat in PATS:
         p = random_packed(256, 4096, pat)
         for b in BATCHES:
-            for cfg in v3_configs(p, b, sms) + candidate_configs(p, b, sms):
+            for cfg in candidate_configs(p, b, sms):
                 for split in (1, 2):
                     jobs.add((pat, tuple(sorted(dict(cfg.__dict__, split_k=split).items()))))
     jobs = sorted(jobs)
@@ -132,34 +117,36 @@ def main(argv=None):
             for b in BATCHES:
                 x = xs[b]
                 ref = x.float() @ wref.t()
-                y2 = launcher.nm_int4_linear_triton(x, p)
+                launcher.TUNER.start_tune_log()
+                y = launcher.nm_int4_linear_triton(x, p)  # tunes this (shape, bucket): every candidate logged
+                log = launcher.TUNER.tune_log()
                 torch.cuda.synchronize()
-                e2 = ((y2.float() - ref).norm() / ref.norm()).item()
-                v2 = gtime(lambda: launcher.nm_int4_linear_triton(x, p))
-                v2f = ftime(lambda: launcher.nm_int4_linear_triton(x, p))
-                best = None
-                for c in v3_configs(p, b, sms):
-                    try:
-                        fn = lambda c=c: launcher.launch(x, p, None, c)
-                        y3 = fn()
-                        torch.cuda.synchronize()
-                        e3 = ((y3.float() - ref).norm() / ref.norm()).item()
-                        t = gtime(fn)
-                    except Exception as ex:  # noqa: BLE001
-                        print("v3 fail", pat, b, c, repr(ex)[:300], flush=True)
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, c, e3, fn)
-                v3f = ftime(best[3]) if best else None
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                tuned = gtime(lambda: launcher.nm_int4_linear_triton(x, p))
+                tuned_f = ftime(lambda: launcher.nm_int4_linear_triton(x, p))
+                cfg = launcher.TUNER.lookup(p, b, x.dtype, x.device)
+                fams = {}
+                for e in log:
+                    c = e["config"]
+                    fam = "frag" if c["fragment"] else "tc" if c["use_dot"] else "gemv"
+                    for l2 in ("warm", "cold"):
+                        if fam + "_" + l2 not in fams or e[f"{l2}_us"] < fams[fam + "_" + l2]:
+                            fams[fam + "_" + l2] = e[f"{l2}_us"]
+                            if l2 == "warm":
+                                fams[fam + "_cfg"] = c
                 row = dict(shape=f"{n_out}x{k}", pattern=pat, B=b, cublas_us=base[b], cublas_flushed_us=base_f[b],
-                           torch_int4_us=ti4.get(b), v2_us=v2, v2_flushed_us=v2f, v2_err=e2,
-                           v3_us=best[0] if best else None, v3_flushed_us=v3f, v3_err=best[2] if best else None,
-                           v3_cfg=dataclasses.asdict(best[1]) if best else None)
+                           torch_int4_us=ti4.get(b), tuned_us=tuned, tuned_flushed_us=tuned_f, tuned_err=err,
+                           tuned_cfg=dataclasses.asdict(cfg) if cfg else None, candidates=len(log), **fams)
                 rows.append(row)
-                print(f"{row['shape']:>11} {pat} B={b:>2}  fp16 {base[b]:7.1f}  int4 {ti4.get(b, float('nan')):7.1f}  "
-                      f"v2 {v2:7.1f} ({base[b] / v2:4.2f}x)  v3 {row['v3_us'] or float('nan'):7.1f} "
-                      f"({base[b] / row['v3_us'] if row['v3_us'] else float('nan'):4.2f}x)  flushed v2 {base_f[b] / v2f:4.2f}x "
-                      f"v3 {base_f[b] / v3f if v3f else float('nan'):4.2f}x  err v2 {e2:.1e} v3 {row['v3_err'] or float('nan'):.1e}  {row['v3_cfg']}",
+
+                def fx(key, row=row, base=base[b]):
+                    v = row.get(key)
+                    return f"{v:7.1f} ({base / v:4.2f}x)" if v else "      -         "
+                print(f"{row['shape']:>11} {pat} B={b:>2}  fp16 {base[b]:7.1f}  int4 {fx('torch_int4_us')}  "
+                      f"tuned {fx('tuned_us')} err {err:.1e} [{'frag' if cfg and cfg.fragment else 'tc' if cfg and cfg.use_dot else 'gemv'}]  "
+                      f"gemv {fx('gemv_warm')}  tc {fx('tc_warm')}  frag {fx('frag_warm')}  "
+                      f"cold: fp16 {base_f[b]:7.1f} tc {row.get('tc_cold') or float('nan'):7.1f} "
+                      f"frag {row.get('frag_cold') or float('nan'):7.1f} gemv {row.get('gemv_cold') or float('nan'):7.1f}",
                       flush=True)
             del p, wref
             torch.cuda.empty_cache()

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import triton
 
-from kernels.nm_int4 import PackedNMInt4, SparsityPattern
+from kernels.nm_int4 import PackedNMInt4, SparsityPattern, nm_int4_linear_reference
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ GEMV_MAX_BATCH = GEMV_BATCH_TILES[-1]
 GEMV_TUNE_MAX_BATCH = 16  # largest bucket whose tuner also times GEMV configs (several batch tiles)
 # part of the tuning-cache file name: configs tuned for older kernels are not reused. Bump it when the
 # code gemv_int4 / tc_int4 generate changes.
-KERNEL_VERSION = 7
+KERNEL_VERSION = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,7 @@ class KernelConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
-    # the fragment-ordered tensor-core kernel (kernels.tc_frag_int4): forced configs only (tests,
-    # bench/v3_probe.py) until an H200 run has checked and measured it; candidate_configs never sets it
+    # the fragment-ordered tensor-core kernel (kernels.tc_frag_int4) instead of kernels.tc_int4
     fragment: bool = False
 
     def validate(self, pattern: SparsityPattern) -> None:
@@ -137,10 +136,11 @@ def heuristic_config(p: PackedNMInt4, batch: int, num_sms: int) -> KernelConfig:
 
 
 def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelConfig]:
-    """The configs the autotuner times for this (shape, batch bucket), at most 32: GEMV tiles up to
+    """The configs the autotuner times for this (shape, batch bucket), at most ~45: GEMV tiles up to
     bucket 16 (fewer where tensor-core tiles compete), tensor-core tiles from bucket 8 up (one batch
     tile of max(16, bucket) rows: the MMA's N side); each with the split-K choices of
-    :func:`_with_splits`; the first tensor-core tile also with 2 and 4 pipeline stages."""
+    :func:`_with_splits`; the first tensor-core tile also with 2 and 4 pipeline stages; and every
+    tensor-core config of up to 128 rows again on the fragment-ordered kernel."""
     bucket = batch_bucket(batch)
     out: list[KernelConfig] = []
     if bucket <= GEMV_TUNE_MAX_BATCH and gemv_ok(p):
@@ -168,6 +168,8 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
             if i == 0:  # pipeline depth of the weight loads: 2 frees shared memory for wide x tiles, 4 hides more latency
                 split = _split_for(p, block_n, block_kk, triton.cdiv(batch, cfg.block_b), num_sms)
                 out += [dataclasses.replace(cfg, split_k=split, num_stages=st) for st in (2, 4)]
+        # the fragment-ordered kernel on the same tiles (its tests cover BLOCK_N 64 / 128 on 4 / 8 warps)
+        out += [dataclasses.replace(c, fragment=True) for c in out if c.use_dot and c.block_n <= 128]
     return list(dict.fromkeys(out))
 
 
@@ -301,6 +303,22 @@ def _cold_graph_ms(fn, calls: int = 8, replays: int = 7) -> float:
     return max(median_ms(graphs[1]) - median_ms(graphs[0]), 1e-6) / calls
 
 
+# The largest relative Frobenius error vs the fp32 reference a tuned config may have. The kernels'
+# error is the fp16 rounding of the dequantized weight and of the output (~1.1-1.5e-3 measured on
+# K = 1,024-4,096, bench/kernel_accuracy.py; bf16 rounds 8x coarser): 3e-2 leaves room for bf16 and
+# long K while any indexing or layout error (O(1)) is caught.
+TUNE_MAX_REL_ERROR = 3e-2
+
+
+def output_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error of a kernel output ``y [B, N]`` against the fp32 reference ``ref``
+    (NaN and inf count as infinitely wrong)."""
+    y = y.float()
+    if not bool(torch.isfinite(y).all()):
+        return float("inf")
+    return float((y - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
 # When a list: autotune appends one dict per timed candidate (key, config, microseconds in the tuner's
 # L2 state and, for the record, in the other one). Benchmarks set it to report what the tuner saw.
 
@@ -368,12 +386,20 @@ class KernelTuner:
         return cfg
 
     def autotune(self, x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> tuple[KernelConfig, float]:
-        """Time every candidate on these inputs and return the fastest (config, microseconds)."""
+        """Time every candidate on these inputs and return the fastest (config, microseconds) among those
+        whose output matches the fp32 reference (:func:`output_error` at most :data:`TUNE_MAX_REL_ERROR`): a config that computes a wrong
+        answer fast is never cached."""
         num_sms = _num_sms(x2.device)
         l2 = tune_l2()
+        ref = nm_int4_linear_reference(x2, p, bias).float()
         best: tuple[float, KernelConfig] | None = None
         for cfg in candidate_configs(p, x2.shape[0], num_sms):
             try:
+                err = output_error(self._run(x2, p, bias, cfg), ref)
+                if not err <= TUNE_MAX_REL_ERROR:
+                    log.warning("kernel config %s rejected for %s: relative error %.3g vs the fp32 reference",
+                                cfg, tune_key(p, x2.shape[0], x2.dtype), err)
+                    continue
                 ms = time_graphed_ms(lambda: self._run(x2, p, bias, cfg), l2)
                 if self._log is not None:
                     other = "cold" if l2 == "warm" else "warm"

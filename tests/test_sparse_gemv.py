@@ -231,6 +231,34 @@ def test_tuner_lookup_and_tune_log(tmp_path, monkeypatch):
     assert t.tune_log() == []
 
 
+def test_autotune_rejects_configs_with_wrong_output(monkeypatch):
+    """The tuner keeps the fastest config whose output matches the fp32 reference: a faster config that
+    computes a wrong answer (or NaN) is rejected with a warning, never picked. Timing is faked so the
+    selection logic runs on CPU; the launches return the reference or a corrupted copy of it."""
+    p = random_packed(48, 256, SparsityPattern.TWO_FOUR, generator=torch.Generator().manual_seed(21))
+    x2 = torch.randn(16, 256, generator=torch.Generator().manual_seed(22)).half()
+    ref = nm_int4_linear_reference(x2, p)
+    cands = tuner.candidate_configs(p, 16, 4)
+    assert any(c.fragment for c in cands) and any(c.use_dot and not c.fragment for c in cands)
+    wrong, nan, good = cands[0], cands[1], cands[2]
+    speed = {wrong: 1.0, nan: 2.0, good: 3.0}
+    last = []
+
+    def fake_run(x, packed, bias, cfg):
+        last.append(cfg)
+        if cfg == wrong:
+            return ref.flip(1)  # right values, wrong columns: what a layout bug gives
+        if cfg == nan:
+            return torch.full_like(ref, float("nan"))
+        return ref
+
+    monkeypatch.setattr(tuner, "time_graphed_ms", lambda fn, l2: (fn(), speed.get(last[-1], 10.0))[1])
+    cfg, micros = tuner.KernelTuner(run=fake_run).autotune(x2, p, None)
+    assert cfg == good and micros == pytest.approx(3e3)
+    assert tuner.output_error(ref.flip(1), ref.float()) > tuner.TUNE_MAX_REL_ERROR
+    assert tuner.output_error(ref, ref.float()) == 0.0
+
+
 def test_launcher_slots_follow_kernel_signatures():
     """The positions the bound fast path rewrites per call are the kernels' own argument names, the
     runtime arguments come first and every constexpr after them, and _kernel_args puts each value in
