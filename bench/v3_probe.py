@@ -71,7 +71,9 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--time-budget", type=float, default=520.0, help="stop after this many seconds")
+    ap.add_argument("--shapes", default="", help="comma list NxK (default: all, in SHAPES order)")
     args = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     t_start = time.time()
     out_dir = Path(os.environ.get("OUT", "bench/out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +99,7 @@ def main(argv=None):
         n = sum(ex.map(_compile, [jobs[i::16] for i in range(16)]))
     print(f"precompiled {n}/{len(jobs)} in {time.time() - t0:.0f}s", flush=True)
     rows = []
-    for n_out, k in SHAPES:
+    for n_out, k in shapes:
         torch.manual_seed(n_out + k)
         w16 = (torch.randn(n_out, k, device="cuda") / math.sqrt(k)).half()
         xs = {b: (torch.randn(b, k, device="cuda") + 0.05).half() for b in BATCHES}
