@@ -5,7 +5,7 @@
 
 For each pattern and K, one 64 x K random packed weight and 8 fp16 activation rows, through
 ``nm_int4_linear_triton`` with forced configs: the GEMV (fp16x2 sums of 16 products, then fp32), the
-format-2 tensor-core kernel and the fragment-ordered one (fp32 MMA accumulation). Prints the relative
+tensor-core kernel (fp32 MMA accumulation). Prints the relative
 Frobenius error, the worst |error| / sum |x * w| of an output, and, for scale, the error of rounding the
 exact result to fp16 alone.
 """
@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             scale = x.double().abs() @ w.abs().t()
             rounding = float((ref.half().double() - ref).norm() / ref.norm())
             kk = tc_block_kk(p.pattern)
-            for name, cfg in (("gemv", KernelConfig(8, 64, 64, 1, False)), ("tc", KernelConfig(16, 64, kk, 1, True)),
-                              ("tc_frag", KernelConfig(16, 64, kk, 1, True, fragment=True))):
+            for name, cfg in (("gemv", KernelConfig(8, 64, 64, 1, False)), ("tc", KernelConfig(16, 64, kk, 1, True))):
                 y = launcher.nm_int4_linear_triton(x.to(args.device), p.to(args.device), config=cfg).double().cpu()
                 row = dict(pattern=pattern, K=k, kernel=name, rel=float((y - ref).norm() / ref.norm()),
                            worst=float(((y - ref).abs() / scale).max()), output_rounding=rounding)

@@ -105,18 +105,16 @@ def classify(ops: list[str]) -> dict[str, int]:
 
 
 def variants(batches: list[int]) -> list[tuple[str, SparsityPattern, int, KernelConfig]]:
-    """(label, pattern, B, config): the GEMV at B <= 8 and the tensor-core kernels (format-2 words, "tc",
-    and the fragment-ordered copy, "tc_frag") with BLOCK_N = 64 and with BLOCK_N = 128 (the heuristic)."""
+    """(label, pattern, B, config): the GEMV at B <= 8 and the tensor-core kernel with BLOCK_N = 64 and with
+    BLOCK_N = 128 (the heuristic)."""
     out = []
     for pattern in (SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR, SparsityPattern.DENSE):
         for b in batches:
             bt = max(16, b)
             if b <= GEMV_MAX_BATCH:
                 out.append(("gemv", pattern, b, KernelConfig(b, 64, 64, 1, False)))
-            for frag in (False, True):
-                label = "tc_frag" if frag else "tc"
-                out.append((label, pattern, b, KernelConfig(bt, 64, tc_block_kk(pattern), 1, True, fragment=frag)))
-                out.append((label, pattern, b, KernelConfig(bt, 128, tc_block_kk(pattern), 1, True, fragment=frag)))
+            out.append(("tc", pattern, b, KernelConfig(bt, 64, tc_block_kk(pattern), 1, True)))
+            out.append(("tc", pattern, b, KernelConfig(bt, 128, tc_block_kk(pattern), 1, True)))
     return out
 
 

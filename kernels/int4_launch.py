@@ -1,7 +1,6 @@
 """Launcher of the SparseGemv kernels: ``y[B, N] = x[B, K] @ W.T`` with W in
 :class:`~kernels.nm_int4.PackedNMInt4`, through the GEMV (:mod:`kernels.gemv_int4`, B <= 8) or the
-tensor-core kernel (:mod:`kernels.tc_int4`); a forced ``KernelConfig(fragment=True)`` runs the
-fragment-ordered tensor-core kernel (:mod:`kernels.tc_frag_int4`, not yet offered by the tuner).
+tensor-core kernel (:mod:`kernels.tc_int4`, B >= 8).
 
 :func:`nm_int4_linear_triton` is the entry point. The first call for a (layer, dtype, batch bucket,
 bias) binds a launcher: it picks a :class:`~kernels.int4_tuner.KernelConfig` through :data:`TUNER` (timed
@@ -30,7 +29,6 @@ import triton
 from kernels.gemv_int4 import _nm_int4_gemv_kernel
 from kernels.int4_tuner import BATCH_BUCKETS, BUCKET_OF, KernelConfig, KernelTuner, batch_bucket, gemv_ok
 from kernels.nm_int4 import PackedNMInt4, SparsityPattern
-from kernels.tc_frag_int4 import _nm_int4_tc_frag_kernel
 from kernels.tc_int4 import _nm_int4_tc_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -130,18 +128,13 @@ class _Signature:
 
 _GEMV_SIG = _Signature.of(_nm_int4_gemv_kernel, x="x64_ptr", stride="stride_x64")
 _TC_SIG = _Signature.of(_nm_int4_tc_kernel, x="x_ptr", stride="stride_xb")
-_TC_FRAG_SIG = _Signature.of(_nm_int4_tc_frag_kernel, x="x_ptr", stride="stride_xb")
 
 
 def _kernel_fn(cfg: KernelConfig):
-    if cfg.fragment:
-        return _nm_int4_tc_frag_kernel
     return _nm_int4_tc_kernel if cfg.use_dot else _nm_int4_gemv_kernel
 
 
 def _signature(cfg: KernelConfig) -> _Signature:
-    if cfg.fragment:
-        return _TC_FRAG_SIG
     return _TC_SIG if cfg.use_dot else _GEMV_SIG
 
 
@@ -153,9 +146,7 @@ def _kernel_args(x2: torch.Tensor, p: PackedNMInt4, bias, out, part, cnt, cfg: K
     # the GEMV reads x as int64 words of 4 activations: its K and row stride count words
     xk = x2 if cfg.use_dot else _x_words(x2)
     x_name, k_name = sig.names[sig.i_x], ("K" if cfg.use_dot else "G4")
-    # the fragment-ordered kernel reads the fragment-ordered copy (built on the layer's first such launch)
-    qw, qp = p.fragments if cfg.fragment else (p.qweight, p.qpos)
-    vals = {x_name: xk, "qw_ptr": qw, "qp_ptr": qp if p.pattern.is_sparse else qw,
+    vals = {x_name: xk, "qw_ptr": p.qweight, "qp_ptr": p.qpos if p.pattern.is_sparse else p.qweight,
             "sz_ptr": p.scale_zero_words, "gptr_ptr": p.group_ptr, "gshift_ptr": p.group_shift,
             "bias_ptr": bias if bias is not None else out, "out_ptr": out, "part_ptr": part, "cnt_ptr": cnt, "B": batch,
             "N": n_out, k_name: p.in_features if cfg.use_dot else p.in_features // 4, "KP": p.padded_kept,
@@ -175,7 +166,7 @@ def _kernel_meta(cfg: KernelConfig, pattern: SparsityPattern, split: bool, has_b
                 HAS_BIAS=has_bias, IS_BF16=bf16, ASM=asm)
     if cfg.use_dot:
         meta["DOT_F32"] = not asm and bf16  # interpreter only: numpy has no bf16 matmul
-    if not cfg.use_dot or cfg.fragment:  # the format-2 tensor-core kernel has no mask-free variant
+    if not cfg.use_dot:  # the tensor-core kernel has no mask-free variant
         meta["EVEN"] = even
     return meta
 
@@ -274,7 +265,7 @@ class _Bound:
         self.i_x, self.i_out, self.i_b, self.i_stride, self.i_part_stride = (
             sig.i_x, sig.i_out, sig.i_b, sig.i_stride, sig.i_part_stride)
         self.has_bias = bias is not None
-        self.keep = (p.qweight, p.qpos, p.scale_zero_words, p.group_ptr, p.group_shift) + (p.fragments if cfg.fragment else ())
+        self.keep = (p.qweight, p.qpos, p.scale_zero_words, p.group_ptr, p.group_shift)
 
     def __call__(self, x2: torch.Tensor, bias):
         if _launch_hooks_set() or x2.get_device() != self.dev or x2.stride(-1) != 1:

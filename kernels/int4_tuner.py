@@ -39,7 +39,7 @@ GEMV_MAX_BATCH = GEMV_BATCH_TILES[-1]
 GEMV_TUNE_MAX_BATCH = 16  # largest bucket whose tuner also times GEMV configs (several batch tiles)
 # part of the tuning-cache file name: configs tuned for older kernels are not reused. Bump it when the
 # code gemv_int4 / tc_int4 generate changes.
-KERNEL_VERSION = 8
+KERNEL_VERSION = 9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,6 @@ class KernelConfig:
     use_dot: bool
     num_warps: int = 4
     num_stages: int = 3
-    # the fragment-ordered tensor-core kernel (kernels.tc_frag_int4) instead of kernels.tc_int4
-    fragment: bool = False
 
     def validate(self, pattern: SparsityPattern) -> None:
         if self.block_kk not in (32, 64, 128):
@@ -70,8 +68,6 @@ class KernelConfig:
                 raise ValueError(f"{name}={v} must be a power of two")
         if self.use_dot and self.block_kk % 32:
             raise ValueError(f"the tensor-core kernel takes whole 32-value sub-blocks: {self}")
-        if self.fragment and not self.use_dot:
-            raise ValueError(f"the fragment-ordered kernel is a tensor-core kernel (use_dot=True): {self}")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k} must be >= 1")
 
@@ -136,11 +132,10 @@ def heuristic_config(p: PackedNMInt4, batch: int, num_sms: int) -> KernelConfig:
 
 
 def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelConfig]:
-    """The configs the autotuner times for this (shape, batch bucket), at most ~45: GEMV tiles up to
+    """The configs the autotuner times for this (shape, batch bucket), at most ~26: GEMV tiles up to
     bucket 16 (fewer where tensor-core tiles compete), tensor-core tiles from bucket 8 up (one batch
     tile of max(16, bucket) rows: the MMA's N side); each with the split-K choices of
-    :func:`_with_splits`; the first tensor-core tile also with 2 and 4 pipeline stages; and every
-    tensor-core config of up to 128 rows again on the fragment-ordered kernel."""
+    :func:`_with_splits`; the first tensor-core tile also with 2 and 4 pipeline stages."""
     bucket = batch_bucket(batch)
     out: list[KernelConfig] = []
     if bucket <= GEMV_TUNE_MAX_BATCH and gemv_ok(p):
@@ -168,8 +163,6 @@ def candidate_configs(p: PackedNMInt4, batch: int, num_sms: int) -> list[KernelC
             if i == 0:  # pipeline depth of the weight loads: 2 frees shared memory for wide x tiles, 4 hides more latency
                 split = _split_for(p, block_n, block_kk, triton.cdiv(batch, cfg.block_b), num_sms)
                 out += [dataclasses.replace(cfg, split_k=split, num_stages=st) for st in (2, 4)]
-        # the fragment-ordered kernel on the same tiles (its tests cover BLOCK_N 64 / 128 on 4 / 8 warps)
-        out += [dataclasses.replace(c, fragment=True) for c in out if c.use_dot and c.block_n <= 128]
     return list(dict.fromkeys(out))
 
 

@@ -38,27 +38,6 @@ there to 0, so padding contributes exact zeros. Padding is never returned by :fu
 :func:`dequantize_nm_int4`. The kernels read a sub-block of 32 kept values with one ``(scale, zero)``,
 which is why group sizes are at least 32 and powers of 2.
 
-The fragment-ordered tensor-core kernel (:mod:`kernels.tc_frag_int4`) reads a second copy of ``qweight``
-/ ``qpos``, :attr:`PackedNMInt4.fragments` (:func:`fragment_order`), derived from the layout above on
-first use and kept on the object (it is not stored in checkpoints). It is ordered for the
-``m16n8k16`` A-operand fragment of the weight rows ("swap AB": the weights are the MMA's M side),
-so each lane loads exactly the values its fragment registers hold, as one 8-byte load:
-
-- rows are cut into blocks of 16 (``N16 = ceil(N / 16) * 16``, padding rows are zero) and kept values
-  into *units* of 32 (``Kp / 32``); lane ``l = 4 lr + q`` (lr = 0..7, q = 0..3) of a row block holds
-  rows ``lr`` and ``lr + 8`` of it;
-- ``qweight_frag`` int32 ``[N16 / 16, Kp / 32, 32, 2]``: lane l's two words ``h = 0, 1`` of a unit hold
-  16 values, value ``(t, e)`` (t = 0..3, e = 0/1) in bits ``4t + 16e`` -- the GEMV's pair interleave,
-  so one shift + ``lop3`` per t yields an fp16x2 pair. Which kept value sits there depends on the
-  pattern, chosen so that every densified pair lands in the A-fragment register the MMA wants:
-  dense: row ``lr + 8 (t % 2)``, kept ``32 u + 16 h + 4 q + 2 (t // 2) + e``; 2:4: row ``lr + 8 (t % 2)``,
-  kept ``32 u + 8 (2 h + t // 2) + 2 q + e``; 1:4: row ``lr + 8 e``, kept ``32 u + 4 (4 h + t) + q``.
-  Inside each 16-column block of the densified tile, lane q owns whole 4-column groups (columns
-  ``4 q .. 4 q + 3`` of the *permuted* order the kernel feeds the MMA; the activations are loaded
-  with the same column permutation, so the product is unchanged);
-- ``qpos_frag`` int32 ``[N16 / 16, Kp / 32, 32]`` (``[0]`` for DENSE): the 2-bit position of value
-  ``(h, t, e)`` at bits ``16 h + 8 e + 2 t`` (byte-spread as in ``qpos``).
-
 Version history: 1 had plain nibble order (value ``8i + j`` in bits ``4j``), plain position order
 (value ``16i + j`` in bits ``2j``) and ``KK_ALIGN = 128`` (+24 % bits on 576-wide layers); version 2
 is the layout above. Checkpoints carry the version; loaders reject other versions.
@@ -190,13 +169,6 @@ class PackedNMInt4:
     def scale_zero_words(self) -> torch.Tensor:
         """``scale_zero`` viewed as int32 [G] (low half scale, high half zero): what the kernels read."""
         return self.scale_zero.view(torch.int32).reshape(-1)
-
-    @functools.cached_property
-    def fragments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(qweight_frag, qpos_frag)``: the tensor-core kernel's fragment-ordered copy (see the module
-        docstring), built on this object's device at first use and kept (``qweight``'s size again, plus
-        ``qpos``'s)."""
-        return fragment_order(self)
 
     @property
     def num_groups(self) -> int:
@@ -388,75 +360,6 @@ def unpack_nm_int4(p: PackedNMInt4):
         p.scale_zero[:, 1].contiguous(),
         (torch.ones_like(p.group_shift) << p.group_shift).to(torch.int32),
     )
-
-
-def _fragment_axes(v: torch.Tensor, n: int) -> torch.Tensor:
-    """[N16, Kp] per-value tensor (rows padded to 16) -> a permuted *view* in fragment order, [N16/16, Kp/32,
-    8 lr, 4 q, 2 h, then t = 0..3 (as two axes (t // 2, t % 2) for dense / 2:4), 2 e]: the value of lane
-    4 lr + q, word h, slot (t, e); see the module docstring. Reshape it to [.., 2, 4, 2] to read."""
-    n16, kp = v.shape
-    rb, u = n16 // 16, kp // 32
-    if n == 4:  # row lr + 8 rh, kept 32 u + 16 h + 4 q + 2 hc + e, t = 2 hc + rh
-        w = v.view(rb, 2, 8, u, 2, 4, 2, 2).permute(0, 3, 2, 5, 4, 6, 1, 7)
-    elif n == 2:  # kept 32 u + 8 (2 h + tb) + 2 q + e, t = 2 tb + rh
-        w = v.view(rb, 2, 8, u, 2, 2, 4, 2).permute(0, 3, 2, 6, 4, 5, 1, 7)
-    else:  # kept 32 u + 4 (4 h + t) + q, e = rh
-        w = v.view(rb, 2, 8, u, 2, 4, 4).permute(0, 3, 2, 6, 4, 5, 1)
-    return w
-
-
-def _as_int32(words: torch.Tensor) -> torch.Tensor:
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _fragment_shifts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit offsets of slot (h, t, e) in a lane's words, shaped to broadcast over [.., 2 h, 4 t, 2 e]: values
-    ``4t + 16e`` (inside word h), positions ``16h + 8e + 2t`` (one word)."""
-    h = torch.arange(2, device=device, dtype=torch.int64).view(2, 1, 1)
-    t = torch.arange(4, device=device, dtype=torch.int64).view(1, 4, 1)
-    e = torch.arange(2, device=device, dtype=torch.int64).view(1, 1, 2)
-    return (4 * t + 16 * e).expand(2, 4, 2), 16 * h + 8 * e + 2 * t
-
-
-def fragment_order(p: PackedNMInt4) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fragment-ordered copy of ``p``'s values and positions for the tensor-core kernel:
-    ``(qweight_frag int32 [N16/16, Kp/32, 32, 2], qpos_frag int32 [N16/16, Kp/32, 32] or [0] for DENSE)``
-    on ``p``'s device (a pure re-layout; see the module docstring). Use :attr:`PackedNMInt4.fragments`,
-    which builds it once per object."""
-    n_out, kp, dev = p.out_features, p.padded_kept, p.device
-    rb, units = -(-n_out // 16), kp // 32
-    value_shift, pos_shift = _fragment_shifts(dev)
-
-    def slotted(words: torch.Tensor, bits: int) -> torch.Tensor:  # [RB, U, 8, 4, 2, 4, 2] in fragment order
-        v = torch.zeros(16 * rb, kp, dtype=torch.int64, device=dev)
-        v[:n_out] = _unpack_bits(words, bits)
-        return _fragment_axes(v, p.pattern.n).reshape(rb, units, 8, 4, 2, 4, 2)
-
-    qw = _as_int32((slotted(p.qweight, 4) << value_shift).sum(dim=(-1, -2))).reshape(rb, units, 32, 2).contiguous()
-    if not p.pattern.is_sparse:
-        return qw, torch.zeros(0, dtype=torch.int32, device=dev)
-    qp = _as_int32((slotted(p.qpos, 2) << pos_shift).sum(dim=(-1, -2, -3))).reshape(rb, units, 32).contiguous()
-    return qw, qp
-
-
-def fragment_values(p: PackedNMInt4, qweight_frag: torch.Tensor, qpos_frag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Inverse of :func:`fragment_order` (tests): ``(q uint8 [N, Kp], pos uint8 [N, Kp] or None)``."""
-    n_out, kp = p.out_features, p.padded_kept
-    rb, units = -(-n_out // 16), kp // 32
-    dev = qweight_frag.device
-    value_shift, pos_shift = _fragment_shifts(dev)
-
-    def unslot(words: torch.Tensor, shifts: torch.Tensor, bits: int) -> torch.Tensor:
-        vals = ((words.to(torch.int64) & 0xFFFFFFFF) >> shifts) & ((1 << bits) - 1)  # [RB, U, 8, 4, 2, 4, 2]
-        dense = torch.empty(16 * rb, kp, dtype=torch.int64, device=dev)
-        view = _fragment_axes(dense, p.pattern.n)
-        view.copy_(vals.view(view.shape))
-        return dense[:n_out].to(torch.uint8)
-
-    q = unslot(qweight_frag.reshape(rb, units, 8, 4, 2, 1, 1), value_shift, 4)
-    if not p.pattern.is_sparse:
-        return q, None
-    return q, unslot(qpos_frag.reshape(rb, units, 8, 4, 1, 1, 1), pos_shift, 2)
 
 
 def kept_columns(p: PackedNMInt4, pos: torch.Tensor | None = None) -> torch.Tensor:

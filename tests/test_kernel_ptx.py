@@ -23,16 +23,14 @@ from kernels.int4_tuner import KernelConfig, tc_block_kk
 from kernels.nm_int4 import SparsityPattern
 out = []
 for pat, bf16 in itertools.product(SparsityPattern, (False, True)):
-    for cfg in (KernelConfig(4, 64, 64, 2, False), KernelConfig(16, 64, tc_block_kk(pat), 2, True),
-                KernelConfig(16, 128, tc_block_kk(pat), 2, True, fragment=True)):
+    for cfg in (KernelConfig(4, 64, 64, 2, False), KernelConfig(16, 64, tc_block_kk(pat), 2, True)):
         k = launcher.compile_offline(cfg, pat, bf16, split=True)
         ptx = k.asm["ptx"]
-        out.append(dict(pattern=pat.value, bf16=bf16, dot=cfg.use_dot, fragment=cfg.fragment, cubin=len(k.asm["cubin"]),
+        out.append(dict(pattern=pat.value, bf16=bf16, dot=cfg.use_dot, cubin=len(k.asm["cubin"]),
                         lop3=ptx.count("lop3.b32"), prmt=ptx.count("prmt.b32"), mma="mma" in ptx))
 # the launcher's slots against the compiled (not interpreted) kernels: Triton's own constexpr list
 sigs = [dict(names=list(sig.names), runtime=sig.runtime, constexprs=list(fn.constexprs), arg_names=list(fn.arg_names))
-        for sig, fn in ((launcher._GEMV_SIG, launcher._nm_int4_gemv_kernel), (launcher._TC_SIG, launcher._nm_int4_tc_kernel),
-                        (launcher._TC_FRAG_SIG, launcher._nm_int4_tc_frag_kernel))]
+        for sig, fn in ((launcher._GEMV_SIG, launcher._nm_int4_gemv_kernel), (launcher._TC_SIG, launcher._nm_int4_tc_kernel))]
 print(json.dumps(dict(rows=out, sigs=sigs)))
 """
 
@@ -46,7 +44,7 @@ def test_inline_ptx_assembles_for_sm90():
     rows = res["rows"]
     for sig in res["sigs"]:  # constexprs trail the runtime arguments, as the bound fast path assumes
         assert sig["names"] == sig["arg_names"] and sig["constexprs"] == list(range(sig["runtime"], len(sig["names"]))), sig
-    assert len(rows) == 18  # 3 patterns x fp16/bf16 x GEMV / tensor-core / fragment-ordered tensor-core
+    assert len(rows) == 12  # 3 patterns x fp16/bf16 x GEMV / tensor-core
     for r in rows:
         assert r["cubin"] > 0 and r["lop3"] > 0, r  # the nibble dequantization is in the assembled code
         if r["pattern"] != "4:4":

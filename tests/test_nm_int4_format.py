@@ -11,7 +11,6 @@ from kernels.nm_int4 import (
     PackedNMInt4,
     SparsityPattern,
     dequantize_nm_int4,
-    fragment_values,
     kept_per_row,
     nm_int4_linear_reference,
     pack_nm_int4,
@@ -67,53 +66,6 @@ def test_pack_unpack_round_trip_exact(pattern, shape):
             h, rem = divmod(j, 8)
             t, e = divmod(rem, 2)
             assert (pw >> (16 * h + 8 * e + 2 * t)) & 3 == pos[0, j].item()
-
-
-def _fragment_slot(pattern: SparsityPattern, lane: int, h: int, t: int, e: int) -> tuple[int, int]:
-    """(row in the block, kept index in the unit) of fragment slot (lane, word h, pair t, element e): the
-    module docstring's table, written out independently of the kernel's view arithmetic."""
-    lr, q = divmod(lane, 4)
-    if pattern.n == 4:
-        return lr + 8 * (t % 2), 16 * h + 4 * q + 2 * (t // 2) + e
-    if pattern.n == 2:
-        return lr + 8 * (t % 2), 8 * (2 * h + t // 2) + 2 * q + e
-    return lr + 8 * e, 4 * (4 * h + t) + q
-
-
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_fragment_order_round_trip_and_layout(pattern, shape):
-    """The tensor-core kernel's fragment-ordered copy: shapes, an exact round trip to the stored words
-    (rows padded to 16 hold zeros), and every slot of one row block and unit where the docstring says."""
-    n_out, k_in = shape
-    p = random_packed(n_out, k_in, pattern, generator=torch.Generator().manual_seed(7))
-    qw, qp = p.fragments
-    assert p.fragments[0] is qw  # built once per object
-    n16, units = -(-n_out // 16) * 16, p.padded_kept // 32
-    assert qw.shape == (n16 // 16, units, 32, 2) and qw.dtype == torch.int32
-    assert qp.shape == ((n16 // 16, units, 32) if pattern.is_sparse else (0,))
-    q, pos = fragment_values(p, qw, qp)
-    assert torch.equal(q, _unpack_bits(p.qweight, 4))
-    assert (pos is None) == (not pattern.is_sparse)
-    if pos is not None:
-        assert torch.equal(pos, _unpack_bits(p.qpos, 2))
-    # the last row block and unit, slot by slot (padding rows read as 0)
-    q_all = torch.zeros(n16, p.padded_kept, dtype=torch.int64)
-    q_all[:n_out] = _unpack_bits(p.qweight, 4).long()
-    p_all = torch.zeros_like(q_all)
-    if pos is not None:
-        p_all[:n_out] = _unpack_bits(p.qpos, 2).long()
-    rb, u = n16 // 16 - 1, units - 1
-    for lane in range(32):
-        pw = qp[rb, u, lane].item() & 0xFFFFFFFF if pos is not None else 0
-        for h in range(2):
-            word = qw[rb, u, lane, h].item() & 0xFFFFFFFF
-            for t in range(4):
-                for e in range(2):
-                    row, kk = _fragment_slot(pattern, lane, h, t, e)
-                    assert (word >> (4 * t + 16 * e)) & 0xF == q_all[16 * rb + row, 32 * u + kk]
-                    if pos is not None:
-                        assert (pw >> (16 * h + 8 * e + 2 * t)) & 3 == p_all[16 * rb + row, 32 * u + kk]
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)

@@ -23,7 +23,6 @@ from kernels import int4_common as common  # noqa: E402
 from kernels import int4_launch as launcher  # noqa: E402
 from kernels import int4_tuner as tuner  # noqa: E402
 from kernels import tc_int4 as tc  # noqa: E402
-from kernels import tc_frag_int4 as tc_frag  # noqa: E402
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and type(gemv._nm_int4_gemv_kernel).__name__ == "InterpretedFunction"
 if DEVICE == "cpu":
@@ -88,33 +87,17 @@ def test_gemv_even_path(pattern):
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch", [8, 17, 64])
-@pytest.mark.parametrize("fragment", [False, True], ids=["tc", "tc_frag"])
-def test_dot_path(pattern, dtype, batch, fragment):
-    """The tensor-core kernels (PTX dequant + prmt densify, emulated; format-2 words or the
-    fragment-ordered copy): N = 19 and Kp not multiples of the blocks (a partial row block and unit),
-    one / two batch tiles, a partial last K step, split-K with bias."""
+def test_dot_path(pattern, dtype, batch):
+    """The tensor-core kernel (PTX dequant + prmt densify, emulated): N = 19 and Kp not multiples of the
+    blocks (a partial row block and unit), one / two batch tiles, a partial last K step, split-K with bias."""
     p = random_packed(*SHAPES[1], pattern, generator=torch.Generator().manual_seed(12))
     block_b = 64 if batch == 64 else 16
     for cfg in (
-        tuner.KernelConfig(block_b, 16, 32, 1, True, fragment=fragment),  # one 32-value sub-block per step
+        tuner.KernelConfig(block_b, 16, 32, 1, True),  # one 32-value sub-block per step
         # several sub-blocks per step, 3 splits
-        tuner.KernelConfig(block_b, 32, 64 if batch == 17 else 128, 3, True, fragment=fragment),
+        tuner.KernelConfig(block_b, 32, 64 if batch == 17 else 128, 3, True),
     ):
         _check(p, batch, dtype, cfg, seed=batch, bias=cfg.split_k > 1)
-
-
-@pytest.mark.parametrize("pattern", list(SparsityPattern))
-def test_tc_frag_even_path(pattern):
-    """N % BLOCK_N == 0 and no padding: the fragment-ordered kernel's mask-free (EVEN) loads, with and
-    without split-K, and a 128-row tile of 8 row blocks on 8 warps."""
-    p = random_packed(128, 512, pattern, generator=torch.Generator().manual_seed(33))
-    kk = tuner.tc_block_kk(pattern)
-    for cfg in (tuner.KernelConfig(16, 64, kk, 1, True, fragment=True),
-                tuner.KernelConfig(16, 128, kk, 2, True, 8, fragment=True)):
-        _, meta = launcher._kernel_args(torch.zeros(16, 512, dtype=torch.float16), p, None, torch.zeros(16, 128), None,
-                                        None, cfg, launcher._Plan.of(p, cfg))
-        assert meta["EVEN"]
-        _check(p, 16, torch.bfloat16, cfg, seed=34)
 
 
 @interpreter_only
@@ -239,7 +222,7 @@ def test_autotune_rejects_configs_with_wrong_output(monkeypatch):
     x2 = torch.randn(16, 256, generator=torch.Generator().manual_seed(22)).half()
     ref = nm_int4_linear_reference(x2, p)
     cands = tuner.candidate_configs(p, 16, 4)
-    assert any(c.fragment for c in cands) and any(c.use_dot and not c.fragment for c in cands)
+    assert any(c.use_dot for c in cands) and any(not c.use_dot for c in cands)
     wrong, nan, good = cands[0], cands[1], cands[2]
     speed = {wrong: 1.0, nan: 2.0, good: 3.0}
     last = []
@@ -264,8 +247,7 @@ def test_launcher_slots_follow_kernel_signatures():
     runtime arguments come first and every constexpr after them, and _kernel_args puts each value in
     its named slot (the fast path itself runs on CUDA only)."""
     for fn, sig, x_name, stride_name in ((gemv._nm_int4_gemv_kernel, launcher._GEMV_SIG, "x64_ptr", "stride_x64"),
-                                         (tc._nm_int4_tc_kernel, launcher._TC_SIG, "x_ptr", "stride_xb"),
-                                         (tc_frag._nm_int4_tc_frag_kernel, launcher._TC_FRAG_SIG, "x_ptr", "stride_xb")):
+                                         (tc._nm_int4_tc_kernel, launcher._TC_SIG, "x_ptr", "stride_xb")):
         names = tuple(fn.arg_names)
         assert sig.names == names
         assert [names[i] for i in (sig.i_x, sig.i_out, sig.i_b, sig.i_stride, sig.i_part_stride)] == [
@@ -274,19 +256,16 @@ def test_launcher_slots_follow_kernel_signatures():
     x2 = torch.zeros(3, 264, dtype=torch.float16)
     out = torch.empty(3, 40, dtype=torch.float16)
     part, cnt = torch.empty(1), torch.zeros(1, dtype=torch.int32)
-    for cfg in (tuner.KernelConfig(4, 64, 64, 2, False), tuner.KernelConfig(16, 32, 64, 2, True),
-                tuner.KernelConfig(16, 32, 64, 2, True, fragment=True)):
+    for cfg in (tuner.KernelConfig(4, 64, 64, 2, False), tuner.KernelConfig(16, 32, 64, 2, True)):
         sig = launcher._signature(cfg)
-        assert sig is (launcher._TC_FRAG_SIG if cfg.fragment else launcher._TC_SIG if cfg.use_dot else launcher._GEMV_SIG)
+        assert sig is (launcher._TC_SIG if cfg.use_dot else launcher._GEMV_SIG)
         args, meta = launcher._kernel_args(x2, p, None, out, part, cnt, cfg, launcher._Plan.of(p, cfg))
         assert len(args) == sig.runtime and set(meta) == set(sig.names[sig.runtime:])
         assert args[sig.i_x].data_ptr() == x2.data_ptr() and args[sig.i_out] is out
         assert args[sig.i_b] == 3 and args[sig.i_part_stride] == 3 * 40
         assert args[sig.i_stride] == (264 if cfg.use_dot else 264 // 4)
         named = dict(zip(sig.names, args))
-        # the fragment-ordered kernel reads the fragment-ordered copy, the others the stored words
-        qw, qp = p.fragments if cfg.fragment else (p.qweight, p.qpos)
-        assert named["qw_ptr"] is qw and named["qp_ptr"] is qp and named["bias_ptr"] is out
+        assert named["qw_ptr"] is p.qweight and named["qp_ptr"] is p.qpos and named["bias_ptr"] is out
         assert named["KP"] == p.padded_kept and named["N"] == 40
 
 
