@@ -185,7 +185,7 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
                 hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
             else:
                 hierarchy = build_codes(emb, cfg.cluster)
-        manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra, stable=start)
+        manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, emb, extra=extra, stable=start)
     return {
         "out": str(config.out),
         "index_hash": manifest["index_hash"],
@@ -198,10 +198,12 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
 def index_inputs(config: IndexJobConfig) -> dict[str, str]:
     """What invalidates an index beyond its config: the corpus files by content, and the version of the
     id rendering (a new rendering rebuilds the index, and so everything trained on it)."""
+    from adbatch.index.dense import EMBEDDINGS_VERSION
     from adbatch.index.ids import ID_RENDER_VERSION
     from adbatch.serving.requests import list_request_files
 
-    return {"ads": sha256_paths(list_request_files(config.ads)), "id_render_version": str(ID_RENDER_VERSION)}
+    return {"ads": sha256_paths(list_request_files(config.ads)), "id_render_version": str(ID_RENDER_VERSION),
+            "embeddings_version": str(EMBEDDINGS_VERSION)}
 
 
 #: ``run`` looks ``run_index`` up when called, so the refresh runs whatever this module's verb is then

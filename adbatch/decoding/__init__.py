@@ -16,18 +16,19 @@ from adbatch.lazy import lazy_members
 #: public name -> the submodule that defines it (imported at first access)
 _LAZY = {
     "SearchStats": "beam_search", "TargetSearchResult": "beam_search", "search_targets": "beam_search",
+    "DenseCandidates": "beam_search",
     "CostModel": "cost_model", "calibrate": "cost_model", "load_or_calibrate": "cost_model",
     "generate_creatives": "creative",
 }
 
 if TYPE_CHECKING:
-    from adbatch.decoding.beam_search import SearchStats, TargetSearchResult, search_targets
+    from adbatch.decoding.beam_search import DenseCandidates, SearchStats, TargetSearchResult, search_targets
     from adbatch.decoding.cost_model import CostModel, calibrate, load_or_calibrate
     from adbatch.decoding.creative import generate_creatives
 
 __getattr__ = lazy_members(__name__, _LAZY)
 
 __all__ = [
-    "CostModel", "CreativeConfig", "CreativeStrategy", "SearchStats", "TargetSearchConfig", "TargetSearchResult",
+    "CostModel", "CreativeConfig", "DenseCandidates", "CreativeStrategy", "SearchStats", "TargetSearchConfig", "TargetSearchResult",
     "VerifyMode", "calibrate", "generate_creatives", "load_or_calibrate", "search_targets",
 ]

@@ -37,7 +37,7 @@ from adbatch.decoding.config import TargetSearchConfig, VerifyMode
 from adbatch.decoding.cost_model import CostModel, load_or_calibrate
 from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, engine_for, exact_logprobs_of,
                                      model_device)
-from adbatch.decoding.tree_verify import TrieAux, final_scores, verify_trees
+from adbatch.decoding.tree_verify import TrieAux, ancestors, final_scores, score_candidates, verify_trees
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,78 @@ class TargetSearchResult:
     rows: torch.Tensor
     scores: torch.Tensor
     stats: "SearchStats"
+    dense_scores: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class DenseCandidates:
+    """A dense retriever's answer the search reads: per query its top-``K`` index rows by cosine,
+    ``rows Long[Q, K]`` (-1 = none) and ``scores Float32[Q, K]`` (cosine, descending).
+
+    :func:`search_targets` scores each of these rows exactly (teacher-forced, returned as
+    ``TargetSearchResult.dense_scores``) and, with ``TargetSearchConfig.prior_weight > 0``, steers its
+    beams by them (:func:`dense_prior`)."""
+
+    rows: torch.Tensor
+    scores: torch.Tensor
+
+    def slice(self, start: int, stop: int) -> "DenseCandidates":
+        return DenseCandidates(self.rows[start:stop], self.scores[start:stop])
+
+
+@dataclasses.dataclass
+class DensePrior:
+    """PAG's planning-ahead prior per query row of a batch: the best cosine among the query's dense
+    candidates below each trie node. ``keys Long[Qb, M]``: nodes on the candidates' root paths,
+    ascending, padded with ``num_nodes``; ``values Float32[Qb, M]`` their best candidate cosine;
+    ``floor Float32[Qb]``: the value of every other node (the K-th candidate's cosine, an upper bound on
+    any ad outside the top K)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    floor: torch.Tensor
+
+    def lookup(self, nodes: torch.Tensor) -> torch.Tensor:
+        """``Float32[Qb, X]`` prior of ``nodes Long[Qb, X]`` (any node id; -1 reads the floor)."""
+        idx = torch.searchsorted(self.keys, nodes.contiguous()).clamp(max=self.keys.shape[1] - 1)
+        hit = self.keys.gather(1, idx) == nodes
+        return torch.where(hit, self.values.gather(1, idx), self.floor[:, None])
+
+    def select(self, src: torch.Tensor) -> "DensePrior":
+        return DensePrior(self.keys[src], self.values[src], self.floor[src])
+
+
+def dense_prior(aux: TrieAux, dense: DenseCandidates, Qb: int) -> DensePrior:
+    """:class:`DensePrior` of ``dense`` (``Q <= Qb`` queries; rows ``Q..Qb-1`` padding: floor 0).
+
+    Every candidate lends its cosine to each node on its root path; a node keeps the best (a stable
+    sort by node after one by score puts each node's best first; duplicates are dropped)."""
+    dev = dense.rows.device
+    Q, K = dense.rows.shape
+    N = aux.degree.shape[0]
+    nodes = torch.where(dense.rows >= 0, aux.node_of_row[dense.rows.clamp(min=0)], -1)
+    anc = ancestors(aux, nodes)                                            # [Q, K, D]
+    D = anc.shape[-1]
+    score = torch.where(dense.rows >= 0, dense.scores.float(), NEG_INF)[:, :, None].expand(Q, K, D).reshape(Q, -1)
+    key = torch.where(anc >= 0, anc, N).reshape(Q, -1)
+    order = score.sort(dim=1, descending=True, stable=True).indices
+    key, score = key.gather(1, order), score.gather(1, order)
+    order = key.sort(dim=1, stable=True).indices
+    key, score = key.gather(1, order), score.gather(1, order)
+    dup = torch.zeros_like(key, dtype=torch.bool)
+    dup[:, 1:] = key[:, 1:] == key[:, :-1]
+    key = torch.where(dup, N, key)
+    order = key.sort(dim=1, stable=True).indices
+    key, score = key.gather(1, order), score.gather(1, order)
+    score = torch.where(key < N, score, 0.0)
+    valid_k = (dense.rows >= 0).sum(1).clamp(min=1) - 1
+    floor = torch.where((dense.rows >= 0).any(1), dense.scores.float().gather(1, valid_k[:, None])[:, 0], 0.0)
+    pad = Qb - Q
+    if pad:
+        key = torch.cat([key, torch.full((pad, key.shape[1]), N, dtype=torch.long, device=dev)])
+        score = torch.cat([score, torch.zeros(pad, score.shape[1], device=dev)])
+        floor = torch.cat([floor, torch.zeros(pad, device=dev)])
+    return DensePrior(key.contiguous(), score.contiguous(), floor.contiguous())
 
 
 @dataclasses.dataclass
@@ -236,14 +308,18 @@ def _trie_arrays(trie: Any, aux: TrieAux) -> tuple[torch.Tensor, ...]:
 def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.Tensor, B: int, C: int,
                   length_penalty: float, s_node: torch.Tensor, s_score: torch.Tensor, pool_s: torch.Tensor,
                   pool_n: torch.Tensor, logit_row: torch.Tensor, s_virtual: torch.Tensor,
-                  s_vbase: torch.Tensor, vraw: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                  s_vbase: torch.Tensor, vraw: torch.Tensor | None = None, prior_keys: torch.Tensor | None = None,
+                  prior_values: torch.Tensor | None = None, prior_floor: torch.Tensor | None = None,
+                  prior_weight: float = 0.0) -> tuple[torch.Tensor, ...]:
     """One step's selection over ``S = Qb * B`` beam slots (fixed shapes, no host sync: on CUDA it
     is replayed as a graph, see :meth:`DecodeEngine.run_captured`).
 
     Every slot's trie children (padded to ``C``) are scored ``s_score + log p`` from ``logits [R, V]``
     / ``lse`` at row ``logit_row[slot]``; virtual slots read their subtree's known raw scores from
     ``vraw`` (None: no slot is virtual). Terminal children among a query's top ``B`` enter the pool
-    ``pool_s / pool_n [Qb, P]``; the top ``B`` children that can grow are the next beams.
+    ``pool_s / pool_n [Qb, P]``; the top ``B`` children that can grow are the next beams. With a dense
+    prior (``prior_*``, a :class:`DensePrior`'s tensors), both choices rank children by
+    ``score + prior_weight * prior(child)``; the scores kept (pool, beams) stay the exact log-probs.
 
     Returns ``(pool_s, pool_n, run_s, run_c, run_t, alive, parent_slot, run_virtual, host)``: the new
     pool, per new slot ``[S]`` its score, node, token, liveness, parent slot and virtual flag, and
@@ -260,10 +336,15 @@ def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.T
     cand = torch.where((tok >= 0) & (s_node[:, None] >= 0), cand, NEG_INF)
     flat_s, flat_t, flat_c = cand.view(Qb, B * C), tok.view(Qb, B * C), child.view(Qb, B * C)
     flat_v = virt.reshape(Qb, B * C)
+    rank_s = flat_s
+    if prior_keys is not None:  # planning ahead: children that lead to the query's dense candidates first
+        prior = DensePrior(prior_keys, prior_values, prior_floor).lookup(flat_c)
+        rank_s = flat_s + prior_weight * prior
 
     # Finished: terminal children among the query's top-B candidates (HF's rule); virtual ones take
     # their rank but are in the pool already. (C >= 1, so a query has at least B candidates.)
-    top_s, top_i = flat_s.topk(B, dim=1)
+    top_i = rank_s.topk(B, dim=1).indices
+    top_s = flat_s.gather(1, top_i)
     top_c = flat_c.gather(1, top_i)
     fin = (torch.isfinite(top_s) & (top_c >= 0) & aux.is_terminal[top_c.clamp(min=0)]
            & ~flat_v.gather(1, top_i))
@@ -272,8 +353,9 @@ def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.T
 
     # Running: the top-B candidates that can still grow.
     grow = (flat_c >= 0) & (aux.degree[flat_c.clamp(min=0)] > 0)
-    run_s, run_i = torch.where(grow, flat_s, NEG_INF).topk(B, dim=1)        # [Qb, B]
-    alive = torch.isfinite(run_s)
+    run_r, run_i = torch.where(grow, rank_s, NEG_INF).topk(B, dim=1)        # [Qb, B]
+    run_s = flat_s.gather(1, run_i)
+    alive = torch.isfinite(run_r)
     if length_penalty == 0.0:  # bound: descendants score <= the beam; drop beams that cannot enter
         alive &= run_s > pool_s[:, -1:]
     run_c = flat_c.gather(1, run_i).reshape(-1)
@@ -291,7 +373,8 @@ def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.T
 @torch.no_grad()
 def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, trie: Any,
                   cfg: TargetSearchConfig, cost: CostModel | None, pad_id: int,
-                  stats: SearchStats) -> tuple[torch.Tensor, torch.Tensor]:
+                  stats: SearchStats, dense: DenseCandidates | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One query batch on the engine's static cache. Query rows ``Qb`` (a power-of-two bucket)
     hold ``B`` beam slots each; slot ``q * B + b`` is also the slot's cache row. A slot is REAL
     (its prefix decoded step by step) or VIRTUAL (inside a verified subtree: every descendant's
@@ -327,6 +410,14 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     has_virtual = False  # set once a verification pass turns slots virtual (then steps stay eager)
     stats.prefill_rows += Q
     clock.mark("prefill")
+    dense_scores, prior = None, None
+    if dense is not None:
+        rows_d = dense.rows.to(dev)
+        cand = torch.where(rows_d >= 0, aux.node_of_row[rows_d.clamp(min=0)], -1)
+        dense_scores = score_candidates(engine, aux, cand, logits, lse, lp_pen)
+        clock.mark("dense_scores")
+        if cfg.prior_weight > 0:
+            prior = dense_prior(aux, DenseCandidates(rows_d, dense.scores.to(dev)), Qb)
 
     def flush() -> None:  # the pools of real query rows into the batch's results
         real = qmap >= 0
@@ -340,10 +431,14 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
         C = (1 << (width - 1).bit_length()) if engine.graphs_enabled else width
         state = {"s_node": s_node, "s_score": s_score, "pool_s": pool_s, "pool_n": pool_n,
                  "logit_row": logit_row, "s_virtual": s_virtual, "s_vbase": s_vbase}
+        if prior is not None:
+            state.update(prior_keys=prior.keys, prior_values=prior.values, prior_floor=prior.floor)
         expand = functools.partial(_expand_beams, trie=trie, aux=aux, logits=logits, lse=lse, B=B, C=C,
-                                   length_penalty=lp_pen)
+                                   length_penalty=lp_pen, prior_weight=cfg.prior_weight if prior is not None else 0.0)
         if t > 0 and not has_virtual and C <= CAPTURE_MAX_WIDTH:  # graph-replayed: reads this bucket's step-graph logits in place
-            outs = engine.run_captured(("expand", Qb, C, lp_pen), expand, state,
+            key = ("expand", Qb, C, lp_pen) if prior is None else ("expand", Qb, C, lp_pen, cfg.prior_weight,
+                                                                     prior.keys.shape[1])
+            outs = engine.run_captured(key, expand, state,
                                        read_only=(logits, lse, *_trie_arrays(trie, aux)))
         else:  # the prefill's logits, verified subtrees' scores (vraw grows) or a wide level: eager
             outs = expand(**state, vraw=vraw)
@@ -413,6 +508,9 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
             pad_slot = is_pad.repeat_interleave(B)
             qmap = torch.where(is_pad, -1, qmap[src_q])
             pool_s, pool_n = pool_s[src_q], pool_n[src_q]
+            if prior is not None:
+                prior = prior.select(src_q)
+                prior.floor = torch.where(is_pad, 0.0, prior.floor)
             s_node = torch.where(pad_slot, -1, s_node[src])
             s_score = torch.where(pad_slot, NEG_INF, s_score[src])
             s_virtual, s_vbase = s_virtual[src] & ~pad_slot, s_vbase[src]
@@ -433,13 +531,14 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
         stats.decode_rows += int(cont.sum())
         stats.rows_computed += Qb * B if engine.graphs_enabled else int(cont.sum())
     flush()
-    out = _rows_from_pool(out_s, out_n, aux, cfg.top_k)
+    rows, scores = _rows_from_pool(out_s, out_n, aux, cfg.top_k)
     clock.mark("finish")
-    return out
+    return rows, scores, dense_scores
 
 
 def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: TargetSearchConfig,
-                   cost_model: CostModel | None = None, batch_size: int | None = None) -> TargetSearchResult:
+                   cost_model: CostModel | None = None, batch_size: int | None = None,
+                   dense: DenseCandidates | None = None) -> TargetSearchResult:
     """Best ``config.top_k`` ads per prompt, by exact constrained log-probability.
 
     Args:
@@ -453,9 +552,13 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
             for this model/device/dtype, measured now if absent.
         batch_size: prompts searched together; None = all of them (the generators pass one batch, sized
             by the generate job's ``batch_size``).
+        dense: the dense channel's candidates (``Q`` rows): each is scored exactly (teacher-forced in one
+            tree pass after the prefill, the scoring rule applied) into ``dense_scores``; with
+            ``config.prior_weight > 0`` they also steer the beams (:class:`DensePrior`).
     Returns:
-        :class:`TargetSearchResult` with ``rows Long[Q, k]``, ``scores Float32[Q, k]`` (CPU) and
-        ``stats`` (steps, decode rows, verify passes, beams verified, tree tokens, verified depths).
+        :class:`TargetSearchResult` with ``rows Long[Q, k]``, ``scores Float32[Q, k]`` (CPU),
+        ``stats`` (steps, decode rows, verify passes, beams verified, tree tokens, verified depths) and,
+        given ``dense``, ``dense_scores Float32[Q, K]`` (CPU).
     """
     check_supported(model)
     if not isinstance(config, TargetSearchConfig):
@@ -463,6 +566,10 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     dev = model_device(model)
     head = model.get_output_embeddings()
     vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
+    if dense is not None and dense.rows.shape[0] != len(prompts):
+        raise ValueError(f"dense candidates for {dense.rows.shape[0]} queries, {len(prompts)} prompts")
+    if config.prior_weight > 0 and dense is None:
+        raise ValueError("TargetSearchConfig.prior_weight > 0 needs the dense channel's candidates (dense=)")
     if trie.vocab_upper_bound > vocab:
         raise ValueError(f"trie uses token ids up to {trie.vocab_upper_bound - 1} but the model's "
                          f"vocabulary has {vocab} entries")
@@ -473,20 +580,26 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     pad_id = 0 if pad_id is None else int(pad_id)
     stats = SearchStats(mode=config.verify.value)
     engine = engine_for(model)
-    rows, scores = [], []
+    rows, scores, dense_scores = [], [], []
     was_training = model.training
     model.eval()
     try:
         step = batch_size or max(len(prompts), 1)
         for start in range(0, len(prompts), step):
             chunk = [list(map(int, p)) for p in prompts[start:start + step]]
-            r, s = _search_batch(engine, chunk, aux, trie, config, cost_model, pad_id, stats)
+            part = dense.slice(start, start + len(chunk)) if dense is not None else None
+            r, s, d = _search_batch(engine, chunk, aux, trie, config, cost_model, pad_id, stats, part)
             rows.append(r.cpu())
             scores.append(s.cpu())
+            if d is not None:
+                dense_scores.append(d.cpu())
     finally:
         model.train(was_training)
     stats.queries = len(prompts)
     log.debug("search_targets stats: %s", stats.flat())
     if not rows:  # no prompts: empty [0, k] results, not an error
-        return TargetSearchResult(torch.empty(0, config.top_k, dtype=torch.long), torch.empty(0, config.top_k), stats)
-    return TargetSearchResult(torch.cat(rows, 0), torch.cat(scores, 0), stats)
+        k_dense = dense.rows.shape[1] if dense is not None else 0
+        return TargetSearchResult(torch.empty(0, config.top_k, dtype=torch.long), torch.empty(0, config.top_k), stats,
+                                  torch.empty(0, k_dense) if dense is not None else None)
+    return TargetSearchResult(torch.cat(rows, 0), torch.cat(scores, 0), stats,
+                              torch.cat(dense_scores, 0) if dense is not None else None)

@@ -39,6 +39,9 @@ class TargetSearchConfig(ConfigBase):
     length_penalty: float = field(
         default=0.0, metadata={"help": "final score = sum log-prob / length**length_penalty (0 = plain sum)"})
     max_steps: int = field(default=0, metadata={"help": "decode steps cap; 0 = the trie's height"})
+    prior_weight: float = field(
+        default=0.0, metadata={"help": "dense prior (PAG planning-ahead): beams are ranked by log-prob + this x "
+                                       "the best dense cosine below their node (needs the dense channel; 0 = off)"})
     logprob_chunk: int = field(
         default=1024, metadata={"help": "positions per chunk when turning tree hidden states into log-probs"})
     profile: bool = field(
@@ -56,6 +59,8 @@ class TargetSearchConfig(ConfigBase):
                               f"({self.max_tokens_per_pass} < {self.max_tree_tokens})")
         if self.max_steps < 0:
             raise ConfigError(f"TargetSearchConfig.max_steps must be >= 0, got {self.max_steps}")
+        if not (self.prior_weight >= 0 and self.prior_weight != float("inf")):  # also refuses nan
+            raise ConfigError(f"TargetSearchConfig.prior_weight must be a finite number >= 0, got {self.prior_weight}")
         if self.logprob_chunk < 1:
             raise ConfigError(f"TargetSearchConfig.logprob_chunk must be >= 1, got {self.logprob_chunk}")
 

@@ -58,6 +58,11 @@ class TrieAux:
         self.fed = csum[ids + self.sub] - csum[ids] + (1 - internal)
         self.max_depth = int(self.height[0])
         self.root_degree = int(self.degree[0])
+        # row -> its terminal node (the inverse of terminal_ptr / terminal_rows): dense candidates
+        # arrive as index rows
+        counts = self.terminal_ptr[1:] - self.terminal_ptr[:-1]
+        self.node_of_row = torch.empty(self.terminal_rows.numel(), dtype=torch.long, device=ids.device)
+        self.node_of_row[self.terminal_rows] = torch.repeat_interleave(ids, counts)
 
 
 def final_scores(raw: torch.Tensor, length: torch.Tensor, length_penalty: float) -> torch.Tensor:
@@ -65,6 +70,89 @@ def final_scores(raw: torch.Tensor, length: torch.Tensor, length_penalty: float)
     if length_penalty == 0.0:
         return raw
     return raw / length.clamp(min=1).to(raw.dtype).pow(length_penalty)
+
+
+def ancestors(aux: TrieAux, nodes: torch.Tensor) -> torch.Tensor:
+    """``Long[..., D]`` (D = the trie's height): entry ``d - 1`` is the ancestor-or-self of each of
+    ``nodes`` (``Long[...]``, -1 = none) at depth ``d``; -1 below the node's own depth."""
+    D = max(aux.max_depth, 1)
+    out = torch.full((*nodes.shape, D), -1, dtype=torch.long, device=nodes.device)
+    cur = nodes.clone()
+    for _ in range(D):  # pointer chasing over the depth: every node reaches the root in <= D rounds
+        ok = cur > 0
+        safe = cur.clamp(min=0)
+        d = (aux.depth[safe] - 1).clamp(min=0)
+        out.scatter_(-1, d[..., None], torch.where(ok, cur, out.gather(-1, d[..., None])[..., 0])[..., None])
+        cur = torch.where(ok, aux.parent[safe], -1)
+    return out
+
+
+def _sorted_unique(nodes: torch.Tensor, big: int) -> torch.Tensor:
+    """Per row of ``nodes Long[Q, M]`` (-1 = none) its distinct nodes in ascending id order, then ``big``."""
+    vals = torch.where(nodes >= 0, nodes, big).sort(1).values
+    dup = torch.zeros_like(vals, dtype=torch.bool)
+    dup[:, 1:] = vals[:, 1:] == vals[:, :-1]
+    return torch.where(dup, big, vals).sort(1).values
+
+
+@torch.no_grad()
+def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tensor, logits0: torch.Tensor,
+                     lse0: torch.Tensor, length_penalty: float = 0.0, max_pass_tokens: int = 16384) -> torch.Tensor:
+    """Exact scores of given complete candidates, teacher-forced right after the prefill, by the tree pass.
+
+    Each query's candidates share prefixes in the trie: their union of root paths is one token tree
+    (nodes in preorder, so parents come first) fed in one :meth:`DecodeEngine.tree_forward` below the
+    query's prompt (suffix position 0), exactly as :func:`verify_trees` feeds a beam's subtree; a path's
+    log-probs are summed by pointer chasing over the depth.
+
+    Args:
+        engine: holding the batch's prefill (query ``q`` at slot row ``q * engine.B``; not modified).
+        cand_nodes: ``Long[Q, K]`` terminal trie node of each candidate (-1 = none).
+        logits0 / lse0: the prefill's ``[Qb, V]`` logits and ``Float32[Qb]`` log-sum-exp (first tokens).
+        max_pass_tokens: cap on padded tree tokens per pass (queries are split into passes below it).
+    Returns:
+        ``Float32[Q, K]``: the scoring rule applied to each candidate's summed log-probs (-inf at -1).
+    """
+    dev = cand_nodes.device
+    Q, K = cand_nodes.shape
+    N = aux.degree.shape[0]
+    fed = _sorted_unique(ancestors(aux, cand_nodes).reshape(Q, -1), N)        # [Q, K*D] ascending ids, N = none
+    counts = (fed < N).sum(1)
+    F = max(int(counts.max()) if Q else 0, 1)                             # the call's one host sync
+    Fw = engine.tree_width(F)
+    fed = fed[:, :Fw] if fed.shape[1] >= Fw else torch.cat(
+        [fed, torch.full((Q, Fw - fed.shape[1]), N, dtype=torch.long, device=dev)], 1)
+    out = torch.full((Q, K), float("-inf"), device=dev)
+    step = max(1, max_pass_tokens // Fw)
+    for s in range(0, Q, step):  # passes over query chunks: a [V, F, F] mask per pass bounds memory
+        q = torch.arange(s, min(Q, s + step), device=dev)
+        node = fed[q]                                                     # [V, F]
+        valid = node < N
+        safe = torch.where(valid, node, 0)
+        tok = torch.where(valid, aux.token[safe], 0)
+        pos = engine.prompt_len[q][:, None] + (aux.depth[safe] - 1).clamp(min=0)
+        a, b = safe[:, None, :], safe[:, :, None]
+        vis = (a <= b) & (b < a + aux.sub[a]) & valid[:, None, :] & valid[:, :, None]
+        vis |= torch.eye(Fw, dtype=torch.bool, device=dev)[None]
+        logits, lse = engine.tree_forward(q * engine.B, 0, tok, pos, vis)  # [V*Fw, vocab]
+        # each fed node's log-prob: from its parent's tree row, or the prefill row under the root
+        par = aux.parent[safe]
+        par_idx = torch.searchsorted(node, par.contiguous())              # parent's position (parents are fed)
+        par_idx = par_idx.clamp(max=Fw - 1)
+        row = (q - s)[:, None] * Fw + par_idx
+        from_tree = exact_logprobs_of(logits, lse, row, tok)
+        from_prompt = exact_logprobs_of(logits0, lse0, q[:, None].expand_as(tok), tok)
+        edge = torch.where(valid, torch.where(par == 0, from_prompt, from_tree), 0.0)
+        local_par = torch.where(valid & (par > 0), par_idx, -1)
+        cum = edge
+        for _ in range(max(aux.max_depth - 1, 0)):
+            cum = edge + torch.where(local_par >= 0, cum.gather(1, local_par.clamp(min=0)), 0.0)
+        c = cand_nodes[q]
+        at = torch.searchsorted(node, c.clamp(min=0).contiguous()).clamp(max=Fw - 1)
+        raw = cum.gather(1, at)
+        sc = final_scores(raw, aux.depth[c.clamp(min=0)], length_penalty)
+        out[q] = torch.where(c >= 0, sc, float("-inf"))
+    return out
 
 
 @torch.no_grad()

@@ -12,6 +12,9 @@ its presence marks a finished index):
 - ``trie.safetensors``: the :class:`~adbatch.index.trie.Trie` over ``token_ids`` (terminal rows = rows).
 - ``clusters.parquet``: one row per cluster: ``path``, ``size``, ``label`` (words), ``token`` (codes scheme).
 - ``rejected.parquet``: corpus rows set aside, with a reason (see :mod:`adbatch.index.corpus`).
+- ``embeddings.safetensors``: the vectors the ads were clustered by, normalised fp16, row order; the
+  manifest's ``dense`` entry names the model that embeds queries into their space (the dense channel,
+  :mod:`adbatch.index.dense`).
 - ``manifest.json``: input hash, config, counts, timings, code version, plus ``scheme``,
   ``tokenizer``, ``base_vocab_size``, ``special_tokens`` (codes), ``eos_token_id`` (text),
   ``id_render_version`` (:data:`adbatch.index.ids.ID_RENDER_VERSION`), ``index_hash``.
@@ -40,6 +43,7 @@ from adbatch.index.clustering import (
 )
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.index.corpus import Corpus, CorpusConfig, read_corpus
+from adbatch.index.dense import EMBEDDINGS_FILE, dense_record, write_embeddings
 from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
 from adbatch.models import tokenizer_fingerprint
 from adbatch.index.ids import ID_RENDER_VERSION, IdScheme, RenderConfig, RenderedIds, render_ids
@@ -51,7 +55,7 @@ AD_CODES_FILE = "ad_codes.parquet"
 TRIE_FILE = "trie.safetensors"
 CLUSTERS_FILE = "clusters.parquet"
 REJECTED_FILE = "rejected.parquet"
-INDEX_FILES = (AD_CODES_FILE, TRIE_FILE, CLUSTERS_FILE, REJECTED_FILE)
+INDEX_FILES = (AD_CODES_FILE, TRIE_FILE, CLUSTERS_FILE, REJECTED_FILE, EMBEDDINGS_FILE)
 STAGING_DIR = ".staging"  # write_index writes here first, then moves the files into place
 
 
@@ -146,12 +150,23 @@ def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True)
                        progress=progress)
 
 
+def query_embedder_of(corpus: Corpus, config: IndexConfig) -> str | None:
+    """Who embeds queries into the space of the ads' vectors: the index stage's own embedder when it
+    embedded the ads, else the configured ``embedding.query_embedder`` (None: no dense channel)."""
+    if corpus.embeddings is None:
+        return config.embedding.model or "default"
+    return config.embedding.query_embedder
+
+
 def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: IndexConfig,
-                timer: StageTimer, extra: dict[str, Any] | None = None,
+                timer: StageTimer, embeddings: np.ndarray, extra: dict[str, Any] | None = None,
                 tokenizer: Any = None, tokenizer_name: str | None = None,
                 stable: "StableStart | None" = None) -> dict[str, Any]:
     """Render sequences, build the trie and write every output file; return the manifest.
-    ``stable``: what an incremental build keeps from an earlier index (labels, code tokens)."""
+    ``embeddings``: ``float [N, D]`` the vectors the ads were clustered by (corpus row order), kept as
+    the dense channel. ``stable``: what an incremental build keeps from an earlier index (labels, code tokens)."""
+    if embeddings.shape[0] != corpus.num_ads:
+        raise ValueError(f"{embeddings.shape[0]} embeddings for {corpus.num_ads} ads")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     finish_interrupted_write(out)
@@ -173,6 +188,7 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
         trie.save(staging / TRIE_FILE)
         write_parquet_atomic(rendered.clusters, staging / CLUSTERS_FILE)
         write_parquet_atomic(corpus.rejected, staging / REJECTED_FILE)
+        write_embeddings(staging / EMBEDDINGS_FILE, embeddings)
         outputs = {name: sha256_file(staging / name) for name in INDEX_FILES}
     tok_fp = tokenizer_fingerprint(tokenizer)
     index_hash = sha256_json({"ad_codes": outputs[AD_CODES_FILE], "trie": outputs[TRIE_FILE],
@@ -210,6 +226,8 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
             "trie_file": TRIE_FILE,
             "index_hash": index_hash,
             "input_files": [str(p) for p in corpus.paths],
+            "dense": dense_record(embeddings, "corpus" if corpus.embeddings is not None else "computed",
+                                  query_embedder_of(corpus, config)),
             **(extra or {}),
         },
     )
@@ -347,7 +365,7 @@ def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = N
             hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
         else:
             hierarchy = _codes_with_progress(emb, cfg.cluster, progress)
-    return write_index(out, corpus, hierarchy, cfg, timer, extra=extra, stable=start)
+    return write_index(out, corpus, hierarchy, cfg, timer, emb, extra=extra, stable=start)
 
 
 def _codes_with_progress(emb: np.ndarray, config: ClusterConfig, progress: bool) -> Hierarchy:

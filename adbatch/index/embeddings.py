@@ -36,6 +36,11 @@ class EmbeddingConfig(ConfigBase):
         default=True, metadata={"help": "L2-normalize vectors (k-means then ~ cosine)"})
     shard_size: int = dataclasses.field(
         default=4096, metadata={"help": "ads per Ray embedding task (pipeline only)"})
+    query_embedder: str | None = dataclasses.field(
+        default=None, metadata={"help": "for a corpus with its own embedding column: the sentence-transformers "
+                                        "folder (or 'default': MiniLM) that embeds queries into that space; "
+                                        "unset = that index has no dense channel (ignored when the index "
+                                        "stage embeds the ads itself: its own model embeds the queries)"})
 
     def validate(self) -> None:
         for name in ("batch_size", "max_seq_length", "shard_size"):

