@@ -42,7 +42,7 @@ from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_ma
                                sha256_file, sha256_json, sha256_paths, write_json_atomic,
                                write_parquet_atomic)
 from adbatch.config import LOG_FORMAT, ConfigBase, ConfigError
-from adbatch.decoding import CreativeConfig, TargetSearchConfig
+from adbatch.decoding import CreativeConfig, FusionMode, TargetSearchConfig
 from adbatch.serving.generators import (DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
                                 TargetGenerator, answers_to_output, check_model_index, default_batch_size,
                                 generator_fingerprint)
@@ -436,7 +436,7 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
         validated = validate_requests(config.requests, config.task, config.validation)
         # fail on a missing model / index now, before the pool spins up
         model_id = config.spec.identity()
-        index_hash = None
+        index_hash, dense_id = None, None
         if config.task is GenerateTask.TARGETS:
             from adbatch.artifacts import read_manifest
 
@@ -446,6 +446,11 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
                 raise ConfigError(f"GenerateJobConfig.index: {config.index} is not an index folder")
             # a model trained on another index: refused here, not inside each Ray actor after start-up
             check_model_index(config.spec, config.index, manifest)
+            if config.targets.fusion is not FusionMode.GENERATIVE:  # the dense channel, checked the same way
+                from adbatch.index.dense import check_query_embedder, dense_identity
+
+                check_query_embedder(config.index, manifest)
+                dense_id = dense_identity(config.index, manifest)
     log.info("requests: %d rows in, %d accepted, %d rejected", validated.rows_in,
              validated.accepted.num_rows, validated.rejected.num_rows)
     identity = {
@@ -453,6 +458,7 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
         "requests_sha256": sha256_paths(validated.files),
         "model_sha256": model_id["sha256"],
         "index_hash": index_hash,
+        **({"dense": dense_id} if dense_id else {}),
         "decoding": generator_fingerprint(config.task, config.decoding, config.generate_config()),
         "partition_size": config.partition_size,
         "validation": config.validation.to_dict(),

@@ -31,7 +31,7 @@ from test_generate_support import target_requests, tiny_corpus, tiny_model_dir
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 NETGUARD = TESTS / "netguard"
-SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off"}
+SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off", "fusion": "generative"}  # the tiny index has no query embedder
 INDEX_CFG = {"columns": {"embedding": "vec"}, "cluster": {"branching": 4, "leaf_size": 8}}
 KINDS = [k.value for k in ArtifactKind]
 SUBPROCESS_TIMEOUT = 120

@@ -19,7 +19,7 @@ from adbatch.index.build import load_index
 from adbatch.serving.requests import RequestSchemaError
 from test_generate_support import creative_requests, target_requests, tiny_index_dir, tiny_model_dir
 
-SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off"}
+SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off", "fusion": "generative"}  # the tiny index has no query embedder
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_creatives_local(assets, tmp_path):
 
 def test_oom_halves_batch_size_and_answers_everything(assets, tmp_path, monkeypatch, caplog):
     gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"],
-                          TargetSearchConfig(num_beams=2, top_k=2, verify="off"),
+                          TargetSearchConfig(num_beams=2, top_k=2, verify="off", fusion="generative"),
                           GenerateConfig(batch_size=8, device="cpu"))
     import adbatch.decoding as dec
 
@@ -199,7 +199,7 @@ def test_batch_size_defaults_by_device(assets):
     from adbatch.serving.generators import DEFAULT_BATCH_SIZE, default_batch_size
 
     gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"],
-                          TargetSearchConfig(num_beams=2, top_k=2, verify="off"), GenerateConfig(device="cpu"))
+                          TargetSearchConfig(num_beams=2, top_k=2, verify="off", fusion="generative"), GenerateConfig(device="cpu"))
     assert gen.batch_size == DEFAULT_BATCH_SIZE["cpu"] == default_batch_size(torch.device("cpu"))
     assert default_batch_size(torch.device("cuda", 1)) == default_batch_size("cuda") == DEFAULT_BATCH_SIZE["cuda"]
     assert DEFAULT_BATCH_SIZE["cuda"] > DEFAULT_BATCH_SIZE["cpu"]
@@ -207,7 +207,7 @@ def test_batch_size_defaults_by_device(assets):
 
 def test_oom_at_batch_size_one_rejects_the_request(assets, monkeypatch):
     gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"],
-                          TargetSearchConfig(num_beams=2, top_k=2, verify="off"),
+                          TargetSearchConfig(num_beams=2, top_k=2, verify="off", fusion="generative"),
                           GenerateConfig(batch_size=2, device="cpu"))
     import adbatch.decoding as dec
 
@@ -260,8 +260,8 @@ def test_answers_re_emitted_after_a_partition_committed_do_not_replace_it(tmp_pa
     pq.write_table(pa.table({"request_id": ["a", "b"], "query": ["x", "y"],
                              "partition": pa.array([0, 0], pa.int64())}), layout.work_file(0))
     answers = pa.Table.from_pylist(
-        [{"request_id": r, "error": None, "ad_ids": ["ad-1"], "scores": [-1.0], "codes": [[1]],
-          "verify_mode": "off", "beams_verified": 0} for r in ("a", "b")],
+        [{"request_id": r, "error": None, "ad_ids": ["ad-1"], "scores": [-1.0], "scores_generative": [-1.0],
+          "scores_dense": [None], "channels": ["generative"], "codes": [[1]], "verify_mode": "off", "beams_verified": 0} for r in ("a", "b")],
         schema=answer_schema(GenerateTask.TARGETS))
     answers = answers.append_column("partition", pa.array([0, 0], pa.int64()))
     collector = pg._PartitionCollector(layout, GenerateTask.TARGETS, {0: 2})

@@ -15,7 +15,7 @@ from test_generate_support import target_requests, tiny_index_dir, tiny_model_di
 
 pytestmark = pytest.mark.slow
 
-SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off"}
+SEARCH = {"num_beams": 3, "top_k": 3, "verify": "off", "fusion": "generative"}  # the tiny index has no query embedder
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 from test_generate_support import target_requests, tiny_index_dir, tiny_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
-SEARCH = {"num_beams": 2, "top_k": 2, "verify": "off"}
+SEARCH = {"num_beams": 2, "top_k": 2, "verify": "off", "fusion": "generative"}  # the tiny index has no query embedder
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_batch_generate_main_in_process(ray_local, assets, tmp_path):
     metrics = main(["--task", "targets", "--requests", str(req), "--index", str(assets["index"]),
                     "--model", str(assets["model"]), "--out", str(tmp_path / "out"), "--executor", "ray",
                     "--batch-size", "5", "--targets.num-beams", "2", "--targets.top-k", "2",
-                    "--targets.verify", "off", "--progress", "false"])
+                    "--targets.verify", "off", "--targets.fusion", "generative", "--progress", "false"])
     assert metrics["counts"]["answered"] == 5 and metrics["counts"]["output_rows"] == 10
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["executor"] == "ray"
 
@@ -191,7 +191,7 @@ def test_ray_job_submit_batch_generate(ray_head, assets, tmp_path):
            "--", sys.executable, str(REPO / "jobs" / "batch_generate.py"),
            "--task", "targets", "--requests", str(req), "--index", str(assets["index"]),
            "--model", str(assets["model"]), "--out", str(out), "--executor", "ray", "--batch-size", "3",
-           "--targets.num-beams", "2", "--targets.top-k", "2", "--targets.verify", "off",
+           "--targets.num-beams", "2", "--targets.top-k", "2", "--targets.verify", "off", "--targets.fusion", "generative",
            "--progress", "false"]
     t0 = time.time()
     while True:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from adbatch.decoding.config import CreativeConfig, CreativeStrategy, TargetSearchConfig, VerifyMode
+from adbatch.decoding.config import CreativeConfig, CreativeStrategy, FusionMode, TargetSearchConfig, VerifyMode
 from adbatch.lazy import lazy_members
 
 #: public name -> the submodule that defines it (imported at first access)
@@ -29,6 +29,6 @@ if TYPE_CHECKING:
 __getattr__ = lazy_members(__name__, _LAZY)
 
 __all__ = [
-    "CostModel", "CreativeConfig", "DenseCandidates", "CreativeStrategy", "SearchStats", "TargetSearchConfig", "TargetSearchResult",
+    "CostModel", "CreativeConfig", "DenseCandidates", "FusionMode", "CreativeStrategy", "SearchStats", "TargetSearchConfig", "TargetSearchResult",
     "VerifyMode", "calibrate", "generate_creatives", "load_or_calibrate", "search_targets",
 ]

@@ -17,6 +17,14 @@ class VerifyMode(str, enum.Enum):
     ALWAYS = "always"  #: whenever the beam's tree fits the token caps
 
 
+class FusionMode(str, enum.Enum):
+    """Which channels answer a targeting request (adbatch.serving.hybrid)."""
+
+    HYBRID = "hybrid"  #: both channels' candidates, scored on both scales, fused
+    GENERATIVE = "generative"  #: trie-constrained beam search alone (the paper's method)
+    DENSE = "dense"  #: cosine over the index's ad embeddings alone
+
+
 class CreativeStrategy(str, enum.Enum):
     """How free text is decoded for creatives."""
 
@@ -29,6 +37,10 @@ class CreativeStrategy(str, enum.Enum):
 class TargetSearchConfig(ConfigBase):
     """Trie-constrained beam search over an ad index (see docs/decoding.md for the scoring rule)."""
 
+    fusion: FusionMode = field(
+        default=FusionMode.HYBRID, metadata={"help": "hybrid (both channels, fused) | generative | dense (see "
+                                                     "docs/generate.md, 'Two channels')"})
+    dense_k: int = field(default=20, metadata={"help": "dense-channel candidates per query (hybrid, dense)"})
     num_beams: int = field(default=8, metadata={"help": "running beams per query (raised to top_k when smaller)"})
     top_k: int = field(default=10, metadata={"help": "ad rows returned per query"})
     verify: VerifyMode = field(default=VerifyMode.AUTO, metadata={"help": "off | auto | always"})
@@ -50,6 +62,8 @@ class TargetSearchConfig(ConfigBase):
     def validate(self) -> None:
         if self.num_beams < 1:
             raise ConfigError(f"TargetSearchConfig.num_beams must be >= 1, got {self.num_beams}")
+        if self.dense_k < 1:
+            raise ConfigError(f"TargetSearchConfig.dense_k must be >= 1, got {self.dense_k}")
         if self.top_k < 1:
             raise ConfigError(f"TargetSearchConfig.top_k must be >= 1, got {self.top_k}")
         if self.max_tree_tokens < 1:

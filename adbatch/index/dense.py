@@ -112,28 +112,29 @@ def dense_record(emb: np.ndarray, source: str, query_embedder: str | None) -> di
             "query_embedder": embedder_identity(query_embedder) if query_embedder else None}
 
 
-def dense_info(index: Any) -> dict[str, Any]:
-    """The index's ``dense`` manifest entry, or :class:`DenseChannelError` saying why there is none."""
-    info = index.manifest.get("dense")
+def dense_info(directory: str | Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``dense`` entry of the index at ``directory`` (its ``manifest``), or :class:`DenseChannelError`
+    saying in one line why it has no dense channel. Reads no file: a driver checks before starting Ray."""
+    info = manifest.get("dense")
     if not info:
         raise DenseChannelError(
-            f"index {index.directory} holds no ad embeddings (built before adbatch kept them): rebuild it "
+            f"index {directory} holds no ad embeddings (built before adbatch kept them): rebuild it "
             "(adbatch index), or generate with --targets.fusion generative")
     if not info.get("query_embedder"):
         raise DenseChannelError(
-            f"index {index.directory} was built from the corpus's own embeddings with no query embedder: set "
+            f"index {directory} was built from the corpus's own embeddings with no query embedder: set "
             "--index.embedding.query-embedder (the sentence-transformers folder that made them, or 'default') "
             "and rebuild it, or generate with --targets.fusion generative")
     return info
 
 
-def check_query_embedder(index: Any) -> dict[str, str]:
+def check_query_embedder(directory: str | Path, manifest: Mapping[str, Any]) -> dict[str, str]:
     """The index's query embedder identity, verified against the folder it names here (one line when not)."""
-    want = dense_info(index)["query_embedder"]
+    want = dense_info(directory, manifest)["query_embedder"]
     have = embedder_identity(want["name"])
     if have["sha256"] != want["sha256"]:
         raise DenseChannelError(
-            f"index {index.directory} was embedded by {want['name']!r} with sha256 {want['sha256'][:12]}, but that "
+            f"index {directory} was embedded by {want['name']!r} with sha256 {want['sha256'][:12]}, but that "
             f"embedder here hashes to {have['sha256'][:12]}: queries would land in another space. Rebuild the index "
             "or install the embedder it was built with")
     return want
@@ -145,7 +146,7 @@ def load_embeddings(index: Any) -> "Any":
 
     from adbatch.artifacts import verify_outputs
 
-    info = dense_info(index)
+    info = dense_info(index.directory, index.manifest)
     verify_outputs(index.directory, index.manifest, (info["file"],))
     emb = load_file(str(Path(index.directory) / info["file"]))["embeddings"]
     if emb.shape != (index.num_ads, int(info["dim"])):
@@ -175,7 +176,8 @@ class DenseRetriever:
                  embedder: Any = None, batch_size: int = 256) -> None:
         import torch
 
-        self.identity = check_query_embedder(index) if embedder is None else dense_info(index)["query_embedder"]
+        self.identity = (check_query_embedder(index.directory, index.manifest) if embedder is None
+                         else dense_info(index.directory, index.manifest)["query_embedder"])
         self.device = torch.device(device)
         self.backend = DenseBackend(backend)
         self.batch_size = batch_size
@@ -250,3 +252,11 @@ def stored_dense(manifest: Mapping[str, Any]) -> bool:
     """Whether an index manifest records embeddings with a query embedder (a dense channel)."""
     info = manifest.get("dense") or {}
     return bool(info.get("query_embedder"))
+
+
+def dense_identity(directory: str | Path, manifest: Mapping[str, Any]) -> dict[str, str]:
+    """What decides the dense channel's answers beyond the trie: the embeddings' sha256 and the query
+    embedder's (a generate run keyed on it redoes its partitions when either changes)."""
+    info = dense_info(directory, manifest)
+    return {"embeddings": (manifest.get("outputs") or {}).get(info["file"], ""),
+            "query_embedder": info["query_embedder"]["sha256"]}

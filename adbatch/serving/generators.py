@@ -28,6 +28,7 @@ import pyarrow as pa
 
 from adbatch.artifacts import sha256_file, sha256_json, sha256_paths
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.decoding.config import FusionMode
 from adbatch.serving.requests import (CREATIVES_OUT_SCHEMA, REJECTED_SCHEMA, TARGETS_OUT_SCHEMA,
                               GenerateTask, RejectStage)
 
@@ -241,6 +242,9 @@ TARGET_ANSWER_SCHEMA = pa.schema([
     ("error", pa.string()),  # null when answered
     ("ad_ids", pa.list_(pa.string())),
     ("scores", pa.list_(pa.float32())),
+    ("scores_generative", pa.list_(pa.float32())),  # null entries where the channel did not run
+    ("scores_dense", pa.list_(pa.float32())),
+    ("channels", pa.list_(pa.string())),
     ("codes", pa.list_(pa.list_(pa.int32()))),
     ("verify_mode", pa.string()),
     ("beams_verified", pa.int32()),  # beams verified in the decode batch this request ran in
@@ -356,11 +360,13 @@ class _GeneratorBase(abc.ABC):
 
 
 class TargetGenerator(_GeneratorBase):
-    """Query -> ranked ads over an index, by trie-constrained beam search (+ verification).
+    """Query -> ranked ads over an index: trie-constrained beam search (+ verification), the index's dense
+    channel, or both fused (``search.fusion``; :mod:`adbatch.serving.hybrid`).
 
-    Loads the model and the index once; each call maps a ``pa.Table`` of ``request_id, query``
-    (validated, see :func:`adbatch.serving.requests.validate_requests`) to a table of
-    :data:`TARGET_ANSWER_SCHEMA`.
+    Loads the model, the index and (unless generative) the ad embeddings and query embedder once; each call
+    maps a ``pa.Table`` of ``request_id, query`` (validated, see
+    :func:`adbatch.serving.requests.validate_requests`) to a table of :data:`TARGET_ANSWER_SCHEMA`.
+    The fusion's parameters come from the model's training record (RRF when it has none).
     """
 
     task = GenerateTask.TARGETS
@@ -380,35 +386,53 @@ class TargetGenerator(_GeneratorBase):
         self.ad_ids = [str(a) for a in self.index.ad_ids]
         self.codes = self.index.ad_codes.column("code").to_pylist()
         self.cost_model = None
-        if search.verify.value == "auto":
+        if search.verify.value == "auto" and search.fusion is not FusionMode.DENSE:
             from adbatch.decoding import load_or_calibrate
 
             # measured once per generator, not once per batch
             self.cost_model = load_or_calibrate(self.model)
+        from adbatch.serving.hybrid import HybridRanker, fusion_of_record
+
+        dense = None
+        if search.fusion is not FusionMode.GENERATIVE:
+            from adbatch.index.dense import DenseRetriever
+
+            dense = DenseRetriever(self.index, self.device)
+        self.fusion = fusion_of_record(self.training_record)
+        self.ranker = HybridRanker(self.model, self.tokenizer, self.index, search, dense=dense, fusion=self.fusion,
+                                   max_query_tokens=self.config.max_query_tokens, cost_model=self.cost_model)
 
     def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        from adbatch.decoding import search_targets
-        from adbatch.serving.prompts import encode_targeting_prompts
+        import math
 
-        prompts = encode_targeting_prompts(self.tokenizer, [r["query"] for r in rows], self.config.max_query_tokens)
-        result = search_targets(self.model, prompts, self.trie, self.search, cost_model=self.cost_model)
-        rows_t = result.rows.tolist()  # [Q, k], -1 padding
-        scores_t = result.scores.tolist()
-        verified = result.stats.beams_verified
+        from adbatch.serving.hybrid import CHANNEL_NAMES
+
+        ranked = self.ranker.rank([r["query"] for r in rows])
+        # one host copy per batch; per request, its ranked rows become lists
+        cols = [x.tolist() for x in (ranked.rows, ranked.score, ranked.generative, ranked.dense, ranked.channel)]
+        verified = self.ranker.last_beams_verified
         out = []
-        for r, ad_rows, sc in zip(rows, rows_t, scores_t):
-            keep = [(a, s) for a, s in zip(ad_rows, sc) if a >= 0]
+
+        def opt(x: float) -> float | None:  # a channel that did not run leaves NaN: null in the Parquet
+            return None if math.isnan(x) else float(x)
+
+        for r, ad_rows, sc, gen, den, ch in zip(rows, *cols):
+            keep = [i for i, a in enumerate(ad_rows) if a >= 0]
             out.append({
                 "request_id": r["request_id"], "error": None,
-                "ad_ids": [self.ad_ids[a] for a, _ in keep],
-                "scores": [float(s) for _, s in keep],
-                "codes": [self.codes[a] for a, _ in keep],
+                "ad_ids": [self.ad_ids[ad_rows[i]] for i in keep],
+                "scores": [float(sc[i]) for i in keep],
+                "scores_generative": [opt(gen[i]) for i in keep],
+                "scores_dense": [opt(den[i]) for i in keep],
+                "channels": [CHANNEL_NAMES[ch[i]] for i in keep],
+                "codes": [self.codes[ad_rows[i]] for i in keep],
                 "verify_mode": self.search.verify.value, "beams_verified": verified,
             })
         return out
 
     def _failed(self, row: dict[str, Any], reason: str) -> dict[str, Any]:
         return {"request_id": row["request_id"], "error": reason, "ad_ids": [], "scores": [],
+                "scores_generative": [], "scores_dense": [], "channels": [],
                 "codes": [], "verify_mode": self.search.verify.value, "beams_verified": 0}
 
 
@@ -485,11 +509,15 @@ def answers_to_output(task: GenerateTask, answers: pa.Table) -> tuple[pa.Table, 
                              "raw": json.dumps({"request_id": a["request_id"]})})
             continue
         if task is GenerateTask.TARGETS:
-            for rank, (ad, score, code) in enumerate(zip(a["ad_ids"], a["scores"], a["codes"]), 1):
+            for rank, (ad, score, gen, den, ch, code) in enumerate(
+                    zip(a["ad_ids"], a["scores"], a["scores_generative"], a["scores_dense"], a["channels"], a["codes"]), 1):
                 out["request_id"].append(a["request_id"])
                 out["rank"].append(rank)
                 out["ad_id"].append(ad)
                 out["score"].append(score)
+                out["score_generative"].append(gen)
+                out["score_dense"].append(den)
+                out["channel"].append(ch)
                 out["code"].append(code)
                 out["verify_mode"].append(a["verify_mode"])
                 out["batch_beams_verified"].append(a["beams_verified"])

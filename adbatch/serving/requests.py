@@ -3,7 +3,8 @@
 Two tasks read Parquet requests and write Parquet outputs whose schemas are defined here, once:
 
 - ``targets``: in ``request_id, query`` -> out :data:`TARGETS_OUT_SCHEMA` (one row per request and
-  rank: ``request_id, rank, ad_id, score, code, verify_mode, batch_beams_verified``).
+  rank: ``request_id, rank, ad_id, score, score_generative, score_dense, channel, code, verify_mode,
+  batch_beams_verified``).
 - ``creatives``: in ``request_id, ad_id`` + ad/product fields (any of
   :data:`adbatch.serving.prompts.CREATIVE_FIELDS`) -> out :data:`CREATIVES_OUT_SCHEMA` (one row per request
   and variant: ``request_id, ad_id, variant, headline, score``).
@@ -65,7 +66,12 @@ TARGETS_OUT_SCHEMA = pa.schema(
         pa.field("request_id", pa.string(), nullable=False),
         pa.field("rank", pa.int32(), nullable=False),  # 1 = best
         pa.field("ad_id", pa.string(), nullable=False),
-        pa.field("score", pa.float32(), nullable=False),  # sequence log-prob (length-penalized)
+        # the ranking score: the fused score (hybrid), the log-prob (generative) or the cosine (dense)
+        pa.field("score", pa.float32(), nullable=False),
+        # exact sequence log-prob (length-penalized); null when the generative channel did not run (dense)
+        pa.field("score_generative", pa.float32()),
+        pa.field("score_dense", pa.float32()),  # cosine of query and ad; null when the dense channel did not run
+        pa.field("channel", pa.string()),  # who proposed the ad: generative | dense | both
         pa.field("code", pa.list_(pa.int32())),  # the ad's semantic-ID path in the index
         pa.field("verify_mode", pa.string()),  # the search's VerifyMode value (off / auto / always)
         # beams finished by prefix-tree parallel verification in the decode batch this request ran

@@ -195,6 +195,33 @@ def _query_generator(init_model: Any, warm_from: Any, query_gen: Any, model: Any
     return (lambda: (copy.deepcopy(model), tokenizer)), named
 
 
+def _fit_fusion(model: Any, tokenizer: Any, index: Any, config: TrainConfig, ad_texts: Mapping[Hashable, str],
+                valid_qrels: Mapping[str, Mapping[Hashable, float]] | None, device: str, dense: Any) -> Any:
+    """The fusion fitted for the trained ``model`` (None: no dense channel, no queries, or ``fusion_queries`` 0)."""
+    from adbatch.index.dense import stored_dense
+
+    if config.fusion_queries == 0 or not (dense is not None or stored_dense(index.manifest)):
+        return None
+    from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
+    from adbatch.serving.hybrid import fit_fusion_on, fit_queries
+
+    queries, relevant, source = fit_queries(index, ad_texts, valid_qrels, config.fusion_queries, HOME_DEPOT_RELEVANT,
+                                            seed=config.pseudo_queries.seed)
+    if not queries:
+        log.warning("no queries to fit the fusion on: generate falls back to reciprocal-rank fusion")
+        return None
+    if dense is None:
+        from adbatch.index.dense import DenseRetriever
+
+        dense = DenseRetriever(index, device)
+    was_training = model.training
+    model.eval()
+    try:
+        return fit_fusion_on(model, tokenizer, index, queries, relevant, source, dense)
+    finally:
+        model.train(was_training)
+
+
 def train_on_index(
     index: Any,
     out_dir: str | Path | None,
@@ -216,6 +243,7 @@ def train_on_index(
     query_gen: Any = None,
     query_cache: str | Path | None = None,
     exclude_queries: Iterable[str] = (),
+    dense: Any = None,
 ) -> tuple[Any, Any, TrainSummary]:
     """Train a causal LM on ``index`` and (rank 0, when ``out_dir``) save the model folder.
 
@@ -237,6 +265,10 @@ def train_on_index(
     ``generated_queries.parquet``, keyed by the content hash of their inputs; a staging copy beside the
     folder until the save) or ``query_cache`` when given, so a re-run with unchanged inputs reads them.
     Too few labelled pairs: ``query_gen.no_labels`` (spans, with a warning, or zero-shot generation).
+    After training, when the index has a dense channel, the fusion of the two channels is fitted on up to
+    ``config.fusion_queries`` of ``valid_qrels`` (else held-out pseudo-queries) and stored in the record
+    (``fusion``; :func:`adbatch.serving.hybrid.fit_fusion_on`). ``dense``: the
+    :class:`~adbatch.index.dense.DenseRetriever` to fit with (default: one over ``index`` on ``device``).
     Returns ``(model, tokenizer, TrainSummary)``.
     """
     import torch
@@ -335,6 +367,9 @@ def train_on_index(
                            train=stats.summary(model, torch.device(device)), prepare_seconds=round(prep_s, 3),
                            warm_started_from_index=warm_from, losses=stats.losses, density=stats.density,
                            qat=stats.qat, sparsity=stats.sparsity or None, embedding_init=info.get("embedding_init"))
+    fusion = None
+    if out_dir is not None and rank == 0:
+        fusion = _fit_fusion(model, tokenizer, index, config, ad_texts, valid_qrels, device, dense)
     if out_dir is not None and rank == 0:
         from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
 
@@ -345,7 +380,7 @@ def train_on_index(
                   "train": summary.train, "losses": summary.losses, "data": data_stats,
                   "sparsity": {k: v for k, v in (stats.sparsity or {}).items() if k != "patterns"},
                   "layer_patterns": (stats.sparsity or {}).get("patterns", {}),
-                  "qat": stats.qat}
+                  "qat": stats.qat, "fusion": fusion.to_dict() if fusion is not None else None}
         if creative_pairs is not None:
             from adbatch.training.creatives import creative_record
 

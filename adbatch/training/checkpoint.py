@@ -105,9 +105,11 @@ def load_masks(model_dir: str | Path) -> dict[str, torch.Tensor]:
 def model_binding(record: Mapping[str, Any]) -> dict[str, Any]:
     """What binds a trained model to its decoding setup: the index it learned and the targeting-prompt
     rendering it learned it with (records written before the version existed were trained on
-    rendering 1). A compressed checkpoint's manifest carries these same keys."""
+    rendering 1), and the fusion of its two channels fitted for it (None: not fitted). A compressed
+    checkpoint's manifest carries these same keys."""
     return {"trained_on_index": record.get("trained_on_index"),
-            "targeting_prompt_version": int(record.get("targeting_prompt_version", 1))}
+            "targeting_prompt_version": int(record.get("targeting_prompt_version", 1)),
+            "fusion": record.get("fusion")}
 
 
 def check_binding(record: Mapping[str, Any], index_hash: str, model: str) -> None:

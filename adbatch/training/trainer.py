@@ -129,6 +129,9 @@ class TrainConfig(ConfigBase):
         "help": "mix creative examples (the starting model's own headlines) into training"})
     eval_every: float = field(default=0.0, metadata={
         "help": "epochs between validation evaluations (0 = none; needs an evaluate callback)"})
+    fusion_queries: int = field(default=256, metadata={
+        "help": "validation queries (or, without labels, held-out pseudo-queries) the fusion of the generative "
+                "and dense channels is fitted on after training (0 = none: generate falls back to RRF)"})
     valid_metric: str = field(default="recall@10", metadata={
         "help": "validation metric of generative targeting used for model selection"})
     valid_max_queries: int | None = field(default=256, metadata={
