@@ -45,6 +45,163 @@ SCHEMES = ("text", "codes")
 # ---------------------------------------------------------------------------------------------
 # prepare (CPU, here)
 # ---------------------------------------------------------------------------------------------
+def channels(args: argparse.Namespace) -> None:
+    """Issue 41's table, one device call, no Ray: each targeting channel alone and fused, on a trained model.
+
+    1. ``train_on_index`` with ``TrainConfig()`` (the ``adbatch train`` defaults; ``--train-budget-s`` caps
+       it) on the catalogue's index, validation qrels given: it fits the fusion of the two channels at the
+       end (the record's ``fusion``), with the dense channel reading the bundle's precomputed MiniLM query
+       vectors (:class:`PrecomputedEmbedder`; the device has no MiniLM);
+    2. the dense prior's weight chosen on the validation queries (hybrid, default beams) from
+       ``--prior-weights``;
+    3. test queries, bf16, through :class:`adbatch.serving.hybrid.HybridRanker` (what ``adbatch generate``
+       runs): dense alone, generative at beams 10 / 32 / 64, hybrid (fitted fusion; RRF beside it) with and
+       without the prior at the same widths; then speed at ``--speed-batch`` queries per batch (the test
+       queries repeated), median of 3: generative vs hybrid;
+    4. the compress stage's defaults (``run_compress``, ``use_ray=False``), its checkpoint loaded as generate
+       loads it (its manifest carries the fusion), and the same rows at the default width.
+    Writes ``results.json`` and ``table.md`` under ``--out``.
+    """
+    import statistics
+
+    import torch
+
+    from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
+    from adbatch.eval.targeting import evaluate_targeting
+    from adbatch.index.dense import DenseRetriever
+    from adbatch.serving.generators import ModelSpec, load_model
+    from adbatch.serving.hybrid import FusionMethod, FusionParams, HybridRanker, fusion_of_record
+    from adbatch.training import TrainConfig, train_on_index
+    from adbatch.training.checkpoint import read_training_record
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                               "args": vars(args), "rows": {}}
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    bundle, cat = Path(args.bundle), args.catalogue
+    if (bundle / "prepare.json").is_file():
+        results["prepare"] = json.loads((bundle / "prepare.json").read_text())
+    data = load_bundle(bundle, cat)
+    index = data["indexes"][args.scheme]
+    dense = DenseRetriever(index, device, embedder=PrecomputedEmbedder(bundle / f"query_emb_{cat}.npz"))
+    cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048, compile=False)
+    cfg = TrainConfig.from_dict(_merged(cfg.to_dict(), json.loads(args.train_json)))
+    if args.train_budget_s:
+        cfg = cfg.replace(time_budget_s=args.train_budget_s)
+    results["train_config"] = cfg.to_dict()
+    model_dir = Path(args.work) / f"trained_{cat}_{args.scheme}"
+    t0 = time.perf_counter()
+    if args.reuse_trained and read_training_record(model_dir) is not None:
+        model, tok = load_base(str(model_dir), False, device)
+    else:
+        model, tok = load_base(args.model, args.smoke, device)
+        model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
+                                             model=model, tokenizer=tok, device=device, progress=False,
+                                             valid_qrels=data["valid"], dense=dense,
+                                             exclude_queries=[*data["qrels"], *data["valid"]])
+        results["train"] = summary.train | {"wall_s": round(time.perf_counter() - t0, 1)}
+    fusion = fusion_of_record(read_training_record(model_dir))
+    results["fusion"] = fusion.to_dict()
+    save()
+    served = model.to(device)
+    if device == "cuda":
+        served = served.to(torch.bfloat16)
+    served.eval()
+    base = TargetSearchConfig(verify=VerifyMode.OFF)
+
+    def ranker(m: Any, search: Any, fus: FusionParams) -> Any:
+        hr = HybridRanker(m, tok, index, search, dense=dense, fusion=fus)
+        return lambda qs: [[index.ad_ids[r] for r in row] for row in hr.rank(qs).lists()]
+
+    def eval_row(name: str, m: Any, search: Any, fus: FusionParams, qrels: dict | None = None) -> dict:
+        rank = ranker(m, search, fus)
+        qr = qrels if qrels is not None else data["qrels"]
+        rank(sorted(qr)[:args.batch])  # warm-up: graphs, kernels
+        r = evaluate_targeting(rank, qr, batch_size=args.batch, max_queries=args.max_queries)
+        if qrels is None:
+            results["rows"][name] = r
+            log.info("%s: %s", name, {k: round(v, 4) for k, v in r.items()})
+            save()
+        return r
+
+    rrf = FusionParams(method=FusionMethod.RRF)
+    # the prior's weight, chosen on validation queries (never the test split)
+    hyb = base.replace(fusion=FusionMode.HYBRID)
+    weights = [float(w) for w in args.prior_weights.split(",") if w]
+    valid_rec = {w: eval_row(f"valid prior {w}", served, hyb.replace(prior_weight=w), fusion, data["valid"])["recall@10"]
+                 for w in [0.0, *weights]}
+    best_w = max(valid_rec, key=lambda w: (valid_rec[w], -w))
+    results["prior_validation_recall@10"] = valid_rec
+    results["prior_weight"] = best_w
+    eval_row("dense", served, base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k), fusion)
+    for beams in (10, 32, 64):
+        eval_row(f"generative b{beams}", served, base.replace(fusion=FusionMode.GENERATIVE, num_beams=beams), fusion)
+        eval_row(f"hybrid b{beams}", served, hyb.replace(num_beams=beams), fusion)
+        if best_w > 0:
+            eval_row(f"hybrid+prior b{beams}", served, hyb.replace(num_beams=beams, prior_weight=best_w), fusion)
+    eval_row("hybrid rrf b10", served, hyb.replace(num_beams=10), rrf)
+    # speed at a large batch: the test queries repeated (each call one batch), median of 3 after a warm-up
+    qs = sorted(data["qrels"])
+    big = (qs * (args.speed_batch // len(qs) + 1))[:args.speed_batch]
+    speed = {}
+    for name, search in (("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
+                         ("hybrid b10", hyb.replace(num_beams=10)),
+                         ("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w))):
+        rank = ranker(served, search, fusion)
+        rank(big)
+        times = []
+        for _ in range(3):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            rank(big)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        speed[name] = {"queries": len(big), "median_s": statistics.median(times),
+                       "queries_per_s": len(big) / statistics.median(times)}
+    results["speed"] = speed
+    log.info("speed: %s", speed)
+    save()
+    del served, model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_compress:
+        from pipelines.compress import CompressJobConfig, run_compress
+
+        t0 = time.perf_counter()
+        comp_dir = Path(args.work) / f"compressed_{cat}_{args.scheme}"
+        csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / f"index_{cat}_{args.scheme}",
+                                              queries=bundle / f"train_{cat}.parquet", ads=bundle / f"titles_{cat}.parquet",
+                                              out=comp_dir, use_ray=False,
+                                              layer_device=device if device == "cuda" else None))
+        results["compress"] = {"wall_s": round(time.perf_counter() - t0, 1),
+                               **{k: v for k, v in csum.items() if isinstance(v, (int, float, str))}}
+        spec = ModelSpec(compressed=str(comp_dir))
+        cfus = fusion_of_record(spec.training_record())
+        results["compressed_fusion"] = cfus.to_dict()
+        cm, _ = load_model(spec, device)
+        eval_row("compressed generative b10", cm, base.replace(fusion=FusionMode.GENERATIVE, num_beams=10), cfus)
+        eval_row("compressed hybrid b10", cm, hyb.replace(num_beams=10), cfus)
+        if best_w > 0:
+            eval_row("compressed hybrid+prior b10", cm, hyb.replace(num_beams=10, prior_weight=best_w), cfus)
+    table = render_table(results)
+    (out / "table.md").write_text(table)
+    print(table)
+    print(json.dumps({k: results.get(k) for k in ("train", "fusion", "prior_weight", "speed", "compress")},
+                     default=str)[:3000])
+
+
+def _merged(base: dict, over: dict) -> dict:
+    return {k: _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+            for k, v in {**base, **over}.items()}
+
+
 def prepare(args: argparse.Namespace) -> None:
     import numpy as np
     import pyarrow as pa
@@ -53,6 +210,7 @@ def prepare(args: argparse.Namespace) -> None:
     from adbatch.index.corpus import CorpusConfig
     from adbatch.eval.datasets import HomeDepotConfig, QuerySplit, load_home_depot
     from adbatch.index.build import IndexConfig, build_index
+    from adbatch.index.embeddings import EmbeddingConfig
     from adbatch.index.ids import IdScheme, RenderConfig
 
     out = Path(args.bundle)
@@ -86,8 +244,11 @@ def prepare(args: argparse.Namespace) -> None:
         for split in (QuerySplit.TEST, QuerySplit.VALID):
             qrels = {q: {str(a): g for a, g in grades.items()} for q, grades in data.qrels[split].items()}
             (out / f"qrels_{split.value}_{name}.json").write_text(json.dumps(qrels))
+        _write_query_embeddings(out / f"query_emb_{name}.npz", data)
         for scheme in schemes:
+            # the vectors are MiniLM's (the packaged one embeds the queries): the index keeps a dense channel
             cfg = IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
+                              embedding=EmbeddingConfig(query_embedder="default"),
                               render=RenderConfig(scheme=IdScheme(scheme)))
             t0 = time.perf_counter()
             manifest = build_index(corpus, out / f"index_{name}_{scheme}", cfg, progress=False)
@@ -98,6 +259,36 @@ def prepare(args: argparse.Namespace) -> None:
         summary[f.stem] = json.loads(f.read_text())
     (out / "prepare.json").write_text(json.dumps(summary, indent=1))
     log.info("bundle written to %s: %s", out, summary)
+
+
+def _write_query_embeddings(path: Path, data: Any) -> None:
+    """MiniLM vectors of the validation and test queries (``queries`` str, ``emb`` float16 ``[Q, 384]``): the
+    device has no MiniLM, so the dense channel there reads these (:class:`PrecomputedEmbedder`)."""
+    import numpy as np
+
+    from adbatch.eval.datasets import QuerySplit
+    from adbatch.eval.targeting import embed_texts, load_minilm
+
+    queries = sorted(set(data.qrels[QuerySplit.TEST]) | set(data.qrels[QuerySplit.VALID]))
+    emb = embed_texts(load_minilm(), queries)
+    np.savez(path, queries=np.asarray(queries), emb=emb.astype(np.float16))
+
+
+class PrecomputedEmbedder:
+    """A stand-in for the query embedder (a ``SentenceTransformer``'s ``encode``) that looks queries up in
+    vectors computed beforehand by the same model (``query_emb_<catalogue>.npz`` of ``prepare``)."""
+
+    def __init__(self, path: Path) -> None:
+        import numpy as np
+
+        z = np.load(path, allow_pickle=False)
+        self.row = {str(q): i for i, q in enumerate(z["queries"])}
+        self.emb = z["emb"].astype(np.float32)
+
+    def encode(self, queries: list[str], **_: Any) -> Any:
+        import torch
+
+        return torch.from_numpy(self.emb[[self.row[q] for q in queries]])
 
 
 def _embeddings_for(ids: list[int], titles: dict[int, str], emb: Any, pos: dict[int, int]) -> Any:
@@ -859,6 +1050,22 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("--query-source", choices=("spans", "generated", "mix"), default="spans",
                     help="pseudo-queries of the training: spans (the default recipe) | generated (a query "
                          "generator tuned on the train pairs) | mix (both)")
+    ch = sub.add_parser("channels", help="issue 41: dense, generative and hybrid targeting on a trained model")
+    ch.add_argument("--bundle", required=True)
+    ch.add_argument("--out", required=True)
+    ch.add_argument("--work", default="/tmp/adbatch_channels")
+    ch.add_argument("--catalogue", default="5000", help="the bundle's catalogue: 5000 or full")
+    ch.add_argument("--scheme", default="text", choices=SCHEMES)
+    ch.add_argument("--model", default=None)
+    ch.add_argument("--smoke", action="store_true", help="tiny random model on the CPU (plumbing)")
+    ch.add_argument("--batch", type=int, default=64, help="queries per ranking call in the quality rows")
+    ch.add_argument("--speed-batch", type=int, default=1024, help="queries per call in the speed rows")
+    ch.add_argument("--max-queries", type=int, default=None)
+    ch.add_argument("--prior-weights", default="1,3,10", help="dense prior weights tried on the validation queries")
+    ch.add_argument("--train-budget-s", type=float, default=None)
+    ch.add_argument("--train-json", default="{}", help="JSON TrainConfig overrides (nested dicts merge)")
+    ch.add_argument("--skip-compress", action="store_true")
+    ch.add_argument("--reuse-trained", action="store_true")
     pr = sub.add_parser("run")
     pr.add_argument("--bundle", required=True)
     pr.add_argument("--out", required=True)
@@ -878,7 +1085,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    {"prepare": prepare, "baseline": baseline, "run": run, "sweep": sweep, "check": check}[args.cmd](args)
+    {"prepare": prepare, "baseline": baseline, "run": run, "sweep": sweep, "check": check,
+     "channels": channels}[args.cmd](args)
 
 
 if __name__ == "__main__":

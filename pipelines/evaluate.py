@@ -29,7 +29,7 @@ from adbatch.artifacts import (ArtifactKind, StageTimer, build_manifest, claim_o
                                write_json_atomic, write_parquet_atomic)
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.eval.datasets import HomeDepotConfig, QuerySplit
-from adbatch.decoding import CreativeConfig, TargetSearchConfig, VerifyMode
+from adbatch.decoding import CreativeConfig, FusionMode, TargetSearchConfig, VerifyMode
 from adbatch.serving.generators import CreativeGenerator, GenerateConfig, ModelSpec, TargetGenerator
 from pipelines.stage import StageContract
 
@@ -56,6 +56,9 @@ class TargetingEvalConfig(ConfigBase):
     extra_model: str | None = dataclasses.field(default=None, metadata={"help": "the model trained on extra_index"})
     verify_modes: list[VerifyMode] = dataclasses.field(
         default_factory=lambda: [VerifyMode.OFF, VerifyMode.AUTO], metadata={"help": "verification modes compared"})
+    channels: list[FusionMode] = dataclasses.field(
+        default_factory=lambda: [FusionMode.HYBRID, FusionMode.GENERATIVE, FusionMode.DENSE],
+        metadata={"help": "targeting channels compared: hybrid (fused), generative, dense (each alone)"})
     search: TargetSearchConfig = dataclasses.field(
         default_factory=lambda: TargetSearchConfig(num_beams=10, top_k=10))
     batch_size: int = dataclasses.field(default=8, metadata={"help": "queries per model call"})
@@ -72,6 +75,8 @@ class TargetingEvalConfig(ConfigBase):
             raise ConfigError(f"TargetingEvalConfig.search.top_k must be >= 10 (recall@10 etc.), got {self.search.top_k}")
         if not self.verify_modes:
             raise ConfigError("TargetingEvalConfig.verify_modes must name at least one mode")
+        if not self.channels:
+            raise ConfigError("TargetingEvalConfig.channels must name at least one channel")
 
 
 @dataclasses.dataclass
@@ -165,25 +170,30 @@ def eval_targeting(cfg: TargetingEvalConfig, out: Path, model: str | None, compr
     if cfg.extra_index:
         variants.append(("extra", Path(cfg.extra_index), ModelSpec(model=cfg.extra_model), cfg.verify_modes[:1]))
     gen_cfg = GenerateConfig(batch_size=cfg.batch_size, num_threads=num_threads)
-    for name, ix_dir, spec, modes in variants:
+    # the dense channel alone has no model and no verify mode: one row, with the first variant
+    runs = [(name, ix_dir, spec, mode, channel) for name, ix_dir, spec, modes in variants for channel in cfg.channels
+            for mode in (modes if channel is not FusionMode.DENSE else modes[:1])
+            if channel is not FusionMode.DENSE or name == variants[0][0]]
+    for name, ix_dir, spec, mode, channel in runs:
         scheme = load_index(ix_dir).scheme.value
-        for mode in modes:
-            row: dict[str, Any] = {"variant": name, "scheme": scheme, "verify": mode.value}
-            try:
-                gen = TargetGenerator(spec, ix_dir, cfg.search.replace(verify=mode), gen_cfg)
-                m = evaluate_targeting(_target_ranker(gen), qrels, ks=(1, 10), batch_size=cfg.batch_size,
-                                       max_queries=n_q)
-            except (ValueError, RuntimeError, OSError) as exc:  # another index's model, a missing checkpoint
-                log.warning("targeting %s/%s not evaluated: %s", name, mode.value, exc)
-                row["note"] = f"not evaluated: {exc}"[:160]
-                res["rows"].append(row)
-                continue
-            row.update({k: m.get(k) for k in ("recall@1", "recall@10", "mrr@10", "ndcg@10")})
-            row.update({"queries": int(m["queries"]), "queries_per_s": m["queries_per_s"],
-                        "ms_per_query": 1000.0 * m["seconds"] / max(m["queries"], 1),
-                        "note": f"model load {gen.load_seconds:.1f}s"})
+        row: dict[str, Any] = {"variant": name if channel is not FusionMode.DENSE else "index embeddings",
+                               "channel": channel.value, "scheme": scheme,
+                               "verify": mode.value if channel is not FusionMode.DENSE else None}
+        try:
+            gen = TargetGenerator(spec, ix_dir, cfg.search.replace(verify=mode, fusion=channel), gen_cfg)
+            m = evaluate_targeting(_target_ranker(gen), qrels, ks=(1, 10), batch_size=cfg.batch_size,
+                                   max_queries=n_q)
+        except (ValueError, RuntimeError, OSError) as exc:  # another index's model, a missing checkpoint
+            log.warning("targeting %s/%s/%s not evaluated: %s", name, channel.value, mode.value, exc)
+            row["note"] = f"not evaluated: {exc}"[:160]
             res["rows"].append(row)
-            log.info("targeting %s/%s: %s", name, mode.value, row)
+            continue
+        row.update({k: m.get(k) for k in ("recall@1", "recall@10", "mrr@10", "ndcg@10")})
+        row.update({"queries": int(m["queries"]), "queries_per_s": m["queries_per_s"],
+                    "ms_per_query": 1000.0 * m["seconds"] / max(m["queries"], 1),
+                    "note": f"model load {gen.load_seconds:.1f}s"})
+        res["rows"].append(row)
+        log.info("targeting %s/%s/%s: %s", name, channel.value, mode.value, row)
     if cfg.minilm:
         encoder = load_minilm()
         t0 = time.perf_counter()

@@ -100,10 +100,12 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
                      lse0: torch.Tensor, length_penalty: float = 0.0, max_pass_tokens: int = 16384) -> torch.Tensor:
     """Exact scores of given complete candidates, teacher-forced right after the prefill, by the tree pass.
 
-    Each query's candidates share prefixes in the trie: their union of root paths is one token tree
-    (nodes in preorder, so parents come first) fed in one :meth:`DecodeEngine.tree_forward` below the
-    query's prompt (suffix position 0), exactly as :func:`verify_trees` feeds a beam's subtree; a path's
-    log-probs are summed by pointer chasing over the depth.
+    Each query's candidates share prefixes in the trie: the union ``U`` of their root paths is one token
+    tree. Its *internal* nodes (parents of another node of ``U``; ids in preorder, so parents come first)
+    are fed in one :meth:`DecodeEngine.tree_forward` below the query's prompt (suffix position 0), exactly
+    as :func:`verify_trees` feeds a beam's subtree; every node's log-prob is read at its parent's row (the
+    prefill's row under the root), so leaves are never fed, and a path's log-probs are summed by pointer
+    chasing over the depth.
 
     Args:
         engine: holding the batch's prefill (query ``q`` at slot row ``q * engine.B``; not modified).
@@ -116,17 +118,22 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
     dev = cand_nodes.device
     Q, K = cand_nodes.shape
     N = aux.degree.shape[0]
-    fed = _sorted_unique(ancestors(aux, cand_nodes).reshape(Q, -1), N)        # [Q, K*D] ascending ids, N = none
-    counts = (fed < N).sum(1)
-    F = max(int(counts.max()) if Q else 0, 1)                             # the call's one host sync
-    Fw = engine.tree_width(F)
-    fed = fed[:, :Fw] if fed.shape[1] >= Fw else torch.cat(
-        [fed, torch.full((Q, Fw - fed.shape[1]), N, dtype=torch.long, device=dev)], 1)
+    union = _sorted_unique(ancestors(aux, cand_nodes).reshape(Q, -1), N)      # [Q, K*D] ascending, N = none
+    u_valid = union < N
+    u_safe = torch.where(u_valid, union, 0)
+    u_par = torch.where(u_valid, aux.parent[u_safe], -1)                  # parent of each union node (0 = root)
+    parents = _sorted_unique(torch.where(u_par > 0, u_par, -1), N)        # the union's internal nodes
+    sizes = torch.stack([u_valid.sum(1).max(), (parents < N).sum(1).max()]) if Q else torch.zeros(2, dtype=torch.long)
+    U, F = (int(x) for x in sizes.tolist())                               # the call's one host sync
+    U, Fw = max(U, 1), engine.tree_width(max(F, 1))
+    union, u_valid, u_safe, u_par = union[:, :U], u_valid[:, :U], u_safe[:, :U], u_par[:, :U]
+    fed = parents[:, :Fw] if parents.shape[1] >= Fw else torch.cat(
+        [parents, torch.full((Q, Fw - parents.shape[1]), N, dtype=torch.long, device=dev)], 1)
     out = torch.full((Q, K), float("-inf"), device=dev)
     step = max(1, max_pass_tokens // Fw)
     for s in range(0, Q, step):  # passes over query chunks: a [V, F, F] mask per pass bounds memory
         q = torch.arange(s, min(Q, s + step), device=dev)
-        node = fed[q]                                                     # [V, F]
+        node = fed[q]                                                     # [V, Fw]
         valid = node < N
         safe = torch.where(valid, node, 0)
         tok = torch.where(valid, aux.token[safe], 0)
@@ -135,22 +142,21 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
         vis = (a <= b) & (b < a + aux.sub[a]) & valid[:, None, :] & valid[:, :, None]
         vis |= torch.eye(Fw, dtype=torch.bool, device=dev)[None]
         logits, lse = engine.tree_forward(q * engine.B, 0, tok, pos, vis)  # [V*Fw, vocab]
-        # each fed node's log-prob: from its parent's tree row, or the prefill row under the root
-        par = aux.parent[safe]
-        par_idx = torch.searchsorted(node, par.contiguous())              # parent's position (parents are fed)
-        par_idx = par_idx.clamp(max=Fw - 1)
-        row = (q - s)[:, None] * Fw + par_idx
-        from_tree = exact_logprobs_of(logits, lse, row, tok)
-        from_prompt = exact_logprobs_of(logits0, lse0, q[:, None].expand_as(tok), tok)
-        edge = torch.where(valid, torch.where(par == 0, from_prompt, from_tree), 0.0)
-        local_par = torch.where(valid & (par > 0), par_idx, -1)
+        # every union node's log-prob: at its parent's fed row, or the prefill row under the root
+        un, up, uv = union[q], u_par[q], u_valid[q]
+        utok = torch.where(uv, aux.token[u_safe[q]], 0)
+        at_par = torch.searchsorted(node, up.clamp(min=0).contiguous()).clamp(max=Fw - 1)
+        from_tree = exact_logprobs_of(logits, lse, (q - s)[:, None] * Fw + at_par, utok)
+        from_prompt = exact_logprobs_of(logits0, lse0, q[:, None].expand_as(utok), utok)
+        edge = torch.where(uv, torch.where(up == 0, from_prompt, from_tree), 0.0)
+        local_par = torch.searchsorted(un, up.clamp(min=0).contiguous()).clamp(max=U - 1)
+        has_par = uv & (up > 0)
         cum = edge
         for _ in range(max(aux.max_depth - 1, 0)):
-            cum = edge + torch.where(local_par >= 0, cum.gather(1, local_par.clamp(min=0)), 0.0)
+            cum = edge + torch.where(has_par, cum.gather(1, local_par), 0.0)
         c = cand_nodes[q]
-        at = torch.searchsorted(node, c.clamp(min=0).contiguous()).clamp(max=Fw - 1)
-        raw = cum.gather(1, at)
-        sc = final_scores(raw, aux.depth[c.clamp(min=0)], length_penalty)
+        at = torch.searchsorted(un, c.clamp(min=0).contiguous()).clamp(max=U - 1)
+        sc = final_scores(cum.gather(1, at), aux.depth[c.clamp(min=0)], length_penalty)
         out[q] = torch.where(c >= 0, sc, float("-inf"))
     return out
 

@@ -214,7 +214,7 @@ def _bar_plot(path: Path, labels: list[str], series: dict[str, list[float]], tit
     plt.close(fig)
 
 
-TARGETING_COLS = [("variant", "variant"), ("scheme", "scheme"), ("verify", "verify"),
+TARGETING_COLS = [("variant", "variant"), ("channel", "channel"), ("scheme", "scheme"), ("verify", "verify"),
                   ("recall@1", "recall@1"), ("recall@10", "recall@10"), ("mrr@10", "MRR@10"),
                   ("ndcg@10", "nDCG@10"), ("queries", "queries"), ("queries_per_s", "queries/s"),
                   ("ms_per_query", "ms/query"), ("note", "note")]
@@ -249,11 +249,11 @@ def write_report(out: Path, results: dict[str, Any]) -> dict[str, Path]:
         ok = [r for r in rows if r.get("recall@10") is not None]
         if ok:
             png = out / "targeting_quality.png"
-            _bar_plot(png, [f"{r['variant']}/{r.get('verify') or '-'}" for r in ok],
+            _bar_plot(png, [f"{r['variant']}/{r.get('channel') or '-'}/{r.get('verify') or '-'}" for r in ok],
                       {m: [float(r[m]) for r in ok] for m in ("recall@1", "recall@10", "mrr@10", "ndcg@10")},
                       "Targeting quality (Home Depot test queries)", "score")
             png2 = out / "targeting_throughput.png"
-            _bar_plot(png2, [f"{r['variant']}/{r.get('verify') or '-'}" for r in ok],
+            _bar_plot(png2, [f"{r['variant']}/{r.get('channel') or '-'}/{r.get('verify') or '-'}" for r in ok],
                       {"queries/s": [float(r["queries_per_s"]) for r in ok]},
                       "Targeting throughput (this machine)", "queries per second")
             files.update({"targeting_quality": png, "targeting_throughput": png2})
