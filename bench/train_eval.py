@@ -104,7 +104,7 @@ def channels(args: argparse.Namespace) -> None:
                                              model=model, tokenizer=tok, device=device, progress=False,
                                              valid_qrels=data["valid"], dense=dense,
                                              exclude_queries=[*data["qrels"], *data["valid"]])
-        results["train"] = summary.train | {"wall_s": round(time.perf_counter() - t0, 1)}
+        results["train"] = {f"{cat}-{args.scheme}": summary.train | {"wall_s": round(time.perf_counter() - t0, 1)}}
     fusion = fusion_of_record(read_training_record(model_dir))
     results["fusion"] = fusion.to_dict()
     save()
