@@ -110,7 +110,7 @@ def load_minilm(model_path: str | Path | None = None, device: str = "cpu") -> An
     from adbatch.index.embeddings import default_embedding_model_dir
 
     return SentenceTransformer(str(model_path or default_embedding_model_dir()), device=device,
-                               local_files_only=True)
+                               local_files_only=True, trust_remote_code=False)
 
 
 def embed_texts(encoder: Any, texts: list[str], batch_size: int = 256) -> Any:

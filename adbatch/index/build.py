@@ -132,10 +132,11 @@ def load_tokenizer(name: str | None) -> tuple[Any, str]:
     """
     from transformers import AutoTokenizer
 
-    from adbatch.models import resolve_model
+    from adbatch.models import refuse_custom_code, resolve_model
 
     folder = resolve_model(name)
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True), str(folder)
+    refuse_custom_code(folder)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False), str(folder)
 
 
 def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True) -> np.ndarray:
