@@ -106,7 +106,9 @@ class GenerateJobConfig(ConfigBase):
 
     def validate(self) -> None:
         if self.requests is not None and self.out is not None:
-            req, out = Path(self.requests).resolve(), Path(self.out).resolve()
+            # realpath, not Path.resolve(): a symlink loop raises RuntimeError there; here it stays a path
+            # that does not exist, refused with one line when the run lists its requests
+            req, out = Path(os.path.realpath(self.requests)), Path(os.path.realpath(self.out))
             if out == req or req in out.parents:
                 # the requests folder is read recursively: a rerun would read the answers as requests
                 raise ConfigError(f"GenerateJobConfig.out: {self.out} lies inside the requests folder "

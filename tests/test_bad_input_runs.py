@@ -501,6 +501,16 @@ def _write(tmp_path, name, text):
     return str(p)
 
 
+def _symlink_loop(tmp_path):
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    return str(tmp_path / "loop_a")
+
+
+def _gen_argv(a, t, *extra):
+    return ["generate", "--requests", str(a["requests"]), "--out", str(t / "o"), "--index", str(a["index"]), *extra]
+
+
 CLI_MISTAKES = {
     "unknown-key-in-file": (lambda a, t: ["generate", "--config", _write(t, "c.toml", "[generate]\nbogus = 1\n")],
                             "unknown field(s) ['bogus']"),
@@ -544,6 +554,24 @@ CLI_MISTAKES = {
     "refresh-unknown-force": (lambda a, t: ["refresh", "--force", "everything"], "RefreshConfig.force: unknown stage"),
     "refresh-ads-missing": (lambda a, t: ["refresh", "--work", str(t / "w"), "--index.config.ads", str(t / "none.parquet")],
                             "RefreshConfig.index.config.ads"),
+    # issue 43 items 5-8
+    "toml-malformed": (lambda a, t: ["generate", "--config", _write(t, "c.toml", "[generate\nbatch_size = 4\n")],
+                       "c.toml: not valid TOML"),
+    "yaml-malformed": (lambda a, t: ["index", "--config", _write(t, "c.yaml", "index: [1, 2\nout: x\n")],
+                       "c.yaml: not valid YAML"),
+    "int-beyond-int64-in-file": (lambda a, t: _gen_argv(a, t, "--config", _write(
+        t, "c.toml", "[generate]\npartition_size = 99999999999999999999\n")),
+        "GenerateJobConfig.partition_size: 99999999999999999999 is out of range"),
+    "int-beyond-int64-flag": (lambda a, t: ["index", "--ads", str(a["corpus"]), "--out", str(t / "o"),
+                                            "--index.cluster.seed", str(2**64)], "ClusterConfig.seed: 18446744073709551616 is out of range"),
+    "float-nan-flag": (lambda a, t: _gen_argv(a, t, "--targets.length-penalty", "nan"),
+                       "TargetSearchConfig.length_penalty: expected a finite number, got nan"),
+    "float-inf-flag": (lambda a, t: _gen_argv(a, t, "--targets.length-penalty", "inf"),
+                       "TargetSearchConfig.length_penalty: expected a finite number, got inf"),
+    "float-inf-in-file": (lambda a, t: _gen_argv(a, t, "--config", _write(t, "c.toml", "[generate.targets]\nlength_penalty = -inf\n")),
+                          "TargetSearchConfig.length_penalty: expected a finite number, got -inf"),
+    "requests-symlink-loop": (lambda a, t: ["generate", "--requests", _symlink_loop(t), "--out", str(t / "o"),
+                                            "--index", str(a["index"])], "requests not found: "),
 }
 
 
