@@ -481,8 +481,13 @@ def _generate_into(config: GenerateJobConfig, layout: Layout, validated: Any, id
         if pending:
             it = _iter_local(config, layout, pending) if config.executor is Executor.LOCAL \
                 else _iter_ray(config, layout, pending)
-            for batch in it:
-                collector.add(batch)
+            try:
+                for batch in it:
+                    collector.add(batch)
+            finally:
+                # on an error here (a full disk while committing) the Ray Data pipeline must stop now: left
+                # running, its executor threads kept the driver alive after the traceback, holding the lock
+                it.close()
         collector.check_complete()
     records = {**done, **collector.records}
 

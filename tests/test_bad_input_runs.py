@@ -657,6 +657,85 @@ def test_entry_point_exit_status_2_and_one_line(script, assets, tmp_path):
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr and expected in debug.stderr
 
 
+# --- I/O errors while writing: one line, the folder and the errno, the lock released (issue 43 items 2, 9) ---
+DISK_FULL = '''
+import errno, os, sys
+import pyarrow.parquet as pq
+_real_write = pq.write_table
+def _full(table, where, *a, **k):  # the disk fills up as partition 1's answers are written
+    if "/targets/" in os.fspath(where) and "part-00001" in os.fspath(where):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _real_write(table, where, *a, **k)
+pq.write_table = _full
+from jobs.cli import main
+sys.exit(main(ARGV))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_generate_on_a_full_disk_ends_at_once_with_one_line_and_frees_the_folder(assets, ray1, tmp_path):
+    """ENOSPC while a partition is committed, with the Ray pipeline mid-flight: the driver printed the
+    traceback and never exited (Ray Data's threads), holding the lock. Now: exit 2 well within the bound,
+    one line naming the folder and the errno; the next run takes the folder at once and resumes exactly."""
+    from pipelines.generate import run_generate
+
+    out = tmp_path / "gen"
+    req = target_requests(tmp_path / "r.parquet", n=40)
+    argv = ["generate", "--requests", str(req), "--index", str(assets["index"]), "--model", str(assets["model"]),
+            "--out", str(out), "--batch-size", "4", "--partition-size", "4", "--device", "cpu", "--progress", "false",
+            *[x for k, v in SEARCH.items() for x in (f"--targets.{k.replace('_', '-')}", str(v))]]
+    proc = subprocess.run([sys.executable, "-c", f"ARGV = {argv!r}\n" + DISK_FULL], capture_output=True, text=True,
+                          env=_env(RAY_ADDRESS=ray1.get_runtime_context().gcs_address), timeout=SUBPROCESS_TIMEOUT,
+                          cwd=REPO)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("adbatch generate: error: ")]
+    assert proc.returncode == 2 and len(ours) == 1, proc.stderr[-3000:]
+    assert f"cannot write {out}" in ours[0] and "ENOSPC, errno 28" in ours[0] and "Traceback" not in proc.stderr
+    assert (out / "_progress" / "part-00000.json").is_file() and not (out / "targets" / "part-00001.parquet").exists()
+    res = run_generate(_generate_job(assets, out, requests=req))  # the lock is free; the same run resumes
+    assert res["counts"]["partitions_skipped"] == 1 and res["counts"]["answered"] == 40
+    _rows_check(res, out)
+
+
+@pytest.fixture
+def read_only(tmp_path, monkeypatch):
+    """``tmp_path/ro``: a folder that refuses every write as a read-only mount does (EROFS)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def refuse(path):
+        if os.path.abspath(os.fsdecode(path)).startswith(str(ro) + os.sep):
+            raise OSError(30, os.strerror(30), os.fsdecode(path))
+
+    def ro_open(path, flags, *a, **k):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse(path)
+        return real_open(path, flags, *a, **k)
+
+    def ro_mkdir(path, *a, **k):
+        if os.path.isdir(path):  # what Linux answers first on a read-only mount too
+            raise FileExistsError(17, os.strerror(17), os.fsdecode(path))
+        refuse(path)
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", ro_open)
+    monkeypatch.setattr(os, "mkdir", ro_mkdir)
+    return ro
+
+
+@pytest.mark.parametrize("stage", ["index", "generate"])
+def test_out_on_a_read_only_file_system_is_one_line(stage, assets, read_only, capsys, no_ray):
+    from jobs.cli import main
+
+    out = read_only / "out"
+    argv = (["index", "--ads", str(assets["corpus"]), "--index.columns.embedding", "vec"] if stage == "index" else
+            ["generate", "--requests", str(assets["requests"]), "--index", str(assets["index"]), "--model",
+             str(assets["model"]), "--executor", "local", "--device", "cpu"])
+    assert main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"adbatch {stage}: error: cannot write {read_only} (EROFS, errno 30"), err
+
+
 # --- inputs are checked before Ray starts -----------------------------------------------------------
 def _bad_corpus(t):
     p = t / "bad_ads.parquet"
