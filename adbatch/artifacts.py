@@ -75,6 +75,10 @@ class OutputLockedError(ConfigError):
     """Another run is writing the same ``--out`` folder."""
 
 
+class ArtifactIntegrityError(ValueError):
+    """A file of an artifact differs from its manifest's sha256: damaged, edited or mixed with another run's."""
+
+
 class OutputWriteError(OSError):
     """Writing an output folder failed: a full disk, a read-only file system, no permission. The message
     names the folder and the errno; every write is atomic, so a re-run once the cause is fixed resumes
@@ -283,13 +287,14 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 
 def verify_outputs(directory: str | Path, manifest: dict[str, Any], names: Any = None) -> None:
     """Check files of an artifact against its manifest's ``outputs`` (relative path -> sha256): ``names``
-    (default: all listed). Raises FileNotFoundError for a missing file, ValueError for a changed one."""
+    (default: all listed). Raises FileNotFoundError for a missing file, :class:`ArtifactIntegrityError` (a
+    ValueError) for a changed one."""
     directory = Path(directory)
     listed = manifest.get("outputs") or {}
     for name in (listed if names is None else names):
         want, got = listed.get(name), sha256_file(directory / name)
         if want != got:
-            raise ValueError(f"{directory / name}: sha256 {got[:12]} does not match the manifest's "
+            raise ArtifactIntegrityError(f"{directory / name}: sha256 {got[:12]} does not match the manifest's "
                              f"{str(want)[:12]}; the artifact is damaged or mixed")
 
 

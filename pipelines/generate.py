@@ -436,16 +436,18 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     with timer.phase("validate"):
         validated = validate_requests(config.requests, config.task, config.validation)
-        # fail on a missing model / index now, before the pool spins up
+        # fail on a missing or damaged model / index now, before the pool spins up
+        config.spec.check()
         model_id = config.spec.identity()
         index_hash = None
         if config.task is GenerateTask.TARGETS:
-            from adbatch.artifacts import read_manifest
+            from adbatch.artifacts import read_manifest, verify_outputs
 
             manifest = read_manifest(config.index)
             index_hash = manifest.get("index_hash")
             if not index_hash:
                 raise ConfigError(f"GenerateJobConfig.index: {config.index} is not an index folder")
+            verify_outputs(config.index, manifest)  # every file the actors read, by its manifest's sha256
             # a model trained on another index: refused here, not inside each Ray actor after start-up
             check_model_index(config.spec, config.index, manifest)
     log.info("requests: %d rows in, %d accepted, %d rejected", validated.rows_in,

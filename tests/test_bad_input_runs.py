@@ -743,12 +743,86 @@ def _bad_corpus(t):
     return p
 
 
+def _model_copy(a, t, mutate):
+    import shutil
+
+    d = t / "model_copy"
+    shutil.copytree(a["model"], d)
+    mutate(d)
+    return str(d)
+
+
+def _pickle_only(d):
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(d / "model.safetensors")), d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+
+
+def _declares_code(d):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "modeling_evil.py").write_text("raise SystemExit('custom code ran')\n")
+
+
+def _smaller_vocab(d):
+    """The same tokenizer, a model of 1000 token embeddings: the trie's token ids go beyond it."""
+    from conftest import make_tiny_llama
+
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    make_tiny_llama(vocab_size=1000, hidden=32, intermediate=64, heads=2, kv_heads=1).save_pretrained(d)
+
+
+def _damaged_trie(a, t):
+    import shutil
+
+    d = t / "index_copy"
+    shutil.copytree(a["index"], d)
+    trie = d / "trie.safetensors"
+    data = bytearray(trie.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 16] = b"\xff" * 16
+    trie.write_bytes(bytes(data))
+    return d
+
+
+def _compressed_with_flipped_byte(a, t):
+    from transformers import AutoTokenizer
+
+    from adbatch.compress import CompressConfig, compress_, save_compressed
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama(vocab_size=1000, hidden=32, intermediate=64, heads=2, kv_heads=1)
+    recipe = compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", group_policy="uniform"))
+    d = t / "compressed"
+    save_compressed(model, AutoTokenizer.from_pretrained(a["model"], trust_remote_code=False), recipe, d)
+    shard = next(d.glob("packed-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[int(len(data) * 0.75)] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return d
+
+
 BEFORE_RAY = {
     "index-no-valid-ads": lambda a, t: ("index", _index_job(a, t / "o", ads=str(_bad_corpus(t)), index={}), "no valid ads"),
     "generate-requests-schema": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", requests=a["corpus"]), "request"),
     "train-index-missing": lambda a, t: ("train", __import__("pipelines.train", fromlist=["x"]).TrainJobConfig(
         index=t / "none", out=t / "o"), "index folder not found"),
     "compress-calib-missing": lambda a, t: ("compress", _compress_job(a, t / "o").replace(calib=t / "none.txt"), "not found"),
+    # issue 43 item 3: the model, checkpoint and index the actors would load, checked by the driver
+    "generate-pickle-only-model": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", model=_model_copy(
+        a, t, _pickle_only)), r"only pickle weight files \(pytorch_model.bin\)"),
+    "generate-custom-code-model": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", model=_model_copy(
+        a, t, _declares_code)), r"ships its own Python code \(auto_map in config.json \(modeling_evil.py\)\)"),
+    "generate-model-vocab-below-the-trie": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", model=_model_copy(
+        a, t, _smaller_vocab)), "has a vocabulary of 1000 tokens but index .* trie uses token ids up to"),
+    "generate-trie-overwritten": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", index=_damaged_trie(a, t)),
+                                               r"trie.safetensors: sha256 \w+ does not match the manifest"),
+    "generate-compressed-byte-flipped": lambda a, t: ("generate", _generate_job(
+        a, t / "o", executor="ray", model=None, compressed=_compressed_with_flipped_byte(a, t)),
+        r"packed-00000.safetensors: sha256 .* \(file was modified\)"),
     "refresh-ads-missing": lambda a, t: ("refresh", _refresh_job(a, t / "o").replace(
         index=_refresh_job(a, t / "o").index.replace(config=_refresh_job(a, t / "o").index.config.replace(
                        ads=t / "none.parquet"))), "not found"),
@@ -757,13 +831,16 @@ BEFORE_RAY = {
 
 @pytest.mark.parametrize("case", sorted(BEFORE_RAY))
 def test_bad_input_is_refused_before_ray_starts(case, assets, tmp_path, no_ray):
+    from jobs.config_cli import is_user_error
+
     stage, cfg, expected = BEFORE_RAY[case](assets, tmp_path)
     runner = {"index": "pipelines.index:run_index", "generate": "pipelines.generate:run_generate",
               "train": "pipelines.train:run_train", "compress": "pipelines.compress:run_compress",
               "refresh": "jobs.nightly_refresh:run_refresh"}[stage]
     module, fn = runner.split(":")
-    with pytest.raises((ValueError, FileNotFoundError), match=expected):
+    with pytest.raises((ValueError, FileNotFoundError), match=expected) as info:
         getattr(importlib.import_module(module), fn)(cfg)
+    assert is_user_error(info.value)  # one line and exit 2 from the CLI
     assert not (tmp_path / "o").exists()
 
 
