@@ -823,6 +823,10 @@ BEFORE_RAY = {
     "generate-compressed-byte-flipped": lambda a, t: ("generate", _generate_job(
         a, t / "o", executor="ray", model=None, compressed=_compressed_with_flipped_byte(a, t)),
         r"packed-00000.safetensors: sha256 .* \(file was modified\)"),
+    "compress-custom-code-model": lambda a, t: ("compress", _compress_job(a, t / "o").replace(
+        model=_model_copy(a, t, _declares_code), use_ray=True), "ships its own Python code"),
+    "train-pickle-only-init-model": lambda a, t: ("train", __import__("pipelines.train", fromlist=["x"]).TrainJobConfig(
+        index=a["index"], out=t / "o", init_model=_model_copy(a, t, _pickle_only)), "only pickle weight files"),
     "refresh-ads-missing": lambda a, t: ("refresh", _refresh_job(a, t / "o").replace(
         index=_refresh_job(a, t / "o").index.replace(config=_refresh_job(a, t / "o").index.config.replace(
                        ads=t / "none.parquet"))), "not found"),
