@@ -805,6 +805,27 @@ def _compressed_with_flipped_byte(a, t):
     return d
 
 
+def _refresh_with(a, t, ads=None, index=INDEX_CFG, targets=None, model=None):
+    from jobs.nightly_refresh import RefreshConfig
+
+    return RefreshConfig.from_dict({
+        "work": str(t / "o"), "model": model or str(a["model"]), "num_cpus": 1,
+        "index": {"config": {"ads": str(ads or a["corpus"]), "index": index}, "stable_ids": False},
+        "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
+        "generate": {"targets_requests": None if targets is None else str(targets), "creatives_requests": None}})
+
+
+def _requests_with_corrupt_pages(t):
+    """Bytes flipped in the middle of the data pages; the footer (the schema) stays readable."""
+    path = target_requests(t / "corrupt_requests.parquet", n=3000)
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    pq.read_schema(path)
+    return path
+
+
 BEFORE_RAY = {
     "index-no-valid-ads": lambda a, t: ("index", _index_job(a, t / "o", ads=str(_bad_corpus(t)), index={}), "no valid ads"),
     "generate-requests-schema": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", requests=a["corpus"]), "request"),
@@ -827,6 +848,13 @@ BEFORE_RAY = {
         model=_model_copy(a, t, _declares_code), use_ray=True), "ships its own Python code"),
     "train-pickle-only-init-model": lambda a, t: ("train", __import__("pipelines.train", fromlist=["x"]).TrainJobConfig(
         index=a["index"], out=t / "o", init_model=_model_copy(a, t, _pickle_only)), "only pickle weight files"),
+    # issue 43 item 4: the refresh checks every stage's outside inputs before running the first
+    "refresh-corpus-without-valid-ads": lambda a, t: ("refresh", _refresh_with(a, t, ads=_bad_corpus(t), index={}),
+                                                      "no valid ads"),
+    "refresh-request-file-corrupt-inside": lambda a, t: ("refresh", _refresh_with(
+        a, t, targets=_requests_with_corrupt_pages(t)), "corrupt_requests.parquet: corrupt Parquet data"),
+    "refresh-pickle-only-model": lambda a, t: ("refresh", _refresh_with(a, t, model=_model_copy(a, t, _pickle_only)),
+                                               "only pickle weight files"),
     "refresh-ads-missing": lambda a, t: ("refresh", _refresh_job(a, t / "o").replace(
         index=_refresh_job(a, t / "o").index.replace(config=_refresh_job(a, t / "o").index.config.replace(
                        ads=t / "none.parquet"))), "not found"),
