@@ -25,7 +25,8 @@ from adbatch.index.clustering import Child, ClusterConfig, ClusterMethod, Hierar
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.index.corpus import Corpus, CorpusSchemaError, read_corpus
 from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
-from adbatch.index.build import IndexConfig, cluster_stable, stable_start, write_index
+from adbatch.index.build import IndexConfig, cluster_stable, load_tokenizer, stable_start, write_index
+from adbatch.index.ids import check_tokenizer
 from pipelines.ray_runtime import init_ray
 from pipelines.stage import StageContract
 
@@ -174,6 +175,10 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
     timer = StageTimer()
     with timer.phase("read"):
         corpus = read_checked_corpus(config)
+    # the sequences are rendered in this driver after the clustering: a tokenizer the scheme cannot use is
+    # refused now, not after Ray started and embedded (load_tokenizer is cached: render reuses this load)
+    tokenizer, tokenizer_name = load_tokenizer(cfg.tokenizer)
+    check_tokenizer(tokenizer, cfg.render, tokenizer_name)
     with claim_output(config.out, ArtifactKind.INDEX):
         start = stable_start(config.previous, corpus, cfg) if config.previous else None
         init_ray(config.num_cpus)
@@ -192,7 +197,8 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
                 hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
             else:
                 hierarchy = build_codes(emb, cfg.cluster)
-        manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra, stable=start)
+        manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, extra=extra, stable=start,
+                               tokenizer=tokenizer, tokenizer_name=tokenizer_name)
     return {
         "out": str(config.out),
         "index_hash": manifest["index_hash"],

@@ -805,6 +805,20 @@ def _compressed_with_flipped_byte(a, t):
     return d
 
 
+def _tokenizer_without_eos(a, t):
+    """The model's tokenizer (and config.json, which names a model folder) with its EOS token removed."""
+    import shutil
+
+    d = t / "tokenizer_without_eos"
+    d.mkdir()
+    for f in list(Path(a["model"]).glob("tokenizer*")) + [Path(a["model"]) / "config.json"]:
+        shutil.copy(f, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = None
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
 def _refresh_with(a, t, ads=None, index=INDEX_CFG, targets=None, model=None):
     from jobs.nightly_refresh import RefreshConfig
 
@@ -832,6 +846,10 @@ BEFORE_RAY = {
     "train-index-missing": lambda a, t: ("train", __import__("pipelines.train", fromlist=["x"]).TrainJobConfig(
         index=t / "none", out=t / "o"), "index folder not found"),
     "compress-calib-missing": lambda a, t: ("compress", _compress_job(a, t / "o").replace(calib=t / "none.txt"), "not found"),
+    # issue 43 item 10
+    "index-text-scheme-tokenizer-without-eos": lambda a, t: ("index", _index_job(a, t / "o", index={
+        **INDEX_CFG, "tokenizer": _tokenizer_without_eos(a, t), "render": {"scheme": "text"}}),
+        r"scheme 'text' ends every ad's sequence with an end-of-sequence token, and the tokenizer .* has none"),
     # issue 43 item 3: the model, checkpoint and index the actors would load, checked by the driver
     "generate-pickle-only-model": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", model=_model_copy(
         a, t, _pickle_only)), r"only pickle weight files \(pytorch_model.bin\)"),
@@ -874,6 +892,18 @@ def test_bad_input_is_refused_before_ray_starts(case, assets, tmp_path, no_ray):
         getattr(importlib.import_module(module), fn)(cfg)
     assert is_user_error(info.value)  # one line and exit 2 from the CLI
     assert not (tmp_path / "o").exists()
+
+
+def test_index_render_failure_leaves_no_staging_folder(assets, tmp_path):
+    """The library path (no driver check): rendering refuses the tokenizer before the staging folder exists."""
+    from adbatch.config import ConfigError
+    from adbatch.index.build import IndexConfig, build_index
+
+    out = tmp_path / "index"
+    cfg = IndexConfig.from_dict({**INDEX_CFG, "tokenizer": _tokenizer_without_eos(assets, tmp_path)})
+    with pytest.raises(ConfigError, match="has none"):
+        build_index(assets["corpus"], out, cfg, progress=False)
+    assert not (out / ".staging").exists()
 
 
 # --- a one-CPU Ray ------------------------------------------------------------------------------------

@@ -157,7 +157,6 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
     out.mkdir(parents=True, exist_ok=True)
     finish_interrupted_write(out)
     staging = out / STAGING_DIR
-    staging.mkdir()
     with timer.phase("render"):
         if tokenizer is None:
             tokenizer, tokenizer_name = load_tokenizer(config.tokenizer)
@@ -168,6 +167,8 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
                               keep_tokens=stable.special_tokens if stable else None)
     with timer.phase("trie"):
         trie = Trie.from_flat(rendered.token_flat, rendered.token_len)
+    # made only now: a render that fails (a tokenizer the scheme cannot use) leaves no half-made staging folder
+    staging.mkdir()
     with timer.phase("write"):
         ad_codes = _ad_codes_table(corpus, hierarchy, rendered)
         write_parquet_atomic(ad_codes, staging / AD_CODES_FILE)
