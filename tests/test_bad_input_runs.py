@@ -570,6 +570,11 @@ CLI_MISTAKES = {
                        "TargetSearchConfig.length_penalty: expected a finite number, got inf"),
     "float-inf-in-file": (lambda a, t: _gen_argv(a, t, "--config", _write(t, "c.toml", "[generate.targets]\nlength_penalty = -inf\n")),
                           "TargetSearchConfig.length_penalty: expected a finite number, got -inf"),
+    # issue 43 item 1, as reproduced: `generate --executor local` ran a tokenizer's custom code on a "y"
+    "generate-custom-code-model": (lambda a, t: _gen_argv(a, t, "--model", _model_copy(a, t, _declares_code),
+                                                          "--executor", "local", "--device", "cpu"),
+                                   "ships its own Python code (auto_map in config.json (modeling_evil.py)); adbatch "
+                                   "does not run it"),
     "requests-symlink-loop": (lambda a, t: ["generate", "--requests", _symlink_loop(t), "--out", str(t / "o"),
                                             "--index", str(a["index"])], "requests not found: "),
 }
