@@ -75,6 +75,44 @@ class OutputLockedError(ConfigError):
     """Another run is writing the same ``--out`` folder."""
 
 
+class ArtifactIntegrityError(ValueError):
+    """A file of an artifact differs from its manifest's sha256: damaged, edited or mixed with another run's."""
+
+
+class OutputWriteError(OSError):
+    """Writing an output folder failed: a full disk, a read-only file system, no permission. The message
+    names the folder and the errno; every write is atomic, so a re-run once the cause is fixed resumes
+    from the files that were complete."""
+
+
+def _within(path: Any, folder: Path) -> bool:
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return False
+    path, folder = os.path.abspath(os.fsdecode(path)), os.path.abspath(folder)
+    return path == folder or path.startswith(folder + os.sep)
+
+
+@contextlib.contextmanager
+def write_errors(folder: str | Path, only_within: bool = False) -> Iterator[None]:
+    """Re-raise an ``OSError`` of the block as :class:`OutputWriteError` naming ``folder`` and the errno.
+
+    ``only_within``: only errors about a file inside ``folder`` (a block that also reads inputs)."""
+    folder = Path(folder)
+    try:
+        yield
+    except OutputWriteError:
+        raise
+    except OSError as exc:
+        if only_within and not (_within(exc.filename, folder) or _within(exc.filename2, folder)):
+            raise
+        code = f"{errno.errorcode.get(exc.errno, '?')}, errno {exc.errno}" if exc.errno else "no errno"
+        err = OutputWriteError(f"cannot write {folder} ({code}: {exc.strerror or exc}"
+                               f"{f': {exc.filename}' if exc.filename and exc.strerror else ''}); fix the disk "
+                               "space or permissions and re-run (complete files are kept)")
+        err.errno = exc.errno
+        raise err from exc
+
+
 def file_mode() -> int:
     """The mode a plain ``open()`` gives a new file: ``0o666`` less this process's umask."""
     try:
@@ -131,18 +169,20 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
     (the temp name carries the writer's pid: ``.<name>.<pid>.<random>.tmp``).
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        os.chmod(tmp_path, file_mode())
-        os.replace(tmp_path, final)
-        remove_stale_temps(final)
-    finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
+    # the block only writes the temp file: any OSError here is a write error of the folder (one line)
+    with write_errors(final.parent):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=final.parent)
+        os.close(fd)
+        tmp_path = Path(tmp)
+        try:
+            yield tmp_path
+            os.chmod(tmp_path, file_mode())
+            os.replace(tmp_path, final)
+            remove_stale_temps(final)
+        finally:
+            if tmp_path.exists():
+                tmp_path.unlink()
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
@@ -247,13 +287,14 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
 
 def verify_outputs(directory: str | Path, manifest: dict[str, Any], names: Any = None) -> None:
     """Check files of an artifact against its manifest's ``outputs`` (relative path -> sha256): ``names``
-    (default: all listed). Raises FileNotFoundError for a missing file, ValueError for a changed one."""
+    (default: all listed). Raises FileNotFoundError for a missing file, :class:`ArtifactIntegrityError` (a
+    ValueError) for a changed one."""
     directory = Path(directory)
     listed = manifest.get("outputs") or {}
     for name in (listed if names is None else names):
         want, got = listed.get(name), sha256_file(directory / name)
         if want != got:
-            raise ValueError(f"{directory / name}: sha256 {got[:12]} does not match the manifest's "
+            raise ArtifactIntegrityError(f"{directory / name}: sha256 {got[:12]} does not match the manifest's "
                              f"{str(want)[:12]}; the artifact is damaged or mixed")
 
 
@@ -330,8 +371,9 @@ def output_lock(out: str | Path, kind: ArtifactKind) -> Iterator[Path]:
     text names the holder (pid, stage, host, start) for the refusal message; it is never removed
     (removing it could let two runs lock two different files)."""
     path = lock_path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    with write_errors(path.parent):  # a read-only file system or a parent folder without write permission
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -359,7 +401,10 @@ def claim_output(out: str | Path, kind: ArtifactKind, mark: bool = True) -> Iter
     replaces its whole folder at the end marks it after that). Yields ``out`` as a Path."""
     out = Path(out)
     with output_lock(out, kind):
-        check_output_owner(out, kind)
-        if mark:
-            mark_output(out, kind)
-        yield out
+        # an OSError about a file in the folder (a full disk, a read-only mount) is one line naming the
+        # folder, however the stage wrote it; the lock is released as the error leaves this block
+        with write_errors(out, only_within=True):
+            check_output_owner(out, kind)
+            if mark:
+                mark_output(out, kind)
+            yield out

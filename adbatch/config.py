@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import tomllib
 import types
@@ -26,6 +27,11 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 class ConfigError(ValueError):
     """A config value is missing, of the wrong type, or out of range."""
+
+
+#: the integers a config may hold: every count, size and seed ends up in an int64 somewhere (numpy,
+#: pyarrow, torch), so a larger one would fail later as an OverflowError deep inside a stage
+INT_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclasses.dataclass
@@ -139,9 +145,16 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             if hint is int and isinstance(value, float) and not value.is_integer():
                 raise ConfigError(f"{where}: expected int, got {value!r}")
             try:
-                return hint(value)
-            except (TypeError, ValueError):
+                out = hint(value)
+            except (TypeError, ValueError, OverflowError):
                 raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}") from None
+            # a NaN or infinity passes every `x < lo` range check of a validate() and poisons the results
+            # (a NaN length penalty made every score NaN); an int beyond int64 overflows deep in a stage
+            if hint is float and not math.isfinite(out):
+                raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+            if hint is int and not INT_RANGE[0] <= out <= INT_RANGE[1]:
+                raise ConfigError(f"{where}: {value!r} is out of range (a config integer must fit in 64 bits)")
+            return out
     if origin in (tuple, list) and not isinstance(value, (list, tuple)):
         raise ConfigError(f"{where}: expected a list, got {value!r}")
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
@@ -163,13 +176,19 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".toml":
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
+        try:
+            with path.open("rb") as fh:
+                return tomllib.load(fh)
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
     if suffix in (".yaml", ".yml"):
         import yaml
 
-        with path.open() as fh:
-            data = yaml.safe_load(fh) or {}
+        try:
+            with path.open() as fh:
+                data = yaml.safe_load(fh) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:  # ParserError, ScannerError, ...: all YAMLErrors
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
         return data

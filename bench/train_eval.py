@@ -417,7 +417,7 @@ def load_base(model_src: str | None, smoke: bool, device: str) -> tuple[Any, Any
 
         from adbatch.models import resolve_model
 
-        tok = AutoTokenizer.from_pretrained(resolve_model(model_src), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(resolve_model(model_src), local_files_only=True, trust_remote_code=False)
         torch.manual_seed(0)
         cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,

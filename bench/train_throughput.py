@@ -134,13 +134,13 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
         from adbatch.models import resolve_model
 
         cfg_dir = args.config_dir or resolve_model()
-        tok = AutoTokenizer.from_pretrained(cfg_dir, local_files_only=True)
-        cfg = AutoConfig.from_pretrained(cfg_dir, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(cfg_dir, local_files_only=True, trust_remote_code=False)
+        cfg = AutoConfig.from_pretrained(cfg_dir, local_files_only=True, trust_remote_code=False)
         if args.smoke:  # a tiny model of the same architecture and vocabulary: the plumbing, on CPU
             cfg.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "head_dim": 16})
         torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32, trust_remote_code=False)
         what = f"random-init {cfg.model_type} from {cfg_dir}" + (" (smoke: tiny)" if args.smoke else "")
     else:
         from adbatch.models import load_causal_lm

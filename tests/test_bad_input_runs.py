@@ -501,6 +501,16 @@ def _write(tmp_path, name, text):
     return str(p)
 
 
+def _symlink_loop(tmp_path):
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    return str(tmp_path / "loop_a")
+
+
+def _gen_argv(a, t, *extra):
+    return ["generate", "--requests", str(a["requests"]), "--out", str(t / "o"), "--index", str(a["index"]), *extra]
+
+
 CLI_MISTAKES = {
     "unknown-key-in-file": (lambda a, t: ["generate", "--config", _write(t, "c.toml", "[generate]\nbogus = 1\n")],
                             "unknown field(s) ['bogus']"),
@@ -544,6 +554,29 @@ CLI_MISTAKES = {
     "refresh-unknown-force": (lambda a, t: ["refresh", "--force", "everything"], "RefreshConfig.force: unknown stage"),
     "refresh-ads-missing": (lambda a, t: ["refresh", "--work", str(t / "w"), "--index.config.ads", str(t / "none.parquet")],
                             "RefreshConfig.index.config.ads"),
+    # issue 43 items 5-8
+    "toml-malformed": (lambda a, t: ["generate", "--config", _write(t, "c.toml", "[generate\nbatch_size = 4\n")],
+                       "c.toml: not valid TOML"),
+    "yaml-malformed": (lambda a, t: ["index", "--config", _write(t, "c.yaml", "index: [1, 2\nout: x\n")],
+                       "c.yaml: not valid YAML"),
+    "int-beyond-int64-in-file": (lambda a, t: _gen_argv(a, t, "--config", _write(
+        t, "c.toml", "[generate]\npartition_size = 99999999999999999999\n")),
+        "GenerateJobConfig.partition_size: 99999999999999999999 is out of range"),
+    "int-beyond-int64-flag": (lambda a, t: ["index", "--ads", str(a["corpus"]), "--out", str(t / "o"),
+                                            "--index.cluster.seed", str(2**64)], "ClusterConfig.seed: 18446744073709551616 is out of range"),
+    "float-nan-flag": (lambda a, t: _gen_argv(a, t, "--targets.length-penalty", "nan"),
+                       "TargetSearchConfig.length_penalty: expected a finite number, got nan"),
+    "float-inf-flag": (lambda a, t: _gen_argv(a, t, "--targets.length-penalty", "inf"),
+                       "TargetSearchConfig.length_penalty: expected a finite number, got inf"),
+    "float-inf-in-file": (lambda a, t: _gen_argv(a, t, "--config", _write(t, "c.toml", "[generate.targets]\nlength_penalty = -inf\n")),
+                          "TargetSearchConfig.length_penalty: expected a finite number, got -inf"),
+    # issue 43 item 1, as reproduced: `generate --executor local` ran a tokenizer's custom code on a "y"
+    "generate-custom-code-model": (lambda a, t: _gen_argv(a, t, "--model", _model_copy(a, t, _declares_code),
+                                                          "--executor", "local", "--device", "cpu"),
+                                   "ships its own Python code (auto_map in config.json (modeling_evil.py)); adbatch "
+                                   "does not run it"),
+    "requests-symlink-loop": (lambda a, t: ["generate", "--requests", _symlink_loop(t), "--out", str(t / "o"),
+                                            "--index", str(a["index"])], "requests not found: "),
 }
 
 
@@ -629,11 +662,187 @@ def test_entry_point_exit_status_2_and_one_line(script, assets, tmp_path):
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr and expected in debug.stderr
 
 
+# --- I/O errors while writing: one line, the folder and the errno, the lock released (issue 43 items 2, 9) ---
+DISK_FULL = '''
+import errno, os, sys
+import pyarrow.parquet as pq
+_real_write = pq.write_table
+def _full(table, where, *a, **k):  # the disk fills up as partition 1's answers are written
+    if "/targets/" in os.fspath(where) and "part-00001" in os.fspath(where):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _real_write(table, where, *a, **k)
+pq.write_table = _full
+from jobs.cli import main
+sys.exit(main(ARGV))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_generate_on_a_full_disk_ends_at_once_with_one_line_and_frees_the_folder(assets, ray1, tmp_path):
+    """ENOSPC while a partition is committed, with the Ray pipeline mid-flight: the driver printed the
+    traceback and never exited (Ray Data's threads), holding the lock. Now: exit 2 well within the bound,
+    one line naming the folder and the errno; the next run takes the folder at once and resumes exactly."""
+    from pipelines.generate import run_generate
+
+    out = tmp_path / "gen"
+    req = target_requests(tmp_path / "r.parquet", n=40)
+    argv = ["generate", "--requests", str(req), "--index", str(assets["index"]), "--model", str(assets["model"]),
+            "--out", str(out), "--batch-size", "4", "--partition-size", "4", "--device", "cpu", "--progress", "false",
+            *[x for k, v in SEARCH.items() for x in (f"--targets.{k.replace('_', '-')}", str(v))]]
+    proc = subprocess.run([sys.executable, "-c", f"ARGV = {argv!r}\n" + DISK_FULL], capture_output=True, text=True,
+                          env=_env(RAY_ADDRESS=ray1.get_runtime_context().gcs_address), timeout=SUBPROCESS_TIMEOUT,
+                          cwd=REPO)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("adbatch generate: error: ")]
+    assert proc.returncode == 2 and len(ours) == 1, proc.stderr[-3000:]
+    assert f"cannot write {out}" in ours[0] and "ENOSPC, errno 28" in ours[0] and "Traceback" not in proc.stderr
+    assert (out / "_progress" / "part-00000.json").is_file() and not (out / "targets" / "part-00001.parquet").exists()
+    res = run_generate(_generate_job(assets, out, requests=req))  # the lock is free; the same run resumes
+    assert res["counts"]["partitions_skipped"] == 1 and res["counts"]["answered"] == 40
+    _rows_check(res, out)
+
+
+@pytest.fixture
+def read_only(tmp_path, monkeypatch):
+    """``tmp_path/ro``: a folder that refuses every write as a read-only mount does (EROFS)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def refuse(path):
+        if os.path.abspath(os.fsdecode(path)).startswith(str(ro) + os.sep):
+            raise OSError(30, os.strerror(30), os.fsdecode(path))
+
+    def ro_open(path, flags, *a, **k):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse(path)
+        return real_open(path, flags, *a, **k)
+
+    def ro_mkdir(path, *a, **k):
+        if os.path.isdir(path):  # what Linux answers first on a read-only mount too
+            raise FileExistsError(17, os.strerror(17), os.fsdecode(path))
+        refuse(path)
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", ro_open)
+    monkeypatch.setattr(os, "mkdir", ro_mkdir)
+    return ro
+
+
+@pytest.mark.parametrize("stage", ["index", "generate"])
+def test_out_on_a_read_only_file_system_is_one_line(stage, assets, read_only, capsys, no_ray):
+    from jobs.cli import main
+
+    out = read_only / "out"
+    argv = (["index", "--ads", str(assets["corpus"]), "--index.columns.embedding", "vec"] if stage == "index" else
+            ["generate", "--requests", str(assets["requests"]), "--index", str(assets["index"]), "--model",
+             str(assets["model"]), "--executor", "local", "--device", "cpu"])
+    assert main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"adbatch {stage}: error: cannot write {read_only} (EROFS, errno 30"), err
+
+
 # --- inputs are checked before Ray starts -----------------------------------------------------------
 def _bad_corpus(t):
     p = t / "bad_ads.parquet"
     pq.write_table(pa.table({"ad_id": ["a", "b"], "title": ["", None]}), p)
     return p
+
+
+def _model_copy(a, t, mutate):
+    import shutil
+
+    d = t / "model_copy"
+    shutil.copytree(a["model"], d)
+    mutate(d)
+    return str(d)
+
+
+def _pickle_only(d):
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(d / "model.safetensors")), d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+
+
+def _declares_code(d):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "modeling_evil.py").write_text("raise SystemExit('custom code ran')\n")
+
+
+def _smaller_vocab(d):
+    """The same tokenizer, a model of 1000 token embeddings: the trie's token ids go beyond it."""
+    from conftest import make_tiny_llama
+
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    make_tiny_llama(vocab_size=1000, hidden=32, intermediate=64, heads=2, kv_heads=1).save_pretrained(d)
+
+
+def _damaged_trie(a, t):
+    import shutil
+
+    d = t / "index_copy"
+    shutil.copytree(a["index"], d)
+    trie = d / "trie.safetensors"
+    data = bytearray(trie.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 16] = b"\xff" * 16
+    trie.write_bytes(bytes(data))
+    return d
+
+
+def _compressed_with_flipped_byte(a, t):
+    from transformers import AutoTokenizer
+
+    from adbatch.compress import CompressConfig, compress_, save_compressed
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama(vocab_size=1000, hidden=32, intermediate=64, heads=2, kv_heads=1)
+    recipe = compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", group_policy="uniform"))
+    d = t / "compressed"
+    save_compressed(model, AutoTokenizer.from_pretrained(a["model"], trust_remote_code=False), recipe, d)
+    shard = next(d.glob("packed-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[int(len(data) * 0.75)] ^= 0x01
+    shard.write_bytes(bytes(data))
+    return d
+
+
+def _tokenizer_without_eos(a, t):
+    """The model's tokenizer (and config.json, which names a model folder) with its EOS token removed."""
+    import shutil
+
+    d = t / "tokenizer_without_eos"
+    d.mkdir()
+    for f in list(Path(a["model"]).glob("tokenizer*")) + [Path(a["model"]) / "config.json"]:
+        shutil.copy(f, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = None
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def _refresh_with(a, t, ads=None, index=INDEX_CFG, targets=None, model=None):
+    from jobs.nightly_refresh import RefreshConfig
+
+    return RefreshConfig.from_dict({
+        "work": str(t / "o"), "model": model or str(a["model"]), "num_cpus": 1,
+        "index": {"config": {"ads": str(ads or a["corpus"]), "index": index}, "stable_ids": False},
+        "train": {"enabled": False}, "compress": {"enabled": False}, "eval": {"enabled": False},
+        "generate": {"targets_requests": None if targets is None else str(targets), "creatives_requests": None}})
+
+
+def _requests_with_corrupt_pages(t):
+    """Bytes flipped in the middle of the data pages; the footer (the schema) stays readable."""
+    path = target_requests(t / "corrupt_requests.parquet", n=3000)
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    pq.read_schema(path)
+    return path
 
 
 BEFORE_RAY = {
@@ -642,6 +851,33 @@ BEFORE_RAY = {
     "train-index-missing": lambda a, t: ("train", __import__("pipelines.train", fromlist=["x"]).TrainJobConfig(
         index=t / "none", out=t / "o"), "index folder not found"),
     "compress-calib-missing": lambda a, t: ("compress", _compress_job(a, t / "o").replace(calib=t / "none.txt"), "not found"),
+    # issue 43 item 10
+    "index-text-scheme-tokenizer-without-eos": lambda a, t: ("index", _index_job(a, t / "o", index={
+        **INDEX_CFG, "tokenizer": _tokenizer_without_eos(a, t), "render": {"scheme": "text"}}),
+        r"scheme 'text' ends every ad's sequence with an end-of-sequence token, and the tokenizer .* has none"),
+    # issue 43 item 3: the model, checkpoint and index the actors would load, checked by the driver
+    "generate-pickle-only-model": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", model=_model_copy(
+        a, t, _pickle_only)), r"only pickle weight files \(pytorch_model.bin\)"),
+    "generate-custom-code-model": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", model=_model_copy(
+        a, t, _declares_code)), r"ships its own Python code \(auto_map in config.json \(modeling_evil.py\)\)"),
+    "generate-model-vocab-below-the-trie": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", model=_model_copy(
+        a, t, _smaller_vocab)), "has a vocabulary of 1000 tokens but index .* trie uses token ids up to"),
+    "generate-trie-overwritten": lambda a, t: ("generate", _generate_job(a, t / "o", executor="ray", index=_damaged_trie(a, t)),
+                                               r"trie.safetensors: sha256 \w+ does not match the manifest"),
+    "generate-compressed-byte-flipped": lambda a, t: ("generate", _generate_job(
+        a, t / "o", executor="ray", model=None, compressed=_compressed_with_flipped_byte(a, t)),
+        r"packed-00000.safetensors: sha256 .* \(file was modified\)"),
+    "compress-custom-code-model": lambda a, t: ("compress", _compress_job(a, t / "o").replace(
+        model=_model_copy(a, t, _declares_code), use_ray=True), "ships its own Python code"),
+    "train-pickle-only-init-model": lambda a, t: ("train", __import__("pipelines.train", fromlist=["x"]).TrainJobConfig(
+        index=a["index"], out=t / "o", init_model=_model_copy(a, t, _pickle_only)), "only pickle weight files"),
+    # issue 43 item 4: the refresh checks every stage's outside inputs before running the first
+    "refresh-corpus-without-valid-ads": lambda a, t: ("refresh", _refresh_with(a, t, ads=_bad_corpus(t), index={}),
+                                                      "no valid ads"),
+    "refresh-request-file-corrupt-inside": lambda a, t: ("refresh", _refresh_with(
+        a, t, targets=_requests_with_corrupt_pages(t)), "corrupt_requests.parquet: corrupt Parquet data"),
+    "refresh-pickle-only-model": lambda a, t: ("refresh", _refresh_with(a, t, model=_model_copy(a, t, _pickle_only)),
+                                               "only pickle weight files"),
     "refresh-ads-missing": lambda a, t: ("refresh", _refresh_job(a, t / "o").replace(
         index=_refresh_job(a, t / "o").index.replace(config=_refresh_job(a, t / "o").index.config.replace(
                        ads=t / "none.parquet"))), "not found"),
@@ -650,14 +886,29 @@ BEFORE_RAY = {
 
 @pytest.mark.parametrize("case", sorted(BEFORE_RAY))
 def test_bad_input_is_refused_before_ray_starts(case, assets, tmp_path, no_ray):
+    from jobs.config_cli import is_user_error
+
     stage, cfg, expected = BEFORE_RAY[case](assets, tmp_path)
     runner = {"index": "pipelines.index:run_index", "generate": "pipelines.generate:run_generate",
               "train": "pipelines.train:run_train", "compress": "pipelines.compress:run_compress",
               "refresh": "jobs.nightly_refresh:run_refresh"}[stage]
     module, fn = runner.split(":")
-    with pytest.raises((ValueError, FileNotFoundError), match=expected):
+    with pytest.raises((ValueError, FileNotFoundError), match=expected) as info:
         getattr(importlib.import_module(module), fn)(cfg)
+    assert is_user_error(info.value)  # one line and exit 2 from the CLI
     assert not (tmp_path / "o").exists()
+
+
+def test_index_render_failure_leaves_no_staging_folder(assets, tmp_path):
+    """The library path (no driver check): rendering refuses the tokenizer before the staging folder exists."""
+    from adbatch.config import ConfigError
+    from adbatch.index.build import IndexConfig, build_index
+
+    out = tmp_path / "index"
+    cfg = IndexConfig.from_dict({**INDEX_CFG, "tokenizer": _tokenizer_without_eos(assets, tmp_path)})
+    with pytest.raises(ConfigError, match="has none"):
+        build_index(assets["corpus"], out, cfg, progress=False)
+    assert not (out / ".staging").exists()
 
 
 # --- a one-CPU Ray ------------------------------------------------------------------------------------

@@ -366,6 +366,9 @@ from adbatch.serving.requests import GenerateTask, RequestValidationConfig, vali
 v = validate_requests({str(req)!r}, GenerateTask.TARGETS, RequestValidationConfig())
 spec = ModelSpec(model={str(assets["model"])!r})
 spec.identity()
+spec.check()
+from adbatch.artifacts import verify_outputs
+verify_outputs({str(assets["index"])!r}, read_manifest({str(assets["index"])!r}))
 check_model_index(spec, {str(assets["index"])!r}, read_manifest({str(assets["index"])!r}))
 assert v.accepted.num_rows == 3
 print(sorted(m for m in ("torch", "transformers", "triton") if m in sys.modules))

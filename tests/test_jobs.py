@@ -212,37 +212,52 @@ def test_ray_job_submit_batch_generate(ray_head, assets, tmp_path):
     assert time.time() - t0 < 600
 
 
-def test_train_job_passes_absolute_paths_to_the_workers(tmp_path, monkeypatch):
-    """A relative --init-model is found by the driver but not by Ray Train's workers (another cwd):
-    run_train hands the workers absolute paths, the starting model included."""
+class _StopFit(Exception):
+    pass
+
+
+@pytest.fixture
+def fake_ray_train(monkeypatch):
+    """run_train up to Ray Train without Ray: init_ray does nothing, no GPU is asked about (that reads the
+    running cluster), and the trainer records the job it is handed and stops. Yields that record. The test
+    using it passed only after an earlier test had started Ray ("Ray has not been started yet" alone)."""
     import ray.train.torch
 
     import pipelines.ray_runtime
+    import pipelines.train
+
+    seen = {}
+
+    class FakeTrainer:
+        def __init__(self, fn, train_loop_config, **kwargs):
+            seen.clear()
+            seen.update(train_loop_config["job"].to_dict())
+
+        def fit(self):
+            raise _StopFit
+
+    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(pipelines.train, "resolve_use_gpu", lambda use_gpu, num_workers: bool(use_gpu))
+    monkeypatch.setattr(ray.train.torch, "TorchTrainer", FakeTrainer)
+    return seen
+
+
+def test_train_job_passes_absolute_paths_to_the_workers(tmp_path, monkeypatch, fake_ray_train):
+    """A relative --init-model is found by the driver but not by Ray Train's workers (another cwd):
+    run_train hands the workers absolute paths, the starting model included."""
+    from conftest import make_tiny_llama
     from pipelines.train import TrainJobConfig, run_train
 
     (tmp_path / "index").mkdir()
     (tmp_path / "index" / "manifest.json").write_text('{"stage": "index"}')  # what run_train checks first
-    (tmp_path / "base").mkdir()
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    class FakeTrainer:
-        def __init__(self, fn, train_loop_config, **kwargs):
-            seen.update(train_loop_config["job"].to_dict())
-
-        def fit(self):
-            raise Stop
-
-    monkeypatch.setattr(pipelines.ray_runtime, "init_ray", lambda *a, **k: None)
-    monkeypatch.setattr(ray.train.torch, "TorchTrainer", FakeTrainer)
+    make_tiny_llama(vocab_size=32).save_pretrained(tmp_path / "base")  # the driver checks the model folder
+    seen = fake_ray_train
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(Stop):
+    with pytest.raises(_StopFit):
         run_train(TrainJobConfig(index=Path("index"), out=Path("model"), init_model="base"))
     assert seen["init_model"] == str(tmp_path.resolve() / "base")
     assert seen["index"] == str(tmp_path.resolve() / "index")
-    with pytest.raises(Stop):
+    with pytest.raises(_StopFit):
         run_train(TrainJobConfig(index=Path("index"), out=Path("model"), init_model="default"))
     assert seen["init_model"] == "default"
 

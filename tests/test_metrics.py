@@ -85,3 +85,31 @@ def test_evaluate_targeting_with_embedding_ranker_exact():
         assert out["queries"] == 3.0  # q3 has no relevant ad (grade 2 < 2.67)
         assert out["recall@1"] == pytest.approx(2 / 3)
         assert out["queries_per_s"] > 0
+
+
+@pytest.mark.parametrize("ours, theirs", [([7, 8], {"7": 3.0}), (["7", "8"], {7: 3.0})], ids=["int-vs-str", "str-vs-int"])
+def test_ids_of_another_type_than_the_qrels_are_an_error_not_a_zero(ours, theirs):
+    """Issue 43: int ranker ids against str qrels ids scored recall 0.0 without a word."""
+    qrels = {"drill": theirs}
+    with pytest.raises(ValueError, match=r"ranker's ad ids are (int|str) .* but the qrels' are (int|str)"):
+        evaluate_targeting(lambda batch: [ours for _ in batch], qrels)
+    with pytest.raises(ValueError, match="no id can match"):
+        ranking_metrics({"drill": ours}, qrels)
+
+
+def test_id_kinds_that_compare_equal_are_accepted():
+    """numpy and Python integers compare equal (as dict keys too); -1 / None padding is not an id."""
+    import numpy as np
+
+    qrels = {"drill": {7: 3.0}}
+    out = evaluate_targeting(lambda batch: [[np.int64(7), -1] for _ in batch], qrels)
+    assert out["recall@1"] == 1.0
+    assert evaluate_targeting(lambda batch: [[-1] for _ in batch], {"drill": {"a7": 3.0}})["recall@1"] == 0.0
+
+
+def test_minilm_baseline_checks_id_types_before_embedding(monkeypatch):
+    import adbatch.eval.targeting as targeting
+
+    monkeypatch.setattr(targeting, "load_minilm", lambda **k: pytest.fail("embedded before checking the ids"))
+    with pytest.raises(ValueError, match="catalogue's ad ids are int"):
+        targeting.minilm_faiss_baseline([1, 2], ["a drill", "a saw"], {"drill": {"1": 3.0}})

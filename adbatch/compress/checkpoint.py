@@ -31,7 +31,7 @@ from torch import nn
 from adbatch.artifacts import atomic_path, build_manifest, read_manifest, sha256_file, write_json_atomic
 from adbatch.compress.linear import CompressedLinear, _set_module
 from adbatch.compress.recipe import CompressionRecipe
-from adbatch.models import serving_dtype
+from adbatch.models import refuse_custom_code, serving_dtype
 from kernels.nm_int4 import PackedNMInt4
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,9 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{d}/manifest.json: format {manifest.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     if not isinstance(manifest.get("shards"), dict) or not isinstance(manifest.get("outputs"), dict):
         raise CheckpointError(f"{d}/manifest.json: no 'shards' / 'outputs' tables: not a compressed checkpoint manifest")
+    # hashes listed by the manifest prove only that the files are the ones it was written with, not who
+    # wrote it: a config.json / tokenizer_config.json declaring custom code is refused all the same
+    refuse_custom_code(d)
     for name, info in manifest["shards"].items():
         path = d / name
         if not path.is_file():
@@ -224,8 +227,8 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
     recipe = CompressionRecipe.from_dict(json.loads((d / RECIPE_NAME).read_text()))
     if dtype is None:
         dtype = serving_dtype(device)
-    hf_config = AutoConfig.from_pretrained(d, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    hf_config = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=False)
     tensors: dict[str, torch.Tensor] = {}
     for name, info in manifest["shards"].items():
         tensors.update(_load_shard(d / name, info))
@@ -273,7 +276,7 @@ def load_compressed(directory: str | Path, device: str | torch.device = "cpu",
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(d, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(device)

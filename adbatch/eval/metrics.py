@@ -20,6 +20,7 @@ Queries with no relevant ad are skipped by the batch helper (their recall is und
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Mapping, Sequence
 
@@ -89,6 +90,31 @@ class RankingReport:
     num_skipped: int
 
 
+def _id_kind(ad_id: Any) -> str:
+    """What an id compares as: every integer type (Python, numpy) equals the others, never a string."""
+    if isinstance(ad_id, numbers.Integral):
+        return "int"
+    return type(ad_id).__name__
+
+
+def check_id_kinds(ad_ids: Iterable[Any], qrels: Mapping[str, Mapping[Hashable, float]], ranker: str = "ranker") -> None:
+    """Refuse ranked ad ids and qrels ids of disjoint kinds (int vs str): ``7 != "7"``, so every query would
+    score 0 with no word of why. Raises ``ValueError`` naming both kinds and an example of each."""
+    ours: dict[str, Any] = {}
+    for a in ad_ids:
+        if not (a is None or (isinstance(a, int) and a == -1)):  # padding, as _clean reads it
+            ours.setdefault(_id_kind(a), a)
+    theirs: dict[str, Any] = {}
+    for grades in qrels.values():
+        for a in grades:
+            theirs.setdefault(_id_kind(a), a)
+    if ours and theirs and not set(ours) & set(theirs):
+        raise ValueError(
+            f"the {ranker}'s ad ids are {'/'.join(sorted(ours))} (e.g. {next(iter(ours.values()))!r}) but the qrels' "
+            f"are {'/'.join(sorted(theirs))} (e.g. {next(iter(theirs.values()))!r}): no id can match, every query "
+            "would score 0; convert one side (e.g. str(ad_id)) so both use the catalogue's ids")
+
+
 def ranking_metrics(
     ranked_lists: Mapping[str, Sequence[Any]],
     qrels: Mapping[str, Mapping[Hashable, float]],
@@ -102,6 +128,7 @@ def ranking_metrics(
     ``ranked_lists`` is an error (a ranker that drops a query must not look better). Names:
     ``recall@k``, ``success@k``, ``mrr@k``, ``ndcg@k``.
     """
+    check_id_kinds((a for lst in ranked_lists.values() for a in lst), qrels)
     sums: dict[str, float] = {}
     n = skipped = 0
     for query, grades in qrels.items():

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
-from adbatch.eval.metrics import HOME_DEPOT_RELEVANT, ranking_metrics
+from adbatch.eval.metrics import HOME_DEPOT_RELEVANT, check_id_kinds, ranking_metrics
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ def evaluate_targeting(
         seconds += time.perf_counter() - t0
         if len(lists) != len(batch):
             raise ValueError(f"ranker returned {len(lists)} lists for {len(batch)} queries")
+        if start == 0:  # ids of another type than the qrels' never match: said after one batch, not at the end
+            check_id_kinds((a for lst in lists for a in lst), qrels)
         ranked.update(zip(batch, lists))
     report = ranking_metrics(ranked, {q: qrels[q] for q in queries}, ks=ks, relevant_threshold=relevant_threshold)
     out = dict(report.metrics)
@@ -110,7 +112,7 @@ def load_minilm(model_path: str | Path | None = None, device: str = "cpu") -> An
     from adbatch.index.embeddings import default_embedding_model_dir
 
     return SentenceTransformer(str(model_path or default_embedding_model_dir()), device=device,
-                               local_files_only=True)
+                               local_files_only=True, trust_remote_code=False)
 
 
 def embed_texts(encoder: Any, texts: list[str], batch_size: int = 256) -> Any:
@@ -174,6 +176,7 @@ def minilm_faiss_baseline(ad_ids: Sequence[Hashable], titles: list[str], qrels: 
 
     The returned dict adds ``index_seconds`` (catalogue embedding + index build).
     """
+    check_id_kinds(ad_ids, qrels, "catalogue")  # up front: before the catalogue is embedded
     encoder = load_minilm(device=device)
     t0 = time.perf_counter()
     emb = embed_texts(encoder, titles) if ad_embeddings is None else ad_embeddings

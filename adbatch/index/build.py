@@ -136,10 +136,11 @@ def load_tokenizer(name: str | None) -> tuple[Any, str]:
     """
     from transformers import AutoTokenizer
 
-    from adbatch.models import resolve_model
+    from adbatch.models import refuse_custom_code, resolve_model
 
     folder = resolve_model(name)
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True), str(folder)
+    refuse_custom_code(folder)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False), str(folder)
 
 
 def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True) -> np.ndarray:
@@ -171,7 +172,6 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
     out.mkdir(parents=True, exist_ok=True)
     finish_interrupted_write(out)
     staging = out / STAGING_DIR
-    staging.mkdir()
     with timer.phase("render"):
         if tokenizer is None:
             tokenizer, tokenizer_name = load_tokenizer(config.tokenizer)
@@ -182,6 +182,8 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
                               keep_tokens=stable.special_tokens if stable else None)
     with timer.phase("trie"):
         trie = Trie.from_flat(rendered.token_flat, rendered.token_len)
+    # made only now: a render that fails (a tokenizer the scheme cannot use) leaves no half-made staging folder
+    staging.mkdir()
     with timer.phase("write"):
         ad_codes = _ad_codes_table(corpus, hierarchy, rendered)
         write_parquet_atomic(ad_codes, staging / AD_CODES_FILE)

@@ -63,9 +63,12 @@ def load_embedder(config: EmbeddingConfig | None = None) -> Any:
     """A ``SentenceTransformer`` on CPU for ``config.model`` (default: packaged MiniLM)."""
     from sentence_transformers import SentenceTransformer
 
+    from adbatch.models import refuse_custom_code
+
     cfg = config or EmbeddingConfig()
     folder = Path(cfg.model) if cfg.model else default_embedding_model_dir()
-    model = SentenceTransformer(str(folder), device="cpu", local_files_only=True)
+    refuse_custom_code(folder)
+    model = SentenceTransformer(str(folder), device="cpu", local_files_only=True, trust_remote_code=False)
     model.max_seq_length = cfg.max_seq_length
     return model
 

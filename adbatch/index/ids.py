@@ -87,6 +87,15 @@ class RenderConfig(ConfigBase):
                 raise ConfigError(f"RenderConfig.{name}: must be >= 1")
 
 
+def check_tokenizer(tokenizer: Any, config: RenderConfig, name: str | None = None) -> None:
+    """Refuse a tokenizer the scheme cannot render with: the text scheme ends every sequence with the
+    tokenizer's end-of-sequence token. A driver calls it before Ray starts; rendering calls it too."""
+    if config.scheme is IdScheme.TEXT and tokenizer.eos_token_id is None:
+        raise ConfigError(f"IndexConfig.render.scheme 'text' ends every ad's sequence with an end-of-sequence "
+                          f"token, and the tokenizer {name or type(tokenizer).__name__} has none: use "
+                          "render.scheme 'codes' or a tokenizer with an EOS token")
+
+
 @dataclasses.dataclass
 class RenderedIds:
     """Token sequences of every ad row.
@@ -443,9 +452,8 @@ def cluster_labels(node_of: list[np.ndarray], paths: list[np.ndarray], parents: 
 
 def _render_text(h: Hierarchy, texts: list[str], tokenizer: Any, cfg: RenderConfig,
                  label_texts: list[str], fixed_labels: Mapping[tuple[int, ...], str]) -> RenderedIds:
+    check_tokenizer(tokenizer, cfg)
     eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("the text scheme needs a tokenizer with an EOS token")
     node_of, paths, parents = _cluster_nodes(h)
     labels = cluster_labels(node_of, paths, parents, label_texts, cfg.label_terms,
                             cfg.max_label_vocab, fixed_labels)

@@ -114,6 +114,25 @@ class ModelSpec:
         return {"kind": self.kind.value, "source": self.compressed or self.model or "default",
                 "folder": str(folder), "sha256": digest}
 
+    def check(self) -> None:
+        """What can be checked of the model without loading it, so a driver refuses a bad one before Ray
+        starts (the actors load it): a checkpoint's shards and side files against its manifest, a dense
+        folder's weight format, custom code and file headers (:func:`adbatch.models.check_model_folder`)."""
+        if self.kind is ModelKind.COMPRESSED:
+            from adbatch.compress.checkpoint import verify_checkpoint
+
+            verify_checkpoint(self.compressed)
+        else:
+            from adbatch.models import check_model_folder
+
+            check_model_folder(self.folder())
+
+    def vocab_size(self) -> int | None:
+        """``vocab_size`` of the model's config.json (None when it names none)."""
+        cfg = json.loads((self.folder() / "config.json").read_text())
+        size = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
+        return None if size is None else int(size)
+
     def training_record(self) -> dict[str, Any] | None:
         """The ``adbatch_training.json`` binding this model to an index, if it has one."""
         from adbatch.training.checkpoint import read_training_record
@@ -137,7 +156,8 @@ def check_model_index(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[
     model's training record and tokenizer (no weights), so a driver can check before any index or
     model is loaded. An untrained model over a ``codes`` index cannot emit the code tokens at all, so it
     is refused with a message saying what to do; a model whose tokenizer is not the one the index's
-    token ids were built with is refused (:func:`check_model_tokenizer`).
+    token ids were built with is refused (:func:`check_model_tokenizer`), and one whose vocabulary is
+    smaller than the trie's token ids (:func:`check_model_vocab`).
     """
     from adbatch.training.checkpoint import IndexMismatchError, check_binding
 
@@ -150,12 +170,34 @@ def check_model_index(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[
                 f"uses the 'codes' scheme (special tokens it cannot emit): train it first "
                 f"(adbatch train) or use a 'text' index")
         check_model_tokenizer(spec, index_dir, manifest)
+        check_model_vocab(spec, index_dir, manifest)
         log.warning("model %s is untrained (zero-shot) over text index %s; expect low recall",
                     spec.folder(), str(want)[:12])
         return None
     check_binding(record, want, f"model {spec.folder()} (decoding index {index_dir})")
     check_model_tokenizer(spec, index_dir, manifest)
+    check_model_vocab(spec, index_dir, manifest)
     return record
+
+
+def check_model_vocab(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[str, Any]) -> None:
+    """Refuse a model whose vocabulary is smaller than the token ids of the index's trie (the search would
+    fail in every actor). Reads the trie file's header and the model's config.json only (no torch)."""
+    from safetensors import safe_open
+
+    from adbatch.artifacts import ArtifactIntegrityError
+    from adbatch.training.checkpoint import IndexMismatchError
+
+    trie_file = Path(index_dir) / manifest.get("trie_file", "trie.safetensors")
+    try:
+        with safe_open(str(trie_file), framework="numpy") as fh:
+            bound = int(fh.metadata()["vocab_upper_bound"])
+    except Exception as exc:  # safetensors raises its own SafetensorError (not an OSError); KeyError
+        raise ArtifactIntegrityError(f"{trie_file}: not a readable trie header ({exc})") from None
+    vocab = spec.vocab_size()
+    if vocab is not None and vocab < bound:
+        raise IndexMismatchError(f"model {spec.folder()} has a vocabulary of {vocab} tokens but index {index_dir}'s "
+                                 f"trie uses token ids up to {bound - 1}: it was built for another model")
 
 
 def check_model_tokenizer(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[str, Any]) -> None:
