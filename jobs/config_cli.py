@@ -128,6 +128,7 @@ USER_ERROR_TYPES = (
     ("adbatch.artifacts", "OutputWriteError"),  # a full disk, a read-only --out: the user's to fix
     ("adbatch.artifacts", "ArtifactIntegrityError"),  # an input artifact's file differs from its manifest
     ("adbatch.index.corpus", "CorpusSchemaError"),
+    ("adbatch.index.dense", "DenseChannelError"),  # no dense channel in the index, or another query embedder
     ("adbatch.serving.requests", "RequestSchemaError"),
     ("adbatch.index.trie", "TrieFormatError"),
     ("adbatch.models", "ModelFolderError"),  # UnsafeCheckpointError derives from it

@@ -195,8 +195,12 @@ class DenseRetriever:
         if self._embedder is None:
             from sentence_transformers import SentenceTransformer
 
+            from adbatch.models import refuse_custom_code
+
             folder = embedder_folder(self.identity["name"])
-            self._embedder = SentenceTransformer(str(folder), device=str(self.device), local_files_only=True)
+            refuse_custom_code(folder)
+            self._embedder = SentenceTransformer(str(folder), device=str(self.device), local_files_only=True,
+                                                 trust_remote_code=False)
         return self._embedder
 
     def embed(self, queries: list[str]) -> Any:
