@@ -139,19 +139,24 @@ def channels(args: argparse.Namespace) -> None:
     results["prior_validation_recall@10"] = valid_rec
     results["prior_weight"] = best_w
     eval_row("dense", served, base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k), fusion)
-    for beams in (10, 32, 64):
+    for beams in [int(b) for b in args.beams_list.split(",")]:
         eval_row(f"generative b{beams}", served, base.replace(fusion=FusionMode.GENERATIVE, num_beams=beams), fusion)
         eval_row(f"hybrid b{beams}", served, hyb.replace(num_beams=beams), fusion)
         if best_w > 0:
             eval_row(f"hybrid+prior b{beams}", served, hyb.replace(num_beams=beams, prior_weight=best_w), fusion)
     eval_row("hybrid rrf b10", served, hyb.replace(num_beams=10), rrf)
+    for dk in (10, 40):  # dense candidates per query (the default is TargetSearchConfig.dense_k)
+        eval_row(f"hybrid b10 dense_k {dk}", served, hyb.replace(num_beams=10, dense_k=dk), fusion)
     # speed at a large batch: the test queries repeated (each call one batch), median of 3 after a warm-up
     qs = sorted(data["qrels"])
     big = (qs * (args.speed_batch // len(qs) + 1))[:args.speed_batch]
     speed = {}
-    for name, search in (("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
-                         ("hybrid b10", hyb.replace(num_beams=10)),
-                         ("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w))):
+    menu = [("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
+            ("hybrid b10", hyb.replace(num_beams=10)), ("hybrid b10 dense_k 10", hyb.replace(num_beams=10, dense_k=10)),
+            ("dense", base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k))]
+    if best_w > 0:
+        menu.append(("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w)))
+    for name, search in menu:
         rank = ranker(served, search, fusion)
         rank(big)
         times = []
@@ -165,6 +170,17 @@ def channels(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t)
         speed[name] = {"queries": len(big), "median_s": statistics.median(times),
                        "queries_per_s": len(big) / statistics.median(times)}
+    # where a hybrid batch's time goes (profile=True syncs at each phase): the prefill, the dense candidates'
+    # teacher-forced tree pass, the beam steps
+    from adbatch.decoding import DenseCandidates, search_targets
+    from adbatch.serving.prompts import encode_targeting_prompts
+
+    q = dense.embed(big)
+    hits = dense.search(q, hyb.dense_k)
+    with torch.inference_mode():
+        res = search_targets(served, encode_targeting_prompts(tok, big), index.trie,
+                             hyb.replace(num_beams=10, profile=True), dense=DenseCandidates(hits.rows, hits.scores))
+    speed["hybrid b10 phases_ms"] = res.stats.phase_ms
     results["speed"] = speed
     log.info("speed: %s", speed)
     save()
@@ -180,8 +196,8 @@ def channels(args: argparse.Namespace) -> None:
                                               queries=bundle / f"train_{cat}.parquet", ads=bundle / f"titles_{cat}.parquet",
                                               out=comp_dir, use_ray=False,
                                               layer_device=device if device == "cuda" else None))
-        results["compress"] = {"wall_s": round(time.perf_counter() - t0, 1),
-                               **{k: v for k, v in csum.items() if isinstance(v, (int, float, str))}}
+        results["compress"] = {"defaults": {"wall_s": round(time.perf_counter() - t0, 1),
+                                            **{k: v for k, v in csum.items() if isinstance(v, (int, float, str))}}}
         spec = ModelSpec(compressed=str(comp_dir))
         cfus = fusion_of_record(spec.training_record())
         results["compressed_fusion"] = cfus.to_dict()
@@ -958,6 +974,15 @@ def render_table(results: dict) -> str:
                          + json.dumps({k: c[k] for k in ("quality", "summary") if k in c}, default=str)[:600])
     if "full_epoch" in results:
         lines.append(f"- full catalogue: {json.dumps(results['full_epoch'])}")
+    if results.get("fusion"):  # channels
+        lines.append(f"- fusion (fitted at train time): {json.dumps(results['fusion'])}")
+        lines.append(f"- dense prior, validation recall@10 by weight: {results.get('prior_validation_recall@10')}")
+    for name, sp in (results.get("speed") or {}).items():
+        if "queries" not in sp:
+            lines.append(f"- {name}: {json.dumps(sp)}")
+            continue
+        lines.append(f"- speed {name}: {sp['queries']} queries per call, median {sp['median_s']:.3f} s = "
+                     f"{sp['queries_per_s']:.1f} queries/s")
     if results.get("creatives"):
         lines += ["", "| creatives (slogan test, greedy, 16 tokens) | BLEU | METEOR | empty | ads | requests/s |",
                   "|---|---|---|---|---|---|"]
@@ -1063,6 +1088,7 @@ def main(argv: list[str] | None = None) -> None:
     ch.add_argument("--max-queries", type=int, default=None)
     ch.add_argument("--prior-weights", default="1,3,10", help="dense prior weights tried on the validation queries")
     ch.add_argument("--train-budget-s", type=float, default=None)
+    ch.add_argument("--beams-list", default="10,32,64", help="beam widths of the generative and hybrid rows")
     ch.add_argument("--train-json", default="{}", help="JSON TrainConfig overrides (nested dicts merge)")
     ch.add_argument("--skip-compress", action="store_true")
     ch.add_argument("--reuse-trained", action="store_true")
