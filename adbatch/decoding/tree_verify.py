@@ -97,7 +97,7 @@ def _sorted_unique(nodes: torch.Tensor, big: int) -> torch.Tensor:
 
 @torch.no_grad()
 def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tensor, logits0: torch.Tensor,
-                     lse0: torch.Tensor, length_penalty: float = 0.0, max_pass_tokens: int = 16384) -> torch.Tensor:
+                     lse0: torch.Tensor, length_penalty: float = 0.0, max_pass_tokens: int = 65536) -> torch.Tensor:
     """Exact scores of given complete candidates, teacher-forced right after the prefill, by the tree pass.
 
     Each query's candidates share prefixes in the trie: the union ``U`` of their root paths is one token

@@ -6,7 +6,8 @@ scales: every dense candidate gets its exact generative log-probability (teacher
 own tree pass, :func:`adbatch.decoding.search_targets` with ``dense=``), every generative candidate its
 cosine; then one fused score ranks the union (:class:`FusionParams`):
 
-- ``interpolation``: ``score = cosine + weight_generative * log-prob``; the weight is fitted at train time
+- ``interpolation``: ``score = cosine + weight_generative * log-prob`` (the log-prob summed over the ad's
+  target tokens, or their mean: ``generative_norm``); the weight and the norm are fitted at train time
   on the validation queries (or held-out pseudo-queries whose ad is known) by :func:`fit_fusion`, and stored
   in the training record, so a barely trained model leans on the dense channel by itself;
 - ``rrf``: reciprocal-rank fusion ``1/(k + rank_gen) + 1/(k + rank_dense)`` over the union, the
@@ -50,6 +51,9 @@ class FusionParams(ConfigBase):
 
     method: FusionMethod = FusionMethod.RRF
     weight_generative: float = 0.0
+    #: sum: the sequence log-prob as scored; mean: divided by the ad's target length (long ids are not
+    #: penalised for their length)
+    generative_norm: str = "sum"
     rrf_k: float = 60.0
     fitted_on: str = "none"  #: validation | pseudo_queries | none
     queries: int = 0  #: queries the fit saw
@@ -60,6 +64,8 @@ class FusionParams(ConfigBase):
     def validate(self) -> None:
         if not np.isfinite(self.weight_generative) or self.weight_generative < 0:
             raise ConfigError(f"FusionParams.weight_generative must be finite and >= 0, got {self.weight_generative}")
+        if self.generative_norm not in ("sum", "mean"):
+            raise ConfigError(f"FusionParams.generative_norm must be sum or mean, got {self.generative_norm!r}")
         if not np.isfinite(self.rrf_k) or self.rrf_k <= 0:
             raise ConfigError(f"FusionParams.rrf_k must be finite and > 0, got {self.rrf_k}")
 
@@ -75,12 +81,14 @@ def fusion_of_record(record: Mapping[str, Any] | None) -> FusionParams:
 class Candidates:
     """Both channels' candidates per query, unfused: ``rows Long[Q, M]`` (-1 pad, distinct per query),
     ``generative`` / ``dense`` ``Float32[Q, M]`` (exact log-prob with the search's scoring rule; cosine;
-    NaN where that channel was not computed), ``channel Int8[Q, M]`` (bit flags: who proposed it)."""
+    NaN where that channel was not computed), ``channel Int8[Q, M]`` (bit flags: who proposed it),
+    ``length Long[Q, M]`` (target tokens of each row's id; 1 at padding)."""
 
     rows: Any
     generative: Any
     dense: Any
     channel: Any
+    length: Any = None
 
 
 @dataclasses.dataclass
@@ -141,7 +149,8 @@ def fused_scores(c: Candidates, params: FusionParams) -> Any:
 
     valid = c.rows >= 0
     if params.method is FusionMethod.INTERPOLATION:
-        s = c.dense + params.weight_generative * c.generative
+        g = c.generative / c.length.clamp(min=1) if params.generative_norm == "mean" else c.generative
+        s = c.dense + params.weight_generative * g
     else:
         rg = _ranks(c.generative, valid & torch.isfinite(c.generative))
         rd = _ranks(c.dense, valid & torch.isfinite(c.dense))
@@ -183,11 +192,13 @@ def fit_fusion(c: Candidates, relevant: Sequence[set[int]], fitted_on: str, k: i
         return recall_mrr(rank_candidates(c, fused_scores(c, p), k).rows, relevant, k)
 
     best, best_key = None, None
-    for w in FUSION_WEIGHT_GRID:
-        p = FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=float(w))
-        r, m = score_of(p)
-        if best_key is None or (r, m) > best_key:
-            best, best_key = p, (r, m)
+    norms = ("sum", "mean") if c.length is not None else ("sum",)
+    for norm in norms:
+        for w in FUSION_WEIGHT_GRID:
+            p = FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=float(w), generative_norm=norm)
+            r, m = score_of(p)
+            if best_key is None or (r, m) > best_key:
+                best, best_key = p, (r, m)
     rrf = FusionParams(method=FusionMethod.RRF)
     if score_of(rrf) > best_key:
         best, best_key = rrf, score_of(rrf)
@@ -201,8 +212,8 @@ def fit_fusion(c: Candidates, relevant: Sequence[set[int]], fitted_on: str, k: i
     best.fit_metrics = {f"dense_recall@{k}": round(d_r, 4), f"dense_mrr@{k}": round(d_m, 4),
                         f"generative_recall@{k}": round(g_r, 4), f"generative_mrr@{k}": round(g_m, 4),
                         f"hybrid_recall@{k}": round(best_key[0], 4), f"hybrid_mrr@{k}": round(best_key[1], 4)}
-    log.info("fusion fitted on %d %s queries: %s (weight %.4g) %s", best.queries, fitted_on, best.method.value,
-             best.weight_generative, best.fit_metrics)
+    log.info("fusion fitted on %d %s queries: %s (weight %.4g, %s) %s", best.queries, fitted_on, best.method.value,
+             best.weight_generative, best.generative_norm, best.fit_metrics)
     return best
 
 
@@ -230,6 +241,7 @@ class HybridRanker:
         self.max_query_tokens = max_query_tokens
         self.cost_model = cost_model
         self.trie = index.trie
+        self.row_length = _row_lengths(index.trie)  # Long[R]: target tokens of each row's id
         self.last_beams_verified = 0  # beams the last call's search finished by tree verification
 
     def candidates(self, queries: list[str], q_emb: Any = None) -> Candidates:
@@ -266,10 +278,16 @@ class HybridRanker:
         return union_candidates(res.rows, res.scores.float(), gen_cos, hits.rows.cpu(), hits.scores.float().cpu(),
                                 res.dense_scores.float())
 
+    def _with_lengths(self, c: Candidates) -> Candidates:
+        import torch
+
+        c.length = torch.where(c.rows >= 0, self.row_length[c.rows.clamp(min=0)], 1)
+        return c
+
     def rank(self, queries: list[str], q_emb: Any = None, k: int | None = None) -> RankedTargets:
         """The best ``k`` (default ``search.top_k``) rows per query, fused as configured."""
         k = k or self.search.top_k
-        c = self.candidates(queries, q_emb)
+        c = self._with_lengths(self.candidates(queries, q_emb))
         if self.mode is FusionMode.GENERATIVE:
             score = _valid_scores(c, c.generative)
         elif self.mode is FusionMode.DENSE:
@@ -277,6 +295,17 @@ class HybridRanker:
         else:
             score = fused_scores(c, self.fusion)
         return rank_candidates(c, score, k)
+
+
+def _row_lengths(trie: Any) -> Any:
+    """``Long[R]``: the depth of each row's terminal node (its id's target tokens)."""
+    import torch
+
+    counts = (trie.terminal_ptr[1:] - trie.terminal_ptr[:-1]).long()
+    nodes = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    out = torch.empty(trie.terminal_rows.numel(), dtype=torch.long)
+    out[trie.terminal_rows.long()] = trie.depth.long()[nodes]
+    return out
 
 
 def _valid_scores(c: Candidates, x: Any) -> Any:
@@ -324,8 +353,9 @@ def fit_fusion_on(model: Any, tokenizer: Any, index: Any, queries: list[str], re
 
     search = (search or TargetSearchConfig(verify=VerifyMode.OFF)).replace(fusion=FusionMode.HYBRID)
     ranker = HybridRanker(model, tokenizer, index, search, dense=dense)
-    parts = [ranker.candidates(queries[s:s + batch_size], None if q_emb is None else q_emb[s:s + batch_size])
+    parts = [ranker._with_lengths(ranker.candidates(queries[s:s + batch_size],
+                                                    None if q_emb is None else q_emb[s:s + batch_size]))
              for s in range(0, len(queries), batch_size)]
     cat = lambda name: torch.cat([getattr(p, name) for p in parts], 0)  # noqa: E731
-    union = Candidates(cat("rows"), cat("generative"), cat("dense"), cat("channel"))
+    union = Candidates(cat("rows"), cat("generative"), cat("dense"), cat("channel"), cat("length"))
     return fit_fusion(union, relevant, fitted_on, k=search.top_k)
