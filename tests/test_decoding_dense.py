@@ -32,8 +32,15 @@ def _candidates(n_rows: int, Q: int, K: int, seed: int) -> DenseCandidates:
     return DenseCandidates(rows, torch.where(rows >= 0, scores, float("-inf")))
 
 
-@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
-def test_union_scoring_equals_a_plain_forward_of_each_candidate(case, length_penalty):
+@pytest.mark.parametrize("length_penalty,pass_tokens", [(0.0, 65536), (1.0, 65536), (0.0, 8)])
+def test_union_scoring_equals_a_plain_forward_of_each_candidate(case, length_penalty, pass_tokens, monkeypatch):
+    """``pass_tokens`` 8: every query's tree in a pass of its own size (queries ordered by tree size)."""
+    import functools
+
+    import adbatch.decoding.beam_search as bs
+    from adbatch.decoding.tree_verify import score_candidates
+
+    monkeypatch.setattr(bs, "score_candidates", functools.partial(score_candidates, max_pass_tokens=pass_tokens))
     model, seqs, prompts, trie, exact = case
     dense = _candidates(len(seqs), len(prompts), 9, seed=0)
     cfg = TargetSearchConfig(num_beams=3, top_k=3, verify="off", length_penalty=length_penalty)
