@@ -13,7 +13,7 @@ for Llama-3-8B's), built by ``bench/decode.py``'s ``build_model``:
    its kernels) under ``torch.profiler``: the top kernels by
    device time, how many kernels a step launches and their summed time.
 
-    python bench/step_profile.py --out bench/results/step_profile_default.md
+    python bench/step_profile.py --out $OUT/step_profile.md
 """
 
 from __future__ import annotations
