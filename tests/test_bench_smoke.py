@@ -26,7 +26,7 @@ SMOKE = {
                             == ["dense:3:6", "compressed:3:6"]),
     "decode.py": (["--out", "{tmp}"], lambda out, tmp: (tmp / "decode_gpu_default.md").is_file()
                   and (tmp / "decode_gpu_8b.md").is_file()),
-    "generate_gpu.py": (["--requests", "16", "--work", "{tmp}"], lambda out, tmp: "IDENTICAL" in out),
+    "generate_gpu.py": (["--requests", "16", "--ads", "100", "--work", "{tmp}"], lambda out, tmp: "IDENTICAL" in out),
     "ids.py": (["--work", "{tmp}"], lambda out, tmp: all(f"| {d} |" in out for d in ("codes", "text", "rq 2x8"))),
     "index.py": ([], lambda out, tmp: "| 2,000 | 1 |" in out),
     "kernel_accuracy.py": ([], lambda out, tmp: out.count("| 64 |") == 6),
