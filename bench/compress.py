@@ -1,6 +1,7 @@
 """Run (a subset of) the compression ablation table on one model, one JSON line per variant.
 
     python bench/compress.py --out rows.jsonl [--only 2:4-wanda 2:4-paper ...]
+    python bench/compress.py --smoke --out rows.jsonl   # CPU, seconds: tiny random model, 2 variants, 8 short texts
 
 Same calibration and evaluation sets as ``adbatch compress --ablations true`` (same seeds and sizes),
 in-process (no Ray), appending each row as soon as it is measured so a killed run keeps its rows.
@@ -12,6 +13,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,9 +33,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None)
     ap.add_argument("--only", nargs="*", default=None, help="variant names (default: all)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU plumbing check: a 2-layer random model over the default tokenizer, variants dense and "
+                         "int4-g128, 8 calibration / 8 evaluation texts of 32 tokens")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     job = CompressJobConfig(model=args.model)
+    if args.smoke:
+        from bench.creatives_tune import smoke_model
+
+        folder = Path(tempfile.mkdtemp(prefix="compress-smoke-"))
+        job = CompressJobConfig.from_dict({"model": str(smoke_model(folder / "model")), "eval_texts": 8, "eval_seq_len": 32,
+                                           "calibration": {"num_texts": 8, "seq_len": 32}})
+        args.only = args.only or ["dense", "int4-g128"]
     t0 = time.perf_counter()
     model, tok = load_causal_lm(job.model, dtype=torch.float32)
     cal = job.calibration

@@ -3,7 +3,7 @@ then importance analysis, layer-adaptive plan, adaptive INT4 and packing of all 
 per-layer math on the GPU (``SequentialExecutor(device=...)``, the loop the Ray path mirrors).
 
     python bench/compress_8b.py --out DIR                 # GPU: Llama-3-8B shapes, 8 x 512 tokens
-    python bench/compress_8b.py --small --out DIR         # CPU smoke test: 2 layers, width 256
+    python bench/compress_8b.py --smoke --out DIR         # CPU smoke test: 2 layers, width 128
 
 Structure and cost only: the weights are random, so the chosen patterns and any quality are
 meaningless. Prints a phase table (seconds, peak GPU memory, peak host RSS) plus bits/weight and
@@ -35,8 +35,8 @@ log = logging.getLogger("compress_8b")
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)
-#: the --small smoke-test shapes
-SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+#: the --smoke smoke-test shapes
+SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=2048, max_position_embeddings=512, tie_word_embeddings=False)
 
 
@@ -100,26 +100,26 @@ def _fmt(x: float | None, digits: int = 1) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path, help="output folder (compress_8b.md, compress_8b.json)")
-    ap.add_argument("--small", action="store_true", help="2 layers, width 256, 4 x 64 tokens: CPU smoke test")
+    ap.add_argument("--smoke", action="store_true", help="2 layers, width 128, 4 x 64 tokens: CPU smoke test")
     ap.add_argument("--layers", type=int, default=None, help="override the number of decoder layers (time knob)")
-    ap.add_argument("--num-seqs", type=int, default=None, help="calibration sequences (default 8; --small 4)")
-    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512; --small 64)")
+    ap.add_argument("--num-seqs", type=int, default=None, help="calibration sequences (default 8; --smoke 4)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 512; --smoke 64)")
     ap.add_argument("--batch-size", type=int, default=4, help="calibration sequences per forward/backward")
     ap.add_argument("--device", default=None, help="compute device (default cuda if available, else cpu)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                    help="weights dtype (default bfloat16; --small float32)")
+                    help="weights dtype (default bfloat16; --smoke float32)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    shapes = dict(SMALL if args.small else LLAMA3_8B)
+    shapes = dict(SMALL if args.smoke else LLAMA3_8B)
     if args.layers is not None:
         shapes["num_hidden_layers"] = args.layers
-    num_seqs = args.num_seqs or (4 if args.small else 8)
-    seq_len = args.seq_len or (64 if args.small else 512)
-    dtype = getattr(torch, args.dtype or ("float32" if args.small else "bfloat16"))
+    num_seqs = args.num_seqs or (4 if args.smoke else 8)
+    seq_len = args.seq_len or (64 if args.smoke else 512)
+    dtype = getattr(torch, args.dtype or ("float32" if args.smoke else "bfloat16"))
     rows: list[dict] = []
 
     def record(phase: str, seconds: float, gpu_mb: float | None) -> None:

@@ -19,6 +19,7 @@ Example (the figures in bench/RESULTS.md, "Creatives: guards and compression"):
     .venv/bin/python bench/creatives_guards.py --model runs/example_refresh/creative_model \\
         --pairs runs/example_refresh/creative_pairs.parquet --test 24 \\
         --variants dense:0:0,dense:3:0,dense:3:6,dense:3:4,compressed:3:6 --out-json /tmp/guards.jsonl
+    .venv/bin/python bench/creatives_guards.py --smoke   # CPU, seconds: tiny random model, synthetic pairs
 """
 
 from __future__ import annotations
@@ -33,10 +34,26 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def smoke_inputs(args: argparse.Namespace) -> None:
+    """Point ``args`` at a tiny random creative model, its (synthetic) headline pairs and test CSV under --work."""
+    from bench.creatives_tune import SMOKE_ROWS, smoke_model, write_smoke_csvs
+    from adbatch.training.creatives import HeadlinePairs, write_headline_pairs
+
+    work = Path(args.work) / "smoke"
+    args.model = str(smoke_model(work / "model"))
+    _, args.test_csv = write_smoke_csvs(work / "data")
+    pairs = HeadlinePairs([f"smoke-{i}" for i in range(len(SMOKE_ROWS))],
+                          [{"advertiser": c, "description": d, "industry": i} for d, _, c, i in SMOKE_ROWS],
+                          [h for _, h, _, _ in SMOKE_ROWS], {})
+    args.pairs = str(write_headline_pairs(pairs, work / "creative_pairs.parquet"))
+    args.test, args.calib_texts, args.variants = 2, 4, "dense:3:6,compressed:3:6"
+    args.work = str(work)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="a creative model folder (train_creatives output)")
-    ap.add_argument("--pairs", required=True, help="its headline pairs (creative_pairs.parquet), for calibration")
+    ap.add_argument("--model", help="a creative model folder (train_creatives output)")
+    ap.add_argument("--pairs", help="its headline pairs (creative_pairs.parquet), for calibration")
     ap.add_argument("--test-csv", default=str(REPO.parent / "shared" / "data" / "slogan_gen" / "test-curated.csv"))
     ap.add_argument("--test", type=int, default=24, help="first N test rows")
     ap.add_argument("--variants", default="dense:0:0,dense:3:0,dense:3:6,compressed:3:6")
@@ -44,7 +61,14 @@ def main() -> None:
     ap.add_argument("--calib-texts", type=int, default=64)
     ap.add_argument("--work", default="/tmp/creatives_guards")
     ap.add_argument("--out-json", default=None, help="append one JSON line per variant")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU plumbing check: a 2-layer random model, synthetic pairs and test rows, variants "
+                         "dense:3:6 and compressed:3:6")
     args = ap.parse_args()
+    if args.smoke:
+        smoke_inputs(args)
+    elif not (args.model and args.pairs):
+        ap.error("--model and --pairs are required (or --smoke)")
 
     import pyarrow.parquet as pq
     import torch

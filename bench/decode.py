@@ -770,8 +770,8 @@ def points_arg(s: str) -> list[tuple[int, int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", choices=["cpu", "gpu"], required=True)
-    ap.add_argument("--out", type=Path, default=None, help="default bench/results; smoke: a temp folder")
+    ap.add_argument("--target", choices=["cpu", "gpu"], default=None, help="required unless --smoke (= the gpu sections)")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/out (git-ignored); smoke: a temp folder")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=["hf", "old", "off", "auto"],
                     help="search methods, comma-separated: hf, old, off, auto, always")
     ap.add_argument("--schemes", nargs="+", default=["codes", "text"])
@@ -809,10 +809,14 @@ def main() -> None:
     g.add_argument("--tune-kernels", action="store_true",
                    help="compressed: let the packed kernels autotune (minutes on a fresh machine)")
     args = ap.parse_args()
+    if args.target is None:  # --smoke alone runs the gpu sections on the CPU: what the smoke is for
+        if not args.smoke:
+            ap.error("--target is required")
+        args.target = "gpu"
     if args.points is None:
         args.points = points_arg("10x64,10x256,10x1024" if args.target == "gpu" else "4x1,8x1,4x16,8x16")
     if args.out is None:  # smoke output is no result: keep it out of the repo
-        args.out = Path(tempfile.gettempdir()) / "adbatch_decode_smoke" if args.smoke else Path("bench/results")
+        args.out = Path(tempfile.gettempdir()) / "adbatch_decode_smoke" if args.smoke else Path("bench/out")
     args.repeats = args.repeats or (1 if args.smoke else 3)
     args.q1_queries = args.q1_queries or (2 if args.smoke else 4)
     if args.budget_s is None:

@@ -12,6 +12,7 @@ code entries equal those of at least one relevant ad (grade >= 2.67).
 
     .venv/bin/python bench/ids.py embed --catalogue 5000        # MiniLM, cached under --work
     .venv/bin/python bench/ids.py measure --catalogue 5000 [--rq-levels 3 --rq-codebook 256]
+    .venv/bin/python bench/ids.py --smoke     # CPU, seconds: 240 example ads, random vectors, every design
 
 ``--catalogue 5000``: the titles and test qrels of the bundle (``.carry/bundle``); ``all``: the 54,667
 products of ``../shared/data/home_depot_relevance/train.csv`` and their test qrels (adbatch.eval.datasets).
@@ -36,12 +37,19 @@ if __name__ == "__main__":
 BUNDLE = REPO / ".carry" / "bundle"
 HOME_DEPOT = REPO.parent / "shared" / "data" / "home_depot_relevance" / "train.csv"
 CHUNK = 1000
+SMOKE_ADS = 240
 
 log = logging.getLogger("bench.ids")
 
 
 def load_catalogue(name: str) -> tuple[list[int], list[str], dict[str, dict[int, float]]]:
     """(ad ids, titles, test qrels ``{query: {ad_id: grade}}``) of a catalogue."""
+    if name == "smoke":  # the example corpus's first ads; each query is an ad's first title word
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(REPO / "examples" / "slogan_ads.parquet", columns=["ad_id", "title"]).slice(0, SMOKE_ADS)
+        ids, titles = list(range(table.num_rows)), table.column("title").to_pylist()  # int ids, as Home Depot's
+        return ids, titles, {f"{t.split()[0]} {i}": {a: 3.0} for i, (a, t) in enumerate(zip(ids[:20], titles))}
     if name == "5000":
         import pyarrow.parquet as pq
 
@@ -230,19 +238,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seed_smoke_vectors(work: Path) -> None:
+    """Random unit vectors in embed_cached's chunk layout for the smoke catalogue: MiniLM is not what the
+    smoke run checks, and skipping it keeps the run to seconds on a 2-core CPU."""
+    ids, titles, qrels = load_catalogue("smoke")
+    rng = np.random.default_rng(0)
+    for sub, n in (("titles", len(titles)), ("queries", len(qrels))):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+        vec = rng.standard_normal((n, 16)).astype(np.float32)
+        np.save(work / sub / f"{0:06d}.npy", vec / np.linalg.norm(vec, axis=1, keepdims=True), allow_pickle=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=os.environ.get("ADBATCH_BENCH_DIR", "/tmp/adbatch_bench_ids"))
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU plumbing check: `measure` on 240 example ads with random vectors, designs codes, text, rq 2:8")
+    sub = ap.add_subparsers(dest="cmd", required=False)
     e = sub.add_parser("embed", help="MiniLM over a catalogue's titles and test queries (cached)")
-    e.add_argument("--catalogue", choices=("5000", "all"), default="5000")
+    e.add_argument("--catalogue", choices=("5000", "all", "smoke"), default="5000")
     e.add_argument("--limit", type=int, help="embed only the first N titles (timing probe)")
     m = sub.add_parser("measure", help="build each id design's index and measure it")
-    m.add_argument("--catalogue", choices=("5000", "all"), default="5000")
+    m.add_argument("--catalogue", choices=("5000", "all", "smoke"), default="5000")
     m.add_argument("--rq", nargs="*", default=["3:256", "3:64", "4:16"], metavar="L:K",
                    help="residual designs: rq_levels:rq_codebook")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.smoke:
+        args.cmd, args.catalogue, args.rq = "measure", "smoke", ["2:8"]
+        seed_smoke_vectors(Path(args.work) / "smoke")
+    elif args.cmd is None:
+        ap.error("a command (embed | measure) or --smoke is required")
     if args.cmd == "embed":
         cmd_embed(args)
     else:

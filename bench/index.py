@@ -13,7 +13,8 @@ per configuration; RSS is sampled over the driver and all its descendants (Ray w
 
     .venv/bin/python bench/index.py synthetic --sizes 100000 1000000 --workers 1 2
     .venv/bin/python bench/index.py homedepot --workers 2 [--limit 5000]
-    .venv/bin/python bench/index.py report      # -> bench/results/index.md
+    .venv/bin/python bench/index.py report      # the table of every run so far (bench/results/index.md)
+    .venv/bin/python bench/index.py --smoke     # seconds: 2,000 synthetic ads, codes, 1 Ray CPU, in a temp folder
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-RESULTS = REPO / "bench" / "results"
 RAW = Path(os.environ.get("ADBATCH_BENCH_DIR", "/tmp/adbatch_bench_index")) / "index_raw.jsonl"
 WORK = Path(os.environ.get("ADBATCH_BENCH_DIR", "/tmp/adbatch_bench_index"))
 HOME_DEPOT = REPO.parent / "shared" / "data" / "home_depot_relevance" / "train.csv"
@@ -282,7 +282,6 @@ def spawn(args: list[str]) -> dict:
     row["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     row["machine"] = f"{platform.node()} ({os.cpu_count()} CPU)"
     row["command"] = "bench/index.py _one " + " ".join(args)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     with RAW.open("a") as fh:
         fh.write(json.dumps(row) + "\n")
     log.info("%s", row)
@@ -316,8 +315,12 @@ def report() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global RAW, WORK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--smoke", action="store_true",
+                    help="plumbing check: `synthetic --sizes 2000 --workers 1 --schemes codes` then `report`, in a temp "
+                         "folder (ADBATCH_BENCH_DIR) so no real run's rows are touched")
+    sub = ap.add_subparsers(dest="cmd", required=False)
     s = sub.add_parser("synthetic")
     s.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     s.add_argument("--workers", type=int, nargs="+", default=[1, 2])
@@ -341,6 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--limit", type=int, default=0)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.smoke:
+        import tempfile
+
+        WORK = Path(tempfile.mkdtemp(prefix="adbatch_bench_index_smoke-"))
+        RAW = WORK / "index_raw.jsonl"
+        os.environ["ADBATCH_BENCH_DIR"] = str(WORK)  # the spawned run writes there too
+        args.cmd, args.sizes, args.workers, args.schemes = "synthetic", [2000], [1], ["codes"]
+    elif args.cmd is None:
+        ap.error("a command or --smoke is required")
     if args.cmd == "_one":
         row = run_one(args.kind, args.n, args.workers, args.scheme, args.limit)
         print(json.dumps(row))
@@ -350,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             for scheme in args.schemes:
                 for w in args.workers:
                     spawn(["synthetic", str(n), str(w), scheme])
+        if args.smoke:
+            print(report(), end="")
     elif args.cmd == "homedepot":
         for scheme in args.schemes:
             for w in args.workers:

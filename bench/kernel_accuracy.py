@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=1 .venv/bin/python bench/kernel_accuracy.py          # CPU: the PTX's bit-exact emulation (~2 min)
     python3 bench/kernel_accuracy.py --device cuda                         # GPU: the PTX itself
+    TRITON_INTERPRET=1 .venv/bin/python bench/kernel_accuracy.py --smoke  # CPU, seconds: K = 64 only
 
 For each pattern and K, one 64 x K random packed weight and 8 fp16 activation rows, through
 ``nm_int4_linear_triton`` with forced configs: the GEMV (fp16x2 sums of 16 products, then fp32), the
@@ -24,7 +25,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--ks", default="1024,4096", help="comma list of K (in_features)")
+    ap.add_argument("--smoke", action="store_true", help="K = 64 only on the CPU: the plumbing, in seconds")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.device, args.ks = "cpu", "64"
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -11,6 +11,7 @@ Usage (here or on the device):
     python3 bench/kernel_sass.py                      # default table: GEMV vs tensor-core kernel at B = 8, 16, 64
     python3 bench/kernel_sass.py --out DIR            # also writes DIR/kernel_sass.md and .json
     python3 bench/kernel_sass.py --dump DIR           # also the full SASS of every kernel
+    python3 bench/kernel_sass.py --smoke              # one variant, seconds (the CPU smoke test)
 """
 
 from __future__ import annotations
@@ -124,12 +125,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--bf16", action="store_true", help="bf16 activations instead of fp16")
     ap.add_argument("--out", help="directory for kernel_sass.md / kernel_sass.json")
     ap.add_argument("--dump", help="directory for the full SASS of every variant")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one variant (2:4 tensor cores, B = 16, BLOCK_N 128): the compile-and-count plumbing in seconds")
     args = ap.parse_args(argv)
     rows = []
     names = [c for c, _ in CLASSES] + ["other"]
     header = "| kernel | pattern | B | config | loop instr | kept/thread | instr/kept | " + " | ".join(names) + " |"
     lines = [header, "|" + "---|" * (7 + len(names))]
-    for label, pattern, b, cfg in variants([int(v) for v in args.batches.split(",")]):
+    todo = variants([int(v) for v in args.batches.split(",")])
+    if args.smoke:
+        todo = [v for v in variants([16]) if v[1] is SparsityPattern.TWO_FOUR and v[3].block_n == 128]
+    for label, pattern, b, cfg in todo:
         try:
             sass = compile_sass(cfg, pattern, args.bf16)
         except Exception as e:  # noqa: BLE001 - report and go on

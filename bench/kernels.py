@@ -294,7 +294,7 @@ def decode_bench(batches: list[int], timer: Timer, smoke: bool, context: int = 1
 
     dev = "cuda" if timer.cuda else "cpu"
     if smoke:
-        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=512)
     else:  # Llama-3-8B shapes
         cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -584,10 +584,12 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     timer = Timer(args.smoke)
     env = _env()
-    shapes = [(64, 256), (40, 264)] if args.smoke else SHAPES
+    # smoke: one shape, the GEMV's batch and a tensor-core batch, one decode batch: every path once (the
+    # interpreter runs each kernel call for seconds); odd shapes are the kernel tests' job
+    shapes = [(64, 256)] if args.smoke else SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    batches = [1, 3, 16] if args.smoke else BATCHES
+    batches = [1, 16] if args.smoke else BATCHES
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
     if timer.cuda and not args.no_precompile:
@@ -618,7 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
         (args.out / "kernels.md").write_text(md + "\n" + compact(results["rows"]))
         plot_speedups(results["rows"], args.out / "kernels.png")
     if not args.no_decode and time.time() - t0 < args.time_budget:
-        results["decode"] = decode_bench([1, 2] if args.smoke else [1, 8, 32], timer, args.smoke)
+        results["decode"] = decode_bench([1] if args.smoke else [1, 8, 32], timer, args.smoke)
     (args.out / "kernels.json").write_text(json.dumps(results, indent=1, default=str))
     cache = Path(os.environ["ADBATCH_CACHE"]) / "kernels"
     if cache.is_dir():

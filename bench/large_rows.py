@@ -8,6 +8,7 @@ layer shape per bucket among the packed kernel, a dense copy and (from ``SPARSE_
 semi-structured sparse copy; the table shows each shape's timings and choice, then the step ratio.
 
     python bench/large_rows.py --layers 4 --queries 16,128,512,1024 --out $OUT/large_rows.md
+    python bench/large_rows.py --smoke    # CPU, seconds: tiny model, compress, eager steps (no graphs, no sparse copies)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.decode import build_model, compress_copy, random_prompts  # noqa: E402
-from bench.step_profile import graphed_step_ms, write_report  # noqa: E402
+from bench.step_profile import eager_step_ms, graphed_step_ms, write_report  # noqa: E402
 from adbatch.decoding.engine import DecodeEngine  # noqa: E402
 
 
@@ -34,6 +35,21 @@ def sparse_copy_bytes(t: torch.Tensor) -> int:
     return sum(x.numel() * x.element_size() for x in inner if isinstance(x, torch.Tensor))
 
 
+def smoke(args) -> None:
+    """The CPU-able part: build, compress and step both models; the engine plans packed vs dense on the CPU."""
+    dev = torch.device("cpu")
+    dense = build_model("8b", dev, smoke=True)
+    comp, summary = compress_copy(dense, dev)
+    queries = random_prompts(4, 8, 100, 1000, seed=0)
+    lines = [f"# Large-row steps, smoke (tiny 8B-architecture model, CPU, eager; times mean nothing): {summary}", "",
+             "| queries | rows | dense step ms | compressed step ms |", "|---:|---:|---:|---:|"]
+    for qn in (1, 4):
+        d = eager_step_ms(DecodeEngine(dense), queries, qn, args.beams, 1, 6, 2)
+        c = eager_step_ms(DecodeEngine(comp), queries, qn, args.beams, 1, 6, 2)
+        lines.append(f"| {qn} | {qn * args.beams} | {d:.2f} | {c:.2f} |")
+    write_report(lines, args.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -42,7 +58,12 @@ def main() -> None:
     ap.add_argument("--t", type=int, default=8, help="suffix position of the timed step")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: a tiny 8B-architecture model and its 2:4 copy, eager steps only (graph replay and the "
+                         "semi-structured sparse copies need CUDA)")
     args = ap.parse_args()
+    if args.smoke:
+        return smoke(args)
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     dense = build_model("8b", dev, smoke=False, layers=args.layers)

@@ -1,6 +1,7 @@
 """QAT vs post-training INT4 on the real default model (SmolLM2-135M), on CPU.
 
     HF_HUB_OFFLINE=1 nice -n 10 .venv/bin/python bench/qat_cpu.py --steps 60 --adaptive --out /tmp/qat_cpu.json
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/qat_cpu.py --smoke     # seconds: tiny random model, 2 steps, g32
 
 Perplexity on held-out ad descriptions (the compression report's set: ``example_corpus_split`` seed
 0, 128 held-out ads, blocks of 256 tokens, via :mod:`adbatch.compress.report`) of:
@@ -120,23 +121,38 @@ def main() -> None:
     ap.add_argument("--adaptive", action="store_true", help="also the post-training adaptive INT4 row")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="JSON with every number")
+    ap.add_argument("--smoke", action="store_true",
+                    help="plumbing check: a 2-layer random model over the default tokenizer, 2 steps of 2 x 32 tokens, "
+                         "g32, 8 evaluation / calibration texts")
     args = ap.parse_args()
+    n_calib, n_eval, eval_seq = CALIB_TEXTS, EVAL_TEXTS, EVAL_SEQ
+    if args.smoke:
+        args.steps, args.batch, args.seq, args.train_texts, args.group_size = 2, 2, 32, 16, 32
+        n_calib, n_eval, eval_seq = 8, 8, 32
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("adbatch.compress.linear").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
     t_all = time.perf_counter()
-    base, tok = load_causal_lm(None, dtype=torch.float32, device="cpu")
+    model_src = None
+    if args.smoke:
+        import tempfile
+
+        from bench.creatives_tune import smoke_model
+
+        model_src = str(smoke_model(Path(tempfile.mkdtemp(prefix="qat-cpu-smoke-")) / "model"))
+    base, tok = load_causal_lm(model_src, dtype=torch.float32, device="cpu")
     base.eval()
-    train_texts, held = example_corpus_split(args.train_texts, EVAL_TEXTS, SEED)
-    sets = EvalSets.build(tok, held, EVAL_SEQ)
+    train_texts, held = example_corpus_split(args.train_texts, n_eval, SEED)
+    sets = EvalSets.build(tok, held, eval_seq)
     blocks = token_blocks(tok, train_texts, args.seq)
     g = args.group_size
     rows: dict[str, dict] = {}
     timings: dict[str, float] = {}
 
-    cal = CalibrationConfig(num_texts=CALIB_TEXTS, use_gradients=False)
-    calib_blocks = token_blocks(tok, example_corpus_split(CALIB_TEXTS, 0, SEED)[0], cal.seq_len)
+    cal = CalibrationConfig(num_texts=n_calib, seq_len=eval_seq if args.smoke else CalibrationConfig.seq_len,
+                            use_gradients=False)
+    calib_blocks = token_blocks(tok, example_corpus_split(n_calib, 0, SEED)[0], cal.seq_len)
 
     def row(name: str, fp: torch.nn.Module, q: torch.nn.Module) -> None:
         t0 = time.perf_counter()

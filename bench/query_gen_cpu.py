@@ -11,6 +11,7 @@ ablation, ``bench/train_eval.py check --query-source``):
 - cleaning counts and a few samples.
 
 ``python bench/query_gen_cpu.py --bundle .carry/bundle --ads 40 --per-ad 4 --max-pairs 800`` (prints JSON).
+``python bench/query_gen_cpu.py --smoke``: seconds; a tiny random model on a 24-ad bundle of example titles.
 """
 
 from __future__ import annotations
@@ -42,16 +43,47 @@ def _judge(queries: list[tuple[str, Any]], titles: dict[Any, str], ranker: Any, 
             "novel_words": round(_novel(queries, titles), 3), "samples": [list(x) for x in queries[:8]]}
 
 
+def smoke_bundle(folder: Path) -> Path:
+    """The files this script reads from a bundle, for 24 example ads: titles, a labelled query per ad (its title's
+    first two words), and empty held-out qrels."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(Path(__file__).resolve().parents[1] / "examples" / "slogan_ads.parquet", columns=["title"]).slice(0, 24)
+    titles = t.column("title").to_pylist()
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"ad_id": list(range(len(titles))), "title": titles}), folder / "titles_5000.parquet")
+    pq.write_table(pa.table({"query": [" ".join(x.split()[:2]) for x in titles], "ad_id": list(range(len(titles)))}),
+                   folder / "train_5000.parquet")
+    for split in ("test", "valid"):
+        (folder / f"qrels_{split}_5000.json").write_text("{}")
+    return folder
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bundle", required=True, help="bench/train_eval.py prepare's bundle (5000 titles)")
+    p.add_argument("--bundle", help="bench/train_eval.py prepare's bundle (5000 titles)")
     p.add_argument("--ads", type=int, default=40, help="ads sampled (every 125th of the 5,000)")
     p.add_argument("--per-ad", type=int, default=4, help="queries per ad (spans and generated)")
     p.add_argument("--max-pairs", type=int, default=800, help="train pairs of the short fine-tune")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--train-layers", type=int, default=None)
     p.add_argument("--k", type=int, default=10)
+    p.add_argument("--smoke", action="store_true",
+                   help="plumbing check: a 2-layer random model over the default tokenizer, a 24-ad bundle of example "
+                        "titles, 4 ads x 2 queries, a 16-pair fine-tune")
     args = p.parse_args(argv)
+    model_src = None
+    if args.smoke:
+        import tempfile
+
+        from bench.creatives_tune import smoke_model
+
+        work = Path(tempfile.mkdtemp(prefix="query-gen-cpu-smoke-"))
+        args.bundle, model_src = str(smoke_bundle(work / "bundle")), str(smoke_model(work / "model"))
+        args.ads, args.per_ad, args.max_pairs = 4, 2, 16
+    elif not args.bundle:
+        p.error("--bundle is required (or --smoke)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import pyarrow.parquet as pq
@@ -81,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out["labelled_train_queries_of_these_ads"] = {"queries": len(mine), "novel_words": round(_novel(mine, titles), 3)}
     cfg = QueryGenConfig(queries_per_ad=args.per_ad, max_pairs=args.max_pairs, train_layers=args.train_layers,
                          train=QueryGenTrainConfig(epochs=args.epochs))
-    model, tok = load_causal_lm(None, dtype=torch.float32, device="cpu")
+    model, tok = load_causal_lm(model_src, dtype=torch.float32, device="cpu")
     for name in ("zero_shot", "tuned"):
         if name == "tuned":
             pairs = query_pairs(labelled, titles, exclude_queries=held, max_pairs=cfg.max_pairs, seed=cfg.seed)

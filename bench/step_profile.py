@@ -13,7 +13,8 @@ for Llama-3-8B's), built by ``bench/decode.py``'s ``build_model``:
    its kernels) under ``torch.profiler``: the top kernels by
    device time, how many kernels a step launches and their summed time.
 
-    python bench/step_profile.py --out bench/results/step_profile_default.md
+    python bench/step_profile.py --out $OUT/step_profile.md
+    python bench/step_profile.py --smoke      # CPU, seconds: a tiny model's eager step (see --smoke's help)
 """
 
 from __future__ import annotations
@@ -79,6 +80,35 @@ def roofline_ms(model, eng, rows: int, queries: int, t: int) -> float:
     kv_bytes = 2 * 2 * L * kv * D * (queries * Lp + rows * (t + 1))
     moved = 2 * linear + kv_bytes + 2 * 2 * rows * V
     return 1e3 * max(flops / PEAK_BF16_FLOPS, moved / PEAK_HBM_BYTES)
+
+
+def eager_step_ms(eng, queries, qn: int, beams: int, t: int, suffix: int, repeats: int) -> float:
+    """Median ms of an eager ``DecodeEngine.step`` (the CPU path: no CUDA graphs), after one untimed step."""
+    eng.prefill(queries[:qn], beams, suffix)
+    Qb = eng.bucket(qn)
+    tok = torch.randint(100, 1000, (Qb * beams,))
+    ts = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            t1 = time.perf_counter()
+            eng.step(tok, t, Qb)
+            ts.append(time.perf_counter() - t1)
+    return 1e3 * float(np.median(ts[1:]))
+
+
+def smoke(args) -> None:
+    """The CPU-able part of this script: a tiny model of the shape's architecture, its engine, eager steps and
+    the roofline arithmetic. The kernel check (bf16 Triton), graph replay and the CUDA profiler need a GPU."""
+    model = build_model(args.shape, torch.device("cpu"), smoke=True)
+    eng = engine_for(model)
+    queries = random_prompts(4, 8, 100, 1000, seed=0)
+    lines = [f"# Decode step smoke ({args.shape} architecture, tiny, CPU, eager; times mean nothing)", "",
+             "| queries | beams | rows | t | step ms (eager) | roofline ms (H200) |", "|---:|---:|---:|---:|---:|---:|"]
+    for qn in (1, 4):
+        ms = eager_step_ms(eng, queries, qn, 2, 1, 6, 2)
+        R = eng.bucket(qn) * 2
+        lines.append(f"| {qn} | 2 | {R} | 1 | {ms:.2f} | {roofline_ms(model, eng, R, eng.bucket(qn), 1):.4f} |")
+    write_report(lines, args.out)
 
 
 def graphed_step_ms(eng, queries, qn: int, beams: int, t: int, suffix: int, repeats: int, dev) -> tuple[float, float]:
@@ -189,7 +219,11 @@ def main() -> None:
     ap.add_argument("--attention-sweep", action="store_true", help="also time decode attention's launch configs")
     ap.add_argument("--tree", type=lambda s: [int(x) for x in s.split(",")], default=[],
                     help="also profile eager tree passes of chains of these lengths")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: a tiny model's eager steps and roofline only (the kernel check, graphs and profiler need CUDA)")
     args = ap.parse_args()
+    if args.smoke:
+        return smoke(args)
     dev = torch.device("cuda")
     model = build_model(args.shape, dev, smoke=False)
     lines = [f"# Decode step profile ({args.shape} shape, bf16, {torch.cuda.get_device_name()}, "

@@ -1,7 +1,7 @@
 """Triton kernels for the decoder's row-wise pieces between its GEMMs, one launch each.
 
 At beam-search row counts a decode step of a small model is launch-bound: the 30-layer default
-model's step was 488 kernels (bench/results/step_profile_default.md), about 16 per layer, of which
+model's step was 488 kernels (engine 2's profile, H200 2026-12-01, in git history), about 16 per layer, of which
 the GEMMs and attention are 5. These kernels fold the rest into 3 per layer, reading the GEMM
 outputs where they lie (fused q/k/v and gate/up outputs, no split copies):
 

@@ -248,7 +248,7 @@ def time_graphed_ms(fn, l2: str) -> float:
     ``cold``: :func:`_cold_graph_ms`, an L2 flush before every call. Round 6 on the H200 tuned cold with
     ``do_bench`` (flush, then an eager launch between two events) and picked worse configs than the
     warm tuner at most points (4096x14336 B = 2: 2:4 21.2 -> 37.8 us, dense 31.0 -> 57.9 us; 1:4 B = 1 on
-    8192x28672 27.3 -> 35.0 us in graphs vs round 4, bench/results/kernels.md): the tuning launch runs
+    8192x28672 27.3 -> 35.0 us in graphs vs round 4; round 6 of the kernel runs, in git history): the tuning launch runs
     through the slow Python path, whose host time exceeds the flush and so landed inside the timed
     window, varying by config. ncu showed the kernel durations of cold- and warm-picked configs within
     ~15 % of each other, so warm stays the default.

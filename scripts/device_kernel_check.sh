@@ -3,25 +3,18 @@
 # run through the real inline PTX, then bench/kernels.py (ours vs cuBLAS fp16 vs torch int4 on the 8B and
 # the default 135M model's shapes, then the 8B-shaped decode step), one run.
 #
-#   scripts/device_kernel_check.sh prepare     # here: pure-Python pytest wheels into the ignored .carry/pytest
+#   scripts/prepare_device_carry.sh kernels    # here: pure-Python pytest wheels into the ignored .carry/pytest
 #   scripts/device_kernel_check.sh run         # on the device (carry [".carry/pytest"]): tests, then the sweep
 #
-# The device image has torch, triton and numpy but no pytest and no network; the wheels are unpacked
-# with the standard library's zipfile (they are py3-none-any). ~9 min in all: give it the call's whole
+# The carried pytest is unpacked with the standard library's zipfile (py3-none-any wheels) so the tests run
+# with the pytest of this repo's venv whatever the image holds. ~9 min in all: give it the call's whole
 # 600 s (the sweep stops starting new shapes after ~330 s of its own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.carry/pytest
 case "${1:-}" in
-  prepare)
-    PY="${PY:-.venv/bin/python}"
-    git check-ignore -q .carry/x || { echo "error: .carry/ is not git-ignored" >&2; exit 1; }
-    mkdir -p "$WHEELS"
-    for p in pytest pluggy iniconfig packaging pygments; do
-      v="$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")"
-      "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "$p==$v"
-    done
-    ls -la "$WHEELS"
+  prepare)  # the kit's kernels plan (kept under this name for the commands already written down)
+    exec scripts/prepare_device_carry.sh kernels
     ;;
   run)
     site="$(mktemp -d)"

@@ -1,0 +1,88 @@
+"""Every benchmark in bench/ answers ``--help`` and runs its ``--smoke`` path on the CPU (tiny random-init
+models, synthetic inputs), so a script cannot rot between GPU runs. Scripts whose smoke path another test
+already runs end to end with finer checks are named in ELSEWHERE instead of being run twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+
+#: script -> (arguments after --smoke, a check of (stdout, tmp folder)): what the smoke run must leave behind
+SMOKE = {
+    "compress.py": (["--out", "{tmp}/rows.jsonl"],
+                    lambda out, tmp: [json.loads(x)["name"] for x in (tmp / "rows.jsonl").read_text().splitlines()]
+                    == ["dense", "int4-g128"]),
+    "compress_8b.py": (["--out", "{tmp}"], lambda out, tmp: "mask + adaptive INT4 + pack" in (tmp / "compress_8b.md").read_text()),
+    "creatives_guards.py": (["--work", "{tmp}", "--out-json", "{tmp}/g.jsonl"],
+                            lambda out, tmp: [json.loads(x)["variant"] for x in (tmp / "g.jsonl").read_text().splitlines()]
+                            == ["dense:3:6", "compressed:3:6"]),
+    "decode.py": (["--out", "{tmp}"], lambda out, tmp: (tmp / "decode_gpu_default.md").is_file()
+                  and (tmp / "decode_gpu_8b.md").is_file()),
+    "generate_gpu.py": (["--requests", "16", "--ads", "100", "--work", "{tmp}"], lambda out, tmp: "IDENTICAL" in out),
+    "ids.py": (["--work", "{tmp}"], lambda out, tmp: all(f"| {d} |" in out for d in ("codes", "text", "rq 2x8"))),
+    "index.py": ([], lambda out, tmp: "| 2,000 | 1 |" in out),
+    "kernel_accuracy.py": ([], lambda out, tmp: out.count("| 64 |") == 6),
+    "kernel_sass.py": ([], lambda out, tmp: "| tc | 2:4 | 16 |" in out),
+    "kernels.py": (["--out", "{tmp}"], lambda out, tmp: (tmp / "kernels.json").is_file()),
+    "large_rows.py": (["--out", "{tmp}/lr.md"], lambda out, tmp: "| 4 | 32 |" in (tmp / "lr.md").read_text()),
+    "qat_cpu.py": (["--out", "{tmp}/q.json"], lambda out, tmp: len(json.loads((tmp / "q.json").read_text())["rows"]) == 3),
+    "query_gen_cpu.py": ([], lambda out, tmp: '"tuned"' in out and '"zero_shot"' in out),
+    # the generate phase only: its train and kill phases add minutes of Ray Train on 2 cores
+    "scale_out.py": (["--phases", "generate", "--work", "{tmp}/work"], lambda out, tmp: "creatives: 1 vs N actors" in out
+                     and (tmp / "scale_out.json").is_file()),
+    "sparse_copy_check.py": ([], lambda out, tmp: "max |packed - dense|" in out),
+    "stable_ids.py": (["--out", "{tmp}"], lambda out, tmp: all(
+        r["incremental_same_sequence"] == 1.0 for r in json.loads((tmp / "stable_ids.json").read_text()))),
+    "step_profile.py": (["--out", "{tmp}/sp.md"], lambda out, tmp: "step ms (eager)" in (tmp / "sp.md").read_text()),
+}
+#: script -> the test that runs its --smoke path (with assertions on its rows)
+ELSEWHERE = {
+    "creatives_tune.py": "tests/test_creative_tune_bench.py",
+    "query_gen_speed.py": "tests/test_query_gen_speed_bench.py",
+    "targeting_speed.py": "tests/test_targeting_speed_bench.py",
+    "train_throughput.py": "tests/test_training_packing.py",
+}
+#: bench/train_eval.py's smoke needs a tiny bundle (its `prepare` reads ../shared's Home Depot data); it is
+#: being reworked on another branch (dense / hybrid channels), which adds its entry here
+PENDING = {"train_eval.py"}
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+
+
+def test_every_script_is_smoke_tested_and_lists_smoke_in_its_help():
+    scripts = sorted(p.name for p in BENCH.glob("*.py"))
+    assert set(scripts) == set(SMOKE) | set(ELSEWHERE) | PENDING
+    for script, test in ELSEWHERE.items():
+        assert "--smoke" in (REPO / test).read_text(), (script, test)
+    # one interpreter for every --help (the imports are shared): each prints a marker, then its help
+    loop = ("import runpy, sys\n"
+            "for f in sys.argv[1:]:\n"
+            "    print('@@', f, flush=True)\n"
+            "    sys.argv = [f, '--help']\n"
+            "    try:\n"
+            "        runpy.run_path(f, run_name='__main__')\n"
+            "    except SystemExit as e:\n"
+            "        assert e.code in (0, None), (f, e.code)\n")
+    done = subprocess.run([sys.executable, "-c", loop, *[str(BENCH / s) for s in scripts]], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    helps = {Path(h.split(None, 1)[0]).name: h for h in done.stdout.split("@@ ")[1:]}
+    assert sorted(helps) == scripts
+    assert [s for s, h in helps.items() if "--smoke" not in h and s not in PENDING] == []
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_smoke(script, tmp_path):
+    args, check = SMOKE[script]
+    cmd = [sys.executable, str(BENCH / script), "--smoke", *[a.format(tmp=tmp_path) for a in args]]
+    done = subprocess.run(cmd, cwd=REPO, env=dict(ENV, OUT=str(tmp_path)), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert check(done.stdout, tmp_path), done.stdout[-3000:]
