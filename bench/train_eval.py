@@ -213,6 +213,46 @@ def channels(args: argparse.Namespace) -> None:
                      default=str)[:3000])
 
 
+def smoke(out: Path) -> None:
+    """``--smoke``: ``channels --smoke`` (tiny random Llama, 2 training steps) on a tiny bundle built here from
+    synthetic ads (random vectors stand in for MiniLM's), on the CPU in seconds: the plumbing, not figures."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from adbatch.index.build import IndexConfig, build_index
+    from adbatch.index.clustering import ClusterConfig
+    from adbatch.index.corpus import CorpusConfig
+    from adbatch.index.embeddings import EmbeddingConfig
+
+    rng = np.random.default_rng(0)
+    bundle = out / "bundle"
+    bundle.mkdir(parents=True, exist_ok=True)
+    words = ["drill", "saw", "paint", "lamp", "pipe", "tile", "glue", "hose"]
+    n, d = 24, 16
+    titles = [f"{words[i % 8]} {words[(3 * i) % 8]} model {i}" for i in range(n)]
+    emb = rng.normal(size=(n, d)).astype(np.float32)
+    pq.write_table(pa.table({"ad_id": pa.array(range(n), pa.int64()), "title": titles,
+                             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), d)}),
+                   out / "corpus.parquet")
+    pq.write_table(pa.table({"ad_id": pa.array(range(n), pa.int64()), "title": titles}), bundle / "titles_smoke.parquet")
+    pq.write_table(pa.table({"query": [f"{words[i % 8]}" for i in range(8)], "ad_id": pa.array(range(8), pa.int64())}),
+                   bundle / "train_smoke.parquet")
+    queries = {"valid": [f"{words[i]} tool" for i in range(4)], "test": [f"{words[i]} kit" for i in range(4, 8)]}
+    for split, qs in queries.items():
+        (bundle / f"qrels_{split}_smoke.json").write_text(json.dumps({q: {str(i): 3.0} for i, q in enumerate(qs)}))
+    all_q = queries["valid"] + queries["test"]
+    np.savez(bundle / "query_emb_smoke.npz", queries=np.asarray(all_q),
+             emb=rng.normal(size=(len(all_q), d)).astype(np.float16))
+    build_index(out / "corpus.parquet", bundle / "index_smoke_text",
+                IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
+                            embedding=EmbeddingConfig(query_embedder="default"),
+                            cluster=ClusterConfig(branching=4, leaf_size=6)), progress=False)
+    main(["channels", "--bundle", str(bundle), "--catalogue", "smoke", "--out", str(out / "channels"),
+          "--work", str(out / "work"), "--smoke", "--batch", "4", "--speed-batch", "8", "--prior-weights", "1",
+          "--beams-list", "10", "--skip-compress", "--train-json", '{"fusion_queries": 4}'])
+
+
 def _merged(base: dict, over: dict) -> dict:
     return {k: _merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
             for k, v in {**base, **over}.items()}
@@ -1019,7 +1059,10 @@ def plot_curves(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--smoke", action="store_true",
+                   help="without a subcommand: `channels --smoke` on a tiny synthetic bundle (CPU, seconds)")
+    p.add_argument("--smoke-out", default=None, help="folder of the --smoke run (default: a temporary one)")
+    sub = p.add_subparsers(dest="cmd")
     bp = sub.add_parser("baseline", help="MiniLM+FAISS on a catalogue's test queries (CPU)")
     bp.add_argument("--catalogue", default="5000", help="'full' or a catalogue size")
     bp.add_argument("--csv", default="../shared/data/home_depot_relevance/train.csv")
@@ -1111,6 +1154,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.cmd is None:
+        if not args.smoke:
+            p.error("a subcommand is required (or --smoke)")
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            smoke(Path(args.smoke_out or tmp))
+        return
     {"prepare": prepare, "baseline": baseline, "run": run, "sweep": sweep, "check": check,
      "channels": channels}[args.cmd](args)
 

@@ -28,6 +28,8 @@ SMOKE = {
                   and (tmp / "decode_gpu_8b.md").is_file()),
     "generate_gpu.py": (["--requests", "16", "--ads", "100", "--work", "{tmp}"], lambda out, tmp: "IDENTICAL" in out),
     "ids.py": (["--work", "{tmp}"], lambda out, tmp: all(f"| {d} |" in out for d in ("codes", "text", "rq 2x8"))),
+    "hybrid_speed.py": (["--out", "{tmp}/h.json"], lambda out, tmp: set(json.loads((tmp / "h.json").read_text())["rows"])
+                        == {"generative", "hybrid dense_k 10", "hybrid dense_k 20"}),
     "index.py": ([], lambda out, tmp: "| 2,000 | 1 |" in out),
     "kernel_accuracy.py": ([], lambda out, tmp: out.count("| 64 |") == 6),
     "kernel_sass.py": ([], lambda out, tmp: "| tc | 2:4 | 16 |" in out),
@@ -39,6 +41,8 @@ SMOKE = {
     "scale_out.py": (["--phases", "generate", "--work", "{tmp}/work"], lambda out, tmp: "creatives: 1 vs N actors" in out
                      and (tmp / "scale_out.json").is_file()),
     "sparse_copy_check.py": ([], lambda out, tmp: "max |packed - dense|" in out),
+    "train_eval.py": (["--smoke-out", "{tmp}"], lambda out, tmp: {"dense", "generative b10", "hybrid b10"}
+                      <= set(json.loads((tmp / "channels" / "results.json").read_text())["rows"])),
     "stable_ids.py": (["--out", "{tmp}"], lambda out, tmp: all(
         r["incremental_same_sequence"] == 1.0 for r in json.loads((tmp / "stable_ids.json").read_text()))),
     "step_profile.py": (["--out", "{tmp}/sp.md"], lambda out, tmp: "step ms (eager)" in (tmp / "sp.md").read_text()),
@@ -50,16 +54,13 @@ ELSEWHERE = {
     "targeting_speed.py": "tests/test_targeting_speed_bench.py",
     "train_throughput.py": "tests/test_training_packing.py",
 }
-#: bench/train_eval.py's smoke needs a tiny bundle (its `prepare` reads ../shared's Home Depot data); it is
-#: being reworked on another branch (dense / hybrid channels), which adds its entry here
-PENDING = {"train_eval.py"}
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
 
 
 def test_every_script_is_smoke_tested_and_lists_smoke_in_its_help():
     scripts = sorted(p.name for p in BENCH.glob("*.py"))
-    assert set(scripts) == set(SMOKE) | set(ELSEWHERE) | PENDING
+    assert set(scripts) == set(SMOKE) | set(ELSEWHERE)
     for script, test in ELSEWHERE.items():
         assert "--smoke" in (REPO / test).read_text(), (script, test)
     # one interpreter for every --help (the imports are shared): each prints a marker, then its help
@@ -76,7 +77,7 @@ def test_every_script_is_smoke_tested_and_lists_smoke_in_its_help():
     assert done.returncode == 0, done.stderr[-3000:]
     helps = {Path(h.split(None, 1)[0]).name: h for h in done.stdout.split("@@ ")[1:]}
     assert sorted(helps) == scripts
-    assert [s for s, h in helps.items() if "--smoke" not in h and s not in PENDING] == []
+    assert [s for s, h in helps.items() if "--smoke" not in h] == []
 
 
 @pytest.mark.parametrize("script", sorted(SMOKE))
