@@ -542,18 +542,20 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
     common = None
     if "targets" in outputs:
         req_file = ((_read(work / "generate" / "targets" / "manifest.json") or {}).get("config") or {}).get("requests")
-        answers = pq.read_table(outputs["targets"], columns=["request_id", "rank", "ad_id"]).to_pylist()
+        answers = pq.read_table(outputs["targets"], columns=["request_id", "rank", "ad_id", "channel"]).to_pylist()
         ranked: dict[str, list[str]] = {}
+        channel_of: dict[tuple[str, str], str] = {}
         for a in sorted(answers, key=lambda a: (a["request_id"], a["rank"])):
             ranked.setdefault(a["request_id"], []).append(a["ad_id"])
+            channel_of[a["request_id"], a["ad_id"]] = a["channel"]
         query_of = {}
         if req_file and Path(req_file).is_file():
             req = pq.read_table(req_file, columns=["request_id", "query"])
             query_of = dict(zip(req.column("request_id").to_pylist(), req.column("query").to_pylist()))
-        lines.append("targets (query -> top 3 ads):")
+        lines.append("targets (query -> top 3 ads; [the channel that proposed each: generative, dense or both]):")
         for rid in sorted(ranked)[:queries]:
             lines.append(f"  {query_of.get(rid, rid)!r}")
-            lines += [f"    {i}. {ad}: {titles.get(ad, '?')}" for i, ad in enumerate(ranked[rid][:3], 1)]
+            lines += [f"    {i}. {ad}: {titles.get(ad, '?')} [{channel_of[rid, ad]}]" for i, ad in enumerate(ranked[rid][:3], 1)]
         tops = [r[0] for r in ranked.values() if r]
         if tops:
             common = max(set(tops), key=tops.count)
@@ -590,6 +592,14 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
         if tops and tops.count(common) * 3 > len(tops):
             line += f"; too little for the model to tell the queries apart ({common} tops {tops.count(common)} of {len(tops)})"
         lines.append(line)
+    fusion = (record or {}).get("fusion")
+    if fusion:
+        m = fusion.get("fit_metrics") or {}
+        how = (f"cosine + {fusion['weight_generative']:g} x generative log-prob ({fusion.get('generative_norm', 'sum')})"
+               if fusion["method"] == "interpolation" else "reciprocal-rank fusion")
+        lines.append(f"targets fused as {how}, fitted on {fusion['queries']} {fusion['fitted_on'].replace('_', '-')}: "
+                     f"recall@10 there dense {m.get('dense_recall@10')}, generative {m.get('generative_recall@10')}, "
+                     f"hybrid {m.get('hybrid_recall@10')}")
     creative = _read(Path(result["creative_model"]) / "adbatch_training.json") if result.get("creative_model") else None
     if creative:
         ct, pairs = creative.get("train") or {}, (creative.get("creative") or {}).get("pairs") or {}

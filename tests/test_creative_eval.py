@@ -144,7 +144,8 @@ def test_refresh_prints_samples_and_what_the_budget_reached(tmp_path):
     for task, req in (("targets", treq), ("creatives", creq)):
         (work / "generate" / task / "manifest.json").write_text(json.dumps({"config": {"requests": str(req)}}))
     pq.write_table(pa.table({"request_id": ["t0"] * 3 + ["t1"] * 3, "rank": [2, 1, 3, 1, 2, 3],
-                             "ad_id": ["a2", "a1", "a3", "a1", "a3", "a2"]}),
+                             "ad_id": ["a2", "a1", "a3", "a1", "a3", "a2"],
+                             "channel": ["dense", "both", "generative", "both", "dense", "dense"]}),
                    work / "generate/targets/targets/part-0.parquet")
     pq.write_table(pa.table({"ad_id": ["a1", "a3"], "variant": [0, 0],
                              "headline": ["Bread Worth Waking Up For", "Advertiser: Sunco"]}),
@@ -156,8 +157,9 @@ def test_refresh_prints_samples_and_what_the_budget_reached(tmp_path):
                           "creatives": str(work / "generate/creatives/creatives")}}
     lines = _sample_lines(result)
     text = "\n".join(lines)
-    assert lines[:5] == ["targets (query -> top 3 ads):", "  'fresh bread'", "    1. a1: Bread Daily",
-                         "    2. a2: Shoes For Life", "    3. a3: Sun Power"]
+    assert lines[:5] == ["targets (query -> top 3 ads; [the channel that proposed each: generative, dense or both]):",
+                         "  'fresh bread'", "    1. a1: Bread Daily [both]", "    2. a2: Shoes For Life [dense]",
+                         "    3. a3: Sun Power [generative]"]
     assert "1 distinct top-1 ads over 2 queries; the most common, a1, tops 2" in text
     assert "  Acme Bakery -> 'Bread Worth Waking Up For' [Bread Daily]" in text
     assert ("  2 headlines: 50% echo the prompt (a field label, or half of its words), 50% take half of their own "
