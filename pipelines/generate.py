@@ -43,6 +43,7 @@ from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_ma
                                write_parquet_atomic)
 from adbatch.config import LOG_FORMAT, ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, FusionMode, TargetSearchConfig
+from adbatch.index.dense import DenseBackend
 from adbatch.serving.generators import (DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
                                 TargetGenerator, answers_to_output, check_model_index, default_batch_size,
                                 generator_fingerprint)
@@ -100,6 +101,8 @@ class GenerateJobConfig(ConfigBase):
     num_cpus: int | None = dataclasses.field(
         default=None, metadata={"help": "CPUs of a local Ray (ignored when joining RAY_ADDRESS)"})
     max_query_tokens: int = dataclasses.field(default=48, metadata={"help": "query tokens in the prompt"})
+    dense_backend: DenseBackend = dataclasses.field(
+        default=DenseBackend.EXACT, metadata={"help": "dense channel search: exact | faiss_flat | faiss_hnsw (GenerateConfig)"})
     overwrite: bool = dataclasses.field(
         default=False, metadata={"help": "replace an --out folder that holds a different run"})
     progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
@@ -141,7 +144,7 @@ class GenerateJobConfig(ConfigBase):
 
     def generate_config(self, num_threads: int = 0) -> GenerateConfig:
         return GenerateConfig(batch_size=self.batch_size, device=self.device, num_threads=num_threads,
-                              max_query_tokens=self.max_query_tokens)
+                              max_query_tokens=self.max_query_tokens, dense_backend=self.dense_backend)
 
 
 def build_generator(task: GenerateTask, spec: ModelSpec, index: str | None,

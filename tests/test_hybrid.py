@@ -190,3 +190,14 @@ def test_generate_hybrid_writes_both_scores_and_the_channel(assets, tmp_path):
     pg.run_generate(job2)
     d = pq.read_table(tmp_path / "dense" / "targets").to_pylist()
     assert all(r["channel"] == "dense" and r["score_generative"] is None for r in d)
+
+
+@pytest.mark.parametrize("backend", ["faiss_flat", "faiss_hnsw"])
+def test_faiss_backends_agree_with_the_exact_search(assets, backend):
+    index = load_index(assets["index"])
+    exact = DenseRetriever(index, "cpu")
+    other = DenseRetriever(index, "cpu", backend=backend, embedder=exact.embedder)
+    q = exact.embed(["drill saw", "lamp bulb", "pipe valve"])
+    a, b = exact.search(q, 5), other.search(q, 5)
+    assert (a.rows == b.rows).float().mean() >= (1.0 if backend == "faiss_flat" else 0.8)
+    torch.testing.assert_close(b.scores, exact.score(q, b.rows), atol=1e-3, rtol=0)

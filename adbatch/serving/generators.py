@@ -29,6 +29,7 @@ import pyarrow as pa
 from adbatch.artifacts import sha256_file, sha256_json, sha256_paths
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.decoding.config import FusionMode
+from adbatch.index.dense import DenseBackend
 from adbatch.serving.requests import (CREATIVES_OUT_SCHEMA, REJECTED_SCHEMA, TARGETS_OUT_SCHEMA,
                               GenerateTask, RejectStage)
 
@@ -68,6 +69,9 @@ class GenerateConfig(ConfigBase):
         default=0, metadata={"help": "torch CPU threads in this process (0 = leave torch's default)"})
     max_query_tokens: int = dataclasses.field(
         default=48, metadata={"help": "query tokens kept in the targeting prompt"})
+    dense_backend: DenseBackend = dataclasses.field(
+        default=DenseBackend.EXACT, metadata={"help": "dense channel search: exact (matmul + top-k on the device) | faiss_flat | "
+                                           "faiss_hnsw (approximate, CPU; catalogues in the millions)"})
 
     def validate(self) -> None:
         if self.batch_size is not None and self.batch_size < 1:
@@ -76,6 +80,7 @@ class GenerateConfig(ConfigBase):
             raise ConfigError(f"GenerateConfig.num_threads must be >= 0, got {self.num_threads}")
         if self.max_query_tokens < 1:
             raise ConfigError(f"GenerateConfig.max_query_tokens must be >= 1, got {self.max_query_tokens}")
+
 
 
 class ModelKind(str, enum.Enum):
@@ -439,7 +444,7 @@ class TargetGenerator(_GeneratorBase):
         if search.fusion is not FusionMode.GENERATIVE:
             from adbatch.index.dense import DenseRetriever
 
-            dense = DenseRetriever(self.index, self.device)
+            dense = DenseRetriever(self.index, self.device, backend=self.config.dense_backend)
         self.fusion = fusion_of_record(self.training_record)
         self.ranker = HybridRanker(self.model, self.tokenizer, self.index, search, dense=dense, fusion=self.fusion,
                                    max_query_tokens=self.config.max_query_tokens, cost_model=self.cost_model)
@@ -584,4 +589,6 @@ def generator_fingerprint(task: GenerateTask, decoding: Any, config: GenerateCon
     prompt = (TARGETING_PROMPT_VERSION if task is GenerateTask.TARGETS
               else f"{CREATIVE_PROMPT_VERSION}/tuned{TUNED_CREATIVE_PROMPT_VERSION}")
     return sha256_json({"task": task.value, "decoding": decoding.to_dict(),
-                        "max_query_tokens": config.max_query_tokens, "prompt_version": prompt})
+                        "max_query_tokens": config.max_query_tokens, "prompt_version": prompt,
+                        # an approximate dense search may rank other ads: part of what decides the answers
+                        **({"dense_backend": config.dense_backend.value} if config.dense_backend is not DenseBackend.EXACT else {})})
