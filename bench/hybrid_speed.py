@@ -56,18 +56,6 @@ def _smoke_assets(root: Path) -> tuple[Any, Any, Any, list[str], Any]:
     return model.eval(), tok, load_index(root / "index"), queries, torch.from_numpy(rng.normal(size=(12, 16)).astype("float32"))
 
 
-class _Lookup:
-    """Query text -> its precomputed vector (a SentenceTransformer ``encode`` stand-in)."""
-
-    def __init__(self, queries: list[str], emb: Any) -> None:
-        self.row, self.emb = {q: i for i, q in enumerate(queries)}, emb
-
-    def encode(self, queries: list[str], **_: Any) -> Any:
-        import torch
-
-        return torch.nn.functional.normalize(self.emb[[self.row[q] for q in queries]].float(), dim=1)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", help="bench/train_eval.py prepare bundle (index_<cat>_text, query_emb_<cat>.npz)")
@@ -86,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.decoding import DenseCandidates, search_targets
-    from adbatch.index.dense import DenseRetriever
+    from adbatch.index.dense import DenseRetriever, PrecomputedQueryEmbedder
     from adbatch.serving.hybrid import HybridRanker
     from adbatch.serving.prompts import encode_targeting_prompts
 
@@ -112,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             tok = AutoTokenizer.from_pretrained(args.config, local_files_only=True, trust_remote_code=False)
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config, trust_remote_code=False))
     model = model.to(device, torch.bfloat16 if device == "cuda" else torch.float32).eval()
-    dense = DenseRetriever(index, device, embedder=_Lookup(queries, qemb))
+    dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder(queries, qemb))
     batch = (queries * (args.batch // len(queries) + 1))[:args.batch]
     base = TargetSearchConfig(verify=VerifyMode.OFF)
     rows = {"generative": base.replace(fusion=FusionMode.GENERATIVE)}

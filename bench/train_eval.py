@@ -51,7 +51,7 @@ def channels(args: argparse.Namespace) -> None:
     1. ``train_on_index`` with ``TrainConfig()`` (the ``adbatch train`` defaults; ``--train-budget-s`` caps
        it) on the catalogue's index, validation qrels given: it fits the fusion of the two channels at the
        end (the record's ``fusion``), with the dense channel reading the bundle's precomputed MiniLM query
-       vectors (:class:`PrecomputedEmbedder`; the device has no MiniLM);
+       vectors (``PrecomputedQueryEmbedder``; the device has no MiniLM);
     2. the dense prior's weight chosen on the validation queries (hybrid, default beams) from
        ``--prior-weights``;
     3. test queries, bf16, through :class:`adbatch.serving.hybrid.HybridRanker` (what ``adbatch generate``
@@ -68,7 +68,7 @@ def channels(args: argparse.Namespace) -> None:
 
     from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.eval.targeting import evaluate_targeting
-    from adbatch.index.dense import DenseRetriever
+    from adbatch.index.dense import DenseRetriever, PrecomputedQueryEmbedder
     from adbatch.serving.generators import ModelSpec, load_model
     from adbatch.serving.hybrid import FusionMethod, FusionParams, HybridRanker, fusion_of_record
     from adbatch.training import TrainConfig, train_on_index
@@ -88,7 +88,7 @@ def channels(args: argparse.Namespace) -> None:
         results["prepare"] = json.loads((bundle / "prepare.json").read_text())
     data = load_bundle(bundle, cat)
     index = data["indexes"][args.scheme]
-    dense = DenseRetriever(index, device, embedder=PrecomputedEmbedder(bundle / f"query_emb_{cat}.npz"))
+    dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(bundle / f"query_emb_{cat}.npz"))
     cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048, compile=False)
     cfg = TrainConfig.from_dict(_merged(cfg.to_dict(), json.loads(args.train_json)))
     if args.train_budget_s:
@@ -319,7 +319,7 @@ def prepare(args: argparse.Namespace) -> None:
 
 def _write_query_embeddings(path: Path, data: Any) -> None:
     """MiniLM vectors of the validation and test queries (``queries`` str, ``emb`` float16 ``[Q, 384]``): the
-    device has no MiniLM, so the dense channel there reads these (:class:`PrecomputedEmbedder`)."""
+    device has no MiniLM, so the dense channel there reads these (:class:`adbatch.index.dense.PrecomputedQueryEmbedder`)."""
     import numpy as np
 
     from adbatch.eval.datasets import QuerySplit
@@ -328,23 +328,6 @@ def _write_query_embeddings(path: Path, data: Any) -> None:
     queries = sorted(set(data.qrels[QuerySplit.TEST]) | set(data.qrels[QuerySplit.VALID]))
     emb = embed_texts(load_minilm(), queries)
     np.savez(path, queries=np.asarray(queries), emb=emb.astype(np.float16))
-
-
-class PrecomputedEmbedder:
-    """A stand-in for the query embedder (a ``SentenceTransformer``'s ``encode``) that looks queries up in
-    vectors computed beforehand by the same model (``query_emb_<catalogue>.npz`` of ``prepare``)."""
-
-    def __init__(self, path: Path) -> None:
-        import numpy as np
-
-        z = np.load(path, allow_pickle=False)
-        self.row = {str(q): i for i, q in enumerate(z["queries"])}
-        self.emb = z["emb"].astype(np.float32)
-
-    def encode(self, queries: list[str], **_: Any) -> Any:
-        import torch
-
-        return torch.from_numpy(self.emb[[self.row[q] for q in queries]])
 
 
 def _embeddings_for(ids: list[int], titles: dict[int, str], emb: Any, pos: dict[int, int]) -> Any:

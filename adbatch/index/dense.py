@@ -237,6 +237,30 @@ class DenseRetriever:
         return torch.where(rows >= 0, s, float("-inf"))
 
 
+class PrecomputedQueryEmbedder:
+    """A query embedder (the ``encode`` of a ``SentenceTransformer``) that looks queries up in vectors the
+    index's own query embedder computed beforehand: a machine without that model (a GPU box with no MiniLM)
+    can still run the dense channel. ``queries``: ``Q`` texts; ``emb``: their ``[Q, D]`` vectors (any float)."""
+
+    def __init__(self, queries: list[str], emb: Any) -> None:
+        import torch
+
+        self.row = {str(q): i for i, q in enumerate(queries)}
+        self.emb = torch.nn.functional.normalize(torch.as_tensor(np.asarray(emb, dtype=np.float32)), dim=1)
+
+    @classmethod
+    def from_npz(cls, path: str | Path) -> "PrecomputedQueryEmbedder":
+        """From an ``.npz`` with ``queries`` (strings) and ``emb`` (``[Q, D]``)."""
+        z = np.load(path, allow_pickle=False)
+        return cls([str(q) for q in z["queries"]], z["emb"])
+
+    def encode(self, queries: list[str], **_: Any) -> Any:
+        missing = [q for q in queries if q not in self.row]
+        if missing:
+            raise KeyError(f"{len(missing)} queries have no precomputed vector (e.g. {missing[0]!r})")
+        return self.emb[[self.row[q] for q in queries]]
+
+
 def _faiss_index(backend: DenseBackend, emb: np.ndarray) -> Any:
     try:
         import faiss

@@ -429,7 +429,6 @@ class TargetGenerator(_GeneratorBase):
         self.training_record = check_model_index(spec, self.index.directory, self.index.manifest)
         super().__init__(spec, config or GenerateConfig())
         self.search = search
-        self.trie = self.index.trie.to(self.device)
         self.ad_ids = [str(a) for a in self.index.ad_ids]
         self.codes = self.index.ad_codes.column("code").to_pylist()
         self.cost_model = None
