@@ -201,3 +201,24 @@ def test_faiss_backends_agree_with_the_exact_search(assets, backend):
     a, b = exact.search(q, 5), other.search(q, 5)
     assert (a.rows == b.rows).float().mean() >= (1.0 if backend == "faiss_flat" else 0.8)
     torch.testing.assert_close(b.scores, exact.score(q, b.rows), atol=1e-3, rtol=0)
+
+
+def test_a_fusion_that_ignores_the_generative_score_skips_its_pass(assets):
+    """Fitted weight 0 (a barely trained model): the union is ranked by cosine, and the dense candidates'
+    teacher-forced pass is skipped (their generative score stays NaN unless the beam found them)."""
+    from adbatch.models import load_causal_lm
+    from adbatch.serving.hybrid import HybridRanker
+
+    index = load_index(assets["index"])
+    model, tok = load_causal_lm(str(assets["model"]), dtype=torch.float32, device="cpu")
+    dense = DenseRetriever(index, "cpu")
+    search = TargetSearchConfig(num_beams=3, top_k=5, verify="off", dense_k=6)
+    queries = ["drill saw", "lamp bulb"]
+    zero = HybridRanker(model, tok, index, search, dense=dense,
+                        fusion=FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=0.0)).rank(queries)
+    full = HybridRanker(model, tok, index, search, dense=dense,
+                        fusion=FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=1e-9)).rank(queries)
+    assert zero.rows.tolist() == full.rows.tolist()  # the same ranking: cosine decides
+    only_dense = zero.channel == CHANNEL_DENSE
+    assert only_dense.any() and torch.isnan(zero.generative[only_dense]).all()
+    assert torch.isfinite(full.generative[zero.rows >= 0]).all()

@@ -148,7 +148,9 @@ def fused_scores(c: Candidates, params: FusionParams) -> Any:
     import torch
 
     valid = c.rows >= 0
-    if params.method is FusionMethod.INTERPOLATION:
+    if params.method is FusionMethod.INTERPOLATION and params.weight_generative == 0.0:
+        s = c.dense  # the dense order over the union (generative scores may be absent: not computed)
+    elif params.method is FusionMethod.INTERPOLATION:
         g = c.generative / c.length.clamp(min=1) if params.generative_norm == "mean" else c.generative
         s = c.dense + params.weight_generative * g
     else:
@@ -269,14 +271,20 @@ class HybridRanker:
                               torch.where(res.rows >= 0, CHANNEL_GENERATIVE, 0).to(torch.int8))
         q = self.dense.embed(queries) if q_emb is None else q_emb.to(self.dense.device)
         hits = self.dense.search(q, self.dense_k)
+        # a fusion that ignores the generative score (fitted weight 0: a barely trained model) skips the dense
+        # candidates' teacher-forced pass; their score_generative stays null unless the beam found them too
+        exact = self.search.prior_weight > 0 or not (self.fusion.method is FusionMethod.INTERPOLATION
+                                                     and self.fusion.weight_generative == 0.0)
         with torch.inference_mode():
             res = search_targets(self.model, prompts, self.trie, self.search, cost_model=self.cost_model,
-                                 dense=DenseCandidates(hits.rows, hits.scores.float()))
+                                 dense=DenseCandidates(hits.rows, hits.scores.float()) if exact else None)
         self.last_beams_verified = res.stats.beams_verified
         gen_cos = self.dense.score(q, res.rows).float().cpu()
-        assert res.dense_scores is not None and res.dense_scores.shape[0] == Q
+        dense_gen = (res.dense_scores.float() if exact
+                     else torch.full(hits.rows.shape, float("nan")))
+        assert dense_gen.shape[0] == Q
         return union_candidates(res.rows, res.scores.float(), gen_cos, hits.rows.cpu(), hits.scores.float().cpu(),
-                                res.dense_scores.float())
+                                dense_gen)
 
     def _with_lengths(self, c: Candidates) -> Candidates:
         import torch
