@@ -319,7 +319,8 @@ def calibrate_once(model: str | None, device: Any) -> float:
 def search_config(args: argparse.Namespace) -> Any:
     from adbatch.decoding import TargetSearchConfig
 
-    return TargetSearchConfig(verify=args.verify) if args.verify else TargetSearchConfig()
+    cfg = TargetSearchConfig(fusion=args.fusion)
+    return cfg.replace(verify=args.verify) if args.verify else cfg
 
 
 def device_choice(args: argparse.Namespace) -> Any:
@@ -439,6 +440,7 @@ def run_cli(args: argparse.Namespace, work: Path, state: dict[str, Any], deadlin
         cmd += ["--model", str(state["model"])]
     if args.verify:
         cmd += ["--targets.verify", args.verify]
+    cmd += ["--targets.fusion", args.fusion]
     if args.cli_num_cpus:
         cmd += ["--num-cpus", str(args.cli_num_cpus)]
     env = dict(os.environ)
@@ -693,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="generator device (default auto; smoke cpu)")
     ap.add_argument("--verify", default=None, choices=("off", "auto", "always"),
                     help="targets.verify for both runs (default: the job's default)")
+    ap.add_argument("--fusion", default="generative", choices=("generative", "hybrid", "dense"),
+                   help="targets.fusion for both runs (default generative: the synthetic indexes of --smoke and "
+                        "--random-model hold random vectors with no query embedder)")
     ap.add_argument("--cli-num-cpus", type=int, default=0, help="num_cpus of the job's local Ray (0 = all)")
     ap.add_argument("--phase", default="all", choices=("all", "prepare", "library", "cli", "compare"))
     ap.add_argument("--deadline-s", type=float, default=0.0,

@@ -48,7 +48,7 @@ def _smoke_assets(root: Path) -> tuple[Any, Any, Any, list[str], Any]:
     build_index(root / "ads.parquet", root / "index", IndexConfig(
         columns=CorpusConfig(embedding="vec"), embedding=EmbeddingConfig(query_embedder="default"),
         cluster=ClusterConfig(branching=4, leaf_size=8)), progress=False)
-    tok = AutoTokenizer.from_pretrained(resolve_model(), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(resolve_model(), local_files_only=True, trust_remote_code=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:  # random init of the real shape: speed only (never zeros)
             torch.manual_seed(0)
             tok = AutoTokenizer.from_pretrained(args.config, local_files_only=True, trust_remote_code=False)
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config, trust_remote_code=False))
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config, trust_remote_code=False),
+                                                     trust_remote_code=False)
     model = model.to(device, torch.bfloat16 if device == "cuda" else torch.float32).eval()
     dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder(queries, qemb))
     batch = (queries * (args.batch // len(queries) + 1))[:args.batch]

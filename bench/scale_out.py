@@ -164,7 +164,9 @@ def generate_config(args: argparse.Namespace, task: str, n: int, out: Path, **ov
 
     return GenerateJobConfig(task=task, requests=args.requests if task == "targets" else args.creative_requests,
                              index=args.index if task == "targets" else None, model=args.model, out=out,
-                             executor="ray", concurrency=n, progress=False, overwrite=True, **over)
+                             executor="ray", concurrency=n, progress=False, overwrite=True,
+                             # the synthetic indexes hold random vectors with no query embedder: the trie alone
+                             **({"targets": {"fusion": "generative"}} if task == "targets" else {}), **over)
 
 
 def run_generate_once(args: argparse.Namespace, task: str, n: int, out: Path, **over: Any) -> dict[str, Any]:

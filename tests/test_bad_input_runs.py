@@ -365,7 +365,7 @@ def test_cli_generate_overwrite_into_an_index_exits_2_and_keeps_it(assets, artif
     before = snapshot(artifacts["index"])
     argv = ["generate", "--requests", str(assets["requests"]), "--index", str(assets["index"]),
             "--model", str(assets["model"]), "--out", str(artifacts["index"]), "--overwrite", "true",
-            "--executor", "local", "--device", "cpu"]
+            "--executor", "local", "--device", "cpu", "--targets.fusion", "generative"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds an adbatch index artifact" in err[0]
@@ -735,7 +735,7 @@ def test_out_on_a_read_only_file_system_is_one_line(stage, assets, read_only, ca
     out = read_only / "out"
     argv = (["index", "--ads", str(assets["corpus"]), "--index.columns.embedding", "vec"] if stage == "index" else
             ["generate", "--requests", str(assets["requests"]), "--index", str(assets["index"]), "--model",
-             str(assets["model"]), "--executor", "local", "--device", "cpu"])
+             str(assets["model"]), "--executor", "local", "--device", "cpu", "--targets.fusion", "generative"])
     assert main(argv + ["--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"adbatch {stage}: error: cannot write {read_only} (EROFS, errno 30"), err

@@ -31,14 +31,14 @@ def test_report_has_tables_and_plots(tmp_path):
     results = {
         "meta": {"created": "now", "machine": "test", "code_version": "x"},
         "targeting": {"catalogue": "3 products", "query_split": "test", "index": "idx", "rows": [
-            {"variant": "dense", "scheme": "text", "verify": "off", "recall@1": 0.1, "recall@10": 0.5,
+            {"variant": "dense", "channel": "hybrid", "scheme": "text", "verify": "off", "recall@1": 0.1, "recall@10": 0.5,
              "mrr@10": 0.2, "ndcg@10": 0.3, "queries": 4, "queries_per_s": 2.0, "ms_per_query": 500.0},
             {"variant": "compressed", "scheme": "text", "verify": "auto", "note": "not evaluated: x"}]},
         "creatives": {"skipped": "no data"},
     }
     files = write_report(tmp_path, results)
     text = files["report"].read_text()
-    assert "| dense | text | off | 0.100 | 0.500 | 0.200 | 0.300 | 4 | 2.000 | 500.000 |" in text
+    assert "| dense | hybrid | text | off | 0.100 | 0.500 | 0.200 | 0.300 | 4 | 2.000 | 500.000 |" in text
     assert "not evaluated: x" in text and "Skipped: no data" in text
     assert files["targeting_quality"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -93,14 +93,19 @@ def test_run_eval_end_to_end_on_small_files(tmp_path):
                       "creative": {"max_new_tokens": 4}},
     })
     res = run_eval(cfg)
-    rows = {(r["variant"], r["verify"]): r for r in res["targeting"]}
-    assert set(rows) == {("dense", "off"), ("dense", "always"), ("MiniLM+faiss", None)}
+    rows = {(r["variant"], r.get("channel"), r["verify"]): r for r in res["targeting"]}
+    assert set(rows) == {("dense", "hybrid", "off"), ("dense", "hybrid", "always"), ("dense", "generative", "off"),
+                         ("dense", "generative", "always"), ("index embeddings", "dense", None),
+                         ("MiniLM+faiss", None, None)}
     for r in rows.values():
         assert r["queries"] == 5 and 0.0 <= r["recall@10"] <= 1.0 and r["queries_per_s"] > 0
     # 10 beams (raised to top_k) over 6 ads: off and always search the same trie exactly -> the same metrics
-    assert rows[("dense", "off")]["recall@10"] == pytest.approx(rows[("dense", "always")]["recall@10"])
-    # MiniLM finds the relevant product of these easy queries
-    assert rows[("MiniLM+faiss", None)]["recall@1"] >= 0.8
+    for channel in ("hybrid", "generative"):
+        assert rows[("dense", channel, "off")]["recall@10"] == pytest.approx(rows[("dense", channel, "always")]["recall@10"])
+    # MiniLM finds the relevant product of these easy queries; the index keeps the same vectors: the same ranks
+    assert rows[("MiniLM+faiss", None, None)]["recall@1"] >= 0.8
+    for metric in ("recall@1", "recall@10", "mrr@10"):
+        assert rows[("index embeddings", "dense", None)][metric] == pytest.approx(rows[("MiniLM+faiss", None, None)][metric])
     (creative,) = res["creatives"]
     assert creative["variant"] == "dense" and creative["examples"] == 3 and 0 <= creative["meteor"] <= 1
     report = (tmp_path / "eval" / "report.md").read_text()

@@ -69,6 +69,9 @@ def test_model_trained_on_other_prompt_version_is_refused(tmp_path, version, ok)
         record["targeting_prompt_version"] = version
     (tmp_path / "adbatch_training.json").write_text(json.dumps(record))
     (tmp_path / "config.json").write_text("{}")
+    from adbatch.index.trie import Trie
+
+    Trie.from_sequences([[5, 6, 2]]).save(tmp_path / "trie.safetensors")  # the driver reads its vocabulary bound
     manifest = {"index_hash": "ab" * 32, "scheme": "text"}
     spec = ModelSpec(model=str(tmp_path))
     if ok:

@@ -120,7 +120,8 @@ def test_creative_requests_need_an_ad_field(tmp_path):
 
 
 def test_output_schemas_have_the_contract_columns():
-    assert TARGETS_OUT_SCHEMA.names[:5] == ["request_id", "rank", "ad_id", "score", "code"]
+    assert TARGETS_OUT_SCHEMA.names[:8] == ["request_id", "rank", "ad_id", "score", "score_generative", "score_dense",
+                                            "channel", "code"]
     assert CREATIVES_OUT_SCHEMA.names == ["request_id", "ad_id", "variant", "headline", "score"]
 
 
