@@ -413,7 +413,8 @@ class TargetGenerator(_GeneratorBase):
     Loads the model, the index and (unless generative) the ad embeddings and query embedder once; each call
     maps a ``pa.Table`` of ``request_id, query`` (validated, see
     :func:`adbatch.serving.requests.validate_requests`) to a table of :data:`TARGET_ANSWER_SCHEMA`.
-    The fusion's parameters come from the model's training record (RRF when it has none).
+    The fusion's parameters come from the model's training record (:func:`adbatch.serving.hybrid.fusion_of_record`:
+    RRF for a trained model without a fit, the dense order for a model never trained on the index).
     """
 
     task = GenerateTask.TARGETS

@@ -11,7 +11,7 @@ cosine; then one fused score ranks the union (:class:`FusionParams`):
   on the validation queries (or held-out pseudo-queries whose ad is known) by :func:`fit_fusion`, and stored
   in the training record, so a barely trained model leans on the dense channel by itself;
 - ``rrf``: reciprocal-rank fusion ``1/(k + rank_gen) + 1/(k + rank_dense)`` over the union, the
-  parameter-free fallback for a model with no fitted fusion.
+  parameter-free fallback for a trained model with no fitted fusion (an untrained one gets the dense order).
 
 Everything here is batched tensors: ``Q`` queries x ``M`` union slots (``M = top_k + dense_k``), padded
 with row -1.
@@ -71,8 +71,12 @@ class FusionParams(ConfigBase):
 
 
 def fusion_of_record(record: Mapping[str, Any] | None) -> FusionParams:
-    """The fitted fusion a training record (or compressed manifest) carries, else the RRF fallback."""
-    if record and record.get("fusion"):
+    """The fitted fusion a training record (or compressed manifest) carries; for a model trained without a fit
+    (``fusion_queries`` 0, or before fits existed) the RRF fallback; for a model never trained on the index
+    (no record) the dense order: its generative scores know no ads (zero-shot recall@10 0.010 on 5k)."""
+    if record is None:
+        return FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=0.0, fitted_on="untrained model")
+    if record.get("fusion"):
         return FusionParams.from_dict(record["fusion"])
     return FusionParams()
 
