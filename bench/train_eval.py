@@ -74,14 +74,7 @@ def channels(args: argparse.Namespace) -> None:
     from adbatch.training import TrainConfig, train_on_index
     from adbatch.training.checkpoint import read_training_record
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-                               "args": vars(args), "rows": {}}
-
-    def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    out, device, results, save = _results_file(args)
 
     bundle, cat = Path(args.bundle), args.catalogue
     if (bundle / "prepare.json").is_file():
@@ -251,6 +244,23 @@ def smoke(out: Path) -> None:
     main(["channels", "--bundle", str(bundle), "--catalogue", "smoke", "--out", str(out / "channels"),
           "--work", str(out / "work"), "--smoke", "--batch", "4", "--speed-batch", "8", "--prior-weights", "1",
           "--beams-list", "10", "--skip-compress", "--train-json", '{"fusion_queries": 4}'])
+
+
+def _results_file(args: argparse.Namespace) -> tuple[Path, str, dict[str, Any], Any]:
+    """``(out, device, results, save)`` of a check / channels run: ``results`` is saved to ``out/results.json``
+    by ``save()`` after each row, so a call cut short still returns what it measured."""
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                               "args": vars(args), "rows": {}}
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    return out, device, results, save
 
 
 def _merged(base: dict, over: dict) -> dict:
@@ -682,14 +692,7 @@ def check(args: argparse.Namespace) -> None:
     unknown = wanted - {"off64", "auto64", "old64", "off1024"}
     if unknown:
         raise SystemExit(f"--methods: unknown {sorted(unknown)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-                               "args": vars(args), "rows": {}}
-
-    def save() -> None:
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    out, device, results, save = _results_file(args)
 
     bundle = Path(args.bundle)
     if (bundle / "prepare.json").is_file():
@@ -700,10 +703,7 @@ def check(args: argparse.Namespace) -> None:
     cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048)
     cfg = cfg.replace(pseudo_queries=cfg.pseudo_queries.replace(source=args.query_source))
 
-    def merged(base: dict, over: dict) -> dict:
-        return {k: merged(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-                for k, v in {**base, **over}.items()}
-    cfg = TrainConfig.from_dict(merged(cfg.to_dict(), json.loads(args.train_json)))
+    cfg = TrainConfig.from_dict(_merged(cfg.to_dict(), json.loads(args.train_json)))
     results["train_config"] = cfg.to_dict()
     if args.train_budget_s:
         cfg = cfg.replace(time_budget_s=args.train_budget_s)

@@ -343,8 +343,8 @@ def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.T
 
     # Finished: terminal children among the query's top-B candidates (HF's rule); virtual ones take
     # their rank but are in the pool already. (C >= 1, so a query has at least B candidates.)
-    top_i = rank_s.topk(B, dim=1).indices
-    top_s = flat_s.gather(1, top_i)
+    top_r, top_i = rank_s.topk(B, dim=1)
+    top_s = top_r if prior_keys is None else flat_s.gather(1, top_i)
     top_c = flat_c.gather(1, top_i)
     fin = (torch.isfinite(top_s) & (top_c >= 0) & aux.is_terminal[top_c.clamp(min=0)]
            & ~flat_v.gather(1, top_i))
@@ -354,7 +354,7 @@ def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.T
     # Running: the top-B candidates that can still grow.
     grow = (flat_c >= 0) & (aux.degree[flat_c.clamp(min=0)] > 0)
     run_r, run_i = torch.where(grow, rank_s, NEG_INF).topk(B, dim=1)        # [Qb, B]
-    run_s = flat_s.gather(1, run_i)
+    run_s = run_r if prior_keys is None else flat_s.gather(1, run_i)  # the exact scores, not the ranking ones
     alive = torch.isfinite(run_r)
     if length_penalty == 0.0:  # bound: descendants score <= the beam; drop beams that cannot enter
         alive &= run_s > pool_s[:, -1:]
