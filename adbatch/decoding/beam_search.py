@@ -579,7 +579,7 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     pad_id = getattr(model.config, "pad_token_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)
     stats = SearchStats(mode=config.verify.value)
-    engine = engine_for(model)
+    engine = engine_for(model, config.linear_formats)
     rows, scores, dense_scores = [], [], []
     was_training = model.training
     model.eval()

@@ -9,6 +9,15 @@ from dataclasses import field
 from adbatch.config import ConfigBase, ConfigError
 
 
+class LinearFormats(str, enum.Enum):
+    """Which formats the decoding engine's per-bucket plan may serve a compressed layer in."""
+
+    #: the packed INT4 kernel, its bf16 copy, a semi-structured bf16 copy (2:4 / 1:4 at large buckets)
+    INT4 = "int4"
+    #: those, plus FP8 and (2:4 / 1:4 layers) 2:4 FP8 copies from FP8_MIN_ROWS rows, where accurate enough
+    FP8 = "fp8"
+
+
 class VerifyMode(str, enum.Enum):
     """When a beam switches from step-by-step decoding to prefix-tree parallel verification."""
 
@@ -54,6 +63,11 @@ class TargetSearchConfig(ConfigBase):
     prior_weight: float = field(
         default=0.0, metadata={"help": "dense prior (PAG planning-ahead): beams are ranked by log-prob + this x "
                                        "the best dense cosine below their node (needs the dense channel; 0 = off)"})
+    linear_formats: LinearFormats = field(
+        default=LinearFormats.INT4, metadata={
+            "help": "formats a compressed model's layers may run in, chosen per row bucket by timing: int4 (packed "
+                    "INT4 kernel, bf16 copy, 2:4 bf16 copy) | fp8 (also FP8 and 2:4 FP8 copies at >= 64 rows, where "
+                    "accurate enough; activations quantized per row). See docs/decoding.md"})
     logprob_chunk: int = field(
         default=1024, metadata={"help": "positions per chunk when turning tree hidden states into log-probs"})
     profile: bool = field(

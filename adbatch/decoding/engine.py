@@ -27,7 +27,12 @@ packed kernel against a dense copy of each compressed layer shape (:class:`Linea
 the faster, so a compressed model is never slower than its dense form at any bucket it serves. At
 large buckets (>= :data:`SPARSE_MIN_ROWS` rows: many queries x beams on a large model, where no
 weight-only kernel can win) a 2:4 or 1:4 layer is also timed as a semi-structured sparse copy on
-Hopper's / Ampere's sparse tensor cores (:func:`semi_structured_copy`), the third candidate.
+Hopper's / Ampere's sparse tensor cores (:func:`semi_structured_copy`). With :attr:`LinearFormats.FP8`
+(from :data:`FP8_MIN_ROWS` rows) two compute formats join: an FP8 copy (per-channel weight scales,
+per-row dynamic activation scales; :mod:`kernels.fp8_linear`) and, for 2:4 / 1:4 layers, a 2:4 FP8 copy
+on the sparse tensor cores -- each only where its output passes :data:`FP8_MAX_REL_ERROR` against the
+bf16 copy on the timing input. Projections that read one input (q/k/v, gate/up) and all chose the
+same copy format run one fused GEMM (one activation quantization for FP8).
 
 Supported decoder families: Llama (SmolLM2), Mistral, Qwen2, Qwen3 (q/k norms), Gemma 3 (q/k norms,
 sandwich norms, sliding-window layers, scaled embeddings). Others are refused with a clear error.
@@ -39,6 +44,7 @@ tensors and the same captured-graph table, so splitting it would spread one stat
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 import weakref
@@ -49,7 +55,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from adbatch.decoding.config import LinearFormats
 from kernels import fused_ops as fo
+from kernels.fp8_linear import Fp8Layout, Fp8Weight, fp8_linear, fp8_supported, quantize_weight_fp8, relative_error
 from kernels.decode_attention import (RowGather, decode_attention, decode_attention_reference,
                                       decode_attention_rows, gather_suffix, row_gather)
 
@@ -137,20 +145,42 @@ class _Ops:
 SPARSE_MIN_ROWS = 512
 #: layer patterns a semi-structured (2:4) copy can hold: 1:4 is 2:4 with one more zero per group of four
 SPARSE_PATTERNS = ("2:4", "1:4")
+#: buckets from which FP8 copies are also timed (LinearFormats.FP8). Below, a step reads weights more than it
+#: multiplies, and the packed INT4 kernels read 4x fewer bytes than FP8's
+FP8_MIN_ROWS = 64
+#: largest relative error (Frobenius, vs the layer's bf16 copy on the timing input) an FP8 copy may have to
+#: be served; e4m3 with per-channel / per-row scales lands near 0.03-0.04 on Gaussian inputs (the public
+#: 2:4 FP8 kernel: 0.038), a broken scale or an outlier-ridden layer far above
+FP8_MAX_REL_ERROR = 0.08
+
+
+class LinearChoice(str, enum.Enum):
+    """How one compressed layer runs at one bucket."""
+
+    PACKED = "packed"        #: the packed INT4 / N:M kernel (kernels.packed_linear)
+    DENSE = "dense"          #: a bf16 / fp16 copy of the dequantized weight (cuBLAS)
+    SPARSE = "sparse"        #: a semi-structured 2:4 copy in the activation dtype (cuSPARSELt / CUTLASS)
+    FP8 = "fp8"              #: an FP8 copy, activations quantized per row (torch._scaled_mm)
+    SPARSE_FP8 = "sparse_fp8"  #: a 2:4 FP8 copy on the sparse tensor cores (cuSPARSELt)
+
+
+#: the copies a fused q/k/v or gate/up group can run as one GEMM
+_FUSABLE = (LinearChoice.DENSE, LinearChoice.FP8, LinearChoice.SPARSE_FP8)
 
 
 @dataclass
 class LinearPlan:
-    """Per compressed layer shape and row bucket: packed kernel, its dense copy, or (2:4 / 1:4 at
-    large buckets) its semi-structured sparse copy, by measurement.
+    """Per compressed layer shape and row bucket: which :class:`LinearChoice`, by measurement.
 
-    ``choice[(N, K, pattern, rows)]`` is ``"packed"``, ``"dense"`` or ``"sparse"``; ``timings`` keeps the
-    measured microseconds ``(packed, dense, sparse or None)`` (graph-replayed medians, the kernel tuner's
-    own timer) behind each choice.
+    ``choice[(N, K, pattern, rows)]`` is a :class:`LinearChoice`; ``timings`` keeps the measured
+    microseconds per candidate (graph-replayed medians, the kernel tuner's own timer) behind each choice,
+    and ``errors`` the FP8 candidates' relative errors vs the bf16 copy (a candidate over
+    :data:`FP8_MAX_REL_ERROR` is not served, whatever its time).
     """
 
-    choice: dict[tuple, str] = field(default_factory=dict)
-    timings: dict[tuple, tuple[float, float, float | None]] = field(default_factory=dict)
+    choice: dict[tuple, LinearChoice] = field(default_factory=dict)
+    timings: dict[tuple, dict[LinearChoice, float]] = field(default_factory=dict)
+    errors: dict[tuple, dict[LinearChoice, float]] = field(default_factory=dict)
 
 
 def semi_structured_copy(w: torch.Tensor) -> torch.Tensor | None:
@@ -175,6 +205,17 @@ def _shape_key(mod: Any) -> tuple:
     return (int(mod.out_features), int(mod.in_features), str(getattr(mod.pattern, "value", mod.pattern)))
 
 
+class _FusedBias:
+    """Stands in for a module where only its ``bias`` is read (a fused group's concatenated bias)."""
+
+    def __init__(self, bias: torch.Tensor | None) -> None:
+        self.bias = bias
+
+
+#: what the engine plans among when its caller names nothing (TargetSearchConfig.linear_formats is the knob)
+DEFAULT_LINEAR_FORMATS = LinearFormats.INT4
+
+
 # ------------------------------------------------------------------------------------------ engine
 @dataclass
 class _Graph:
@@ -193,8 +234,13 @@ class DecodeEngine:
     [R, V]`` in the head's dtype and ``lse Float32[R]`` with ``log_softmax = logits - lse``.
     """
 
-    def __init__(self, model: Any, fused: bool | None = None) -> None:
+    def __init__(self, model: Any, fused: bool | None = None, formats: LinearFormats = None) -> None:
         check_supported(model)
+        #: the formats the per-bucket plan may choose among (a compressed model's layers only)
+        self.formats = LinearFormats(formats or DEFAULT_LINEAR_FORMATS)
+        #: serve every compressed layer in this one format at every bucket, unplanned (accuracy
+        #: measurements of a format; None = the measured plan)
+        self.forced: LinearChoice | None = None
         self.model = model
         self.cfg = model.config
         self.dec = decoder_of(model)
@@ -220,6 +266,8 @@ class DecodeEngine:
         self._use_dense: set[int] = set()
         self._sparse: dict[int, torch.Tensor] = {}  # semi-structured copies of layers some bucket chose
         self._use_sparse: set[int] = set()
+        self._fp8: dict[tuple[int, LinearChoice], Fp8Weight] = {}  # FP8 copies the routing uses
+        self._use_fp8: dict[int, LinearChoice] = {}
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._tree_pool = None
@@ -239,8 +287,11 @@ class DecodeEngine:
         # compressed q/k/v or gate/up groups whose every member runs its dense copy at the bucket
         # being captured: one fused GEMM of the copies, as for a dense model
         self._fused_copies: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
-        self._fused_active: set[int] = set()
+        # the same for groups whose members all run an FP8 copy of one layout: (fused weight, split sizes)
+        self._fused_fp8: dict[tuple[int, LinearChoice], tuple[Fp8Weight, tuple[int, ...]]] = {}
+        self._fused_active: dict[int, LinearChoice] = {}  # group (its first member's id) -> fused copy format
         self._routed_rows: int | None = None  # the bucket _use_dense / _fused_active were planned for
+        self._fp8_refused: set[Fp8Layout] = set()
         self._packed_modules = [m for m in model.modules() if _is_packed(m)]
         self.capture_seconds = 0.0
         self.signature: tuple = ()
@@ -310,6 +361,9 @@ class DecodeEngine:
         if id(mod) in self._use_sparse:  # the sparse GEMM's result is a transposed view: the fused ops need rows
             y = F.linear(x.reshape(-1, x.shape[-1]), self._sparse[id(mod)], getattr(mod, "bias", None))
             return y.contiguous().reshape(*x.shape[:-1], -1)
+        fp8 = self._use_fp8.get(id(mod))
+        if fp8 is not None:
+            return fp8_linear(x, self._fp8[(id(mod), fp8)])
         return mod(x)
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,8 +406,12 @@ class DecodeEngine:
 
     def _projections(self, group: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
         fused = self._fused.get(id(group[0]))
-        if fused is None and id(group[0]) in self._fused_active:
+        active = self._fused_active.get(id(group[0]))
+        if fused is None and active is LinearChoice.DENSE:
             fused = self._fused_copies[id(group[0])]
+        elif fused is None and active is not None:  # an FP8 layout: one quantization of x, one GEMM
+            w8, sizes = self._fused_fp8[(id(group[0]), active)]
+            return list(fp8_linear(x, w8).split(sizes, dim=-1))
         if fused is None:
             return [self._linear(m, x) for m in group]
         w, b, sizes = fused
@@ -700,63 +758,136 @@ class DecodeEngine:
         self.capture_seconds += time.perf_counter() - t0
         return graph, outs
 
-    # -------------------------------------------------------------- packed vs dense, per bucket
+    # -------------------------------------------------------------- linear formats, per bucket
+    def _candidates(self, m: Any, rows: int, w: torch.Tensor) -> dict[LinearChoice, Any]:
+        """The formats ``m`` may run in at ``rows`` rows: choice -> its copy (None: the packed module
+        itself), built from ``w`` (``m``'s dequantized weight ``[N, K]``, the engine's dtype)."""
+        pattern = _shape_key(m)[2]
+        out: dict[LinearChoice, Any] = {LinearChoice.PACKED: None, LinearChoice.DENSE: w}
+        if pattern in SPARSE_PATTERNS and rows >= SPARSE_MIN_ROWS:
+            ws = self._sparse[id(m)] if id(m) in self._sparse else semi_structured_copy(w)
+            if ws is not None:
+                out[LinearChoice.SPARSE] = ws
+        if self.formats is LinearFormats.FP8 and rows >= FP8_MIN_ROWS:
+            for choice in (LinearChoice.FP8, LinearChoice.SPARSE_FP8):
+                if choice is LinearChoice.SPARSE_FP8 and pattern not in SPARSE_PATTERNS:
+                    continue
+                w8 = self._fp8_copy(m, w, choice)
+                if w8 is not None:
+                    out[choice] = w8
+        return out
+
+    def _fp8_copy(self, m: Any, w: torch.Tensor, choice: LinearChoice) -> Fp8Weight | None:
+        """An FP8 copy of ``w`` (``m``'s dequantized weight) in ``choice``'s layout; None where this device
+        cannot (the reason is logged once per layout)."""
+        layout = Fp8Layout.DENSE if choice is LinearChoice.FP8 else Fp8Layout.SPARSE_24
+        why = fp8_supported(self.device, layout)
+        if why is None:
+            try:
+                return quantize_weight_fp8(w, layout, getattr(m, "bias", None))
+            except (RuntimeError, ValueError) as exc:
+                why = str(exc).splitlines()[0]
+        if layout not in self._fp8_refused:
+            self._fp8_refused.add(layout)
+            log.info("no %s copies of compressed layers: %s", layout.value, why)
+        return None
+
+    def _time_layer(self, m: Any, key: tuple, rows: int) -> None:
+        """Time every candidate format of ``m`` at ``rows`` rows (graph-replayed, random normal input)
+        and record the fastest that is accurate enough in :attr:`plan`."""
+        from kernels.int4_tuner import time_graphed_ms
+        from kernels.nm_int4 import dequantize_nm_int4
+
+        x = torch.randn(rows, m.in_features, device=self.device, dtype=self.dtype)
+        w = dequantize_nm_int4(m.packed, self.dtype)
+        bias = getattr(m, "bias", None)
+        calls = {LinearChoice.PACKED: lambda c: m(x), LinearChoice.DENSE: lambda c: F.linear(x, c, bias),
+                 # the sparse GEMM's result is a transposed view: the step's fused ops need rows
+                 LinearChoice.SPARSE: lambda c: F.linear(x, c, bias).contiguous(),
+                 LinearChoice.FP8: lambda c: fp8_linear(x, c), LinearChoice.SPARSE_FP8: lambda c: fp8_linear(x, c)}
+        timed: dict[LinearChoice, float] = {}
+        errors: dict[LinearChoice, float] = {}
+        ref = None
+        candidates = self._candidates(m, rows, w)
+        for choice, copy_ in candidates.items():
+            fn = (lambda c=copy_, f=calls[choice]: f(c))
+            if choice in (LinearChoice.FP8, LinearChoice.SPARSE_FP8):
+                ref = F.linear(x, w, bias) if ref is None else ref
+                try:
+                    errors[choice] = relative_error(fn(), ref)
+                except RuntimeError as exc:
+                    log.info("%s copy of %s not run: %s", choice.value, key[:3], str(exc).splitlines()[0])
+                    continue
+                if errors[choice] > FP8_MAX_REL_ERROR:
+                    log.info("%s copy of %s refused: relative error %.4f > %.2f", choice.value, key[:3],
+                             errors[choice], FP8_MAX_REL_ERROR)
+                    continue
+            try:
+                timed[choice] = 1e3 * time_graphed_ms(fn, "warm")
+            except RuntimeError as exc:  # e.g. a cuSPARSELt call that cannot be graph-captured
+                log.info("%s copy of %s not timed: %s", choice.value, key[:3], str(exc).splitlines()[0])
+        best = min(timed, key=timed.get)
+        self.plan.timings[key], self.plan.errors[key], self.plan.choice[key] = timed, errors, best
+        if best is LinearChoice.SPARSE:  # kept: ~0.56x of a dense copy, and re-building costs seconds
+            self._sparse.setdefault(id(m), candidates[best])
+        log.info("linear %s at %d rows: %s -> %s", key[:3], rows,
+                 ", ".join(f"{c.value} {t:.1f} us" for c, t in timed.items()), best.value)
+
+    def _route(self, m: Any, choice: LinearChoice, rows: int) -> None:
+        """Serve ``m`` as ``choice`` for the pass that follows, building the copy it needs."""
+        from kernels.nm_int4 import dequantize_nm_int4
+
+        if choice is LinearChoice.DENSE:
+            if id(m) not in self._dense:
+                self._dense[id(m)] = dequantize_nm_int4(m.packed, self.dtype)
+            self._use_dense.add(id(m))
+        elif choice is LinearChoice.SPARSE:
+            if id(m) not in self._sparse:  # a given plan (or one made before a reload)
+                ws = semi_structured_copy(dequantize_nm_int4(m.packed, self.dtype))
+                if ws is None:
+                    raise RuntimeError(f"the plan serves {_shape_key(m)} at {rows} rows from a semi-structured "
+                                       "sparse copy, which this device cannot build")
+                self._sparse[id(m)] = ws
+            self._use_sparse.add(id(m))
+        elif choice in (LinearChoice.FP8, LinearChoice.SPARSE_FP8):
+            self._use_fp8[id(m)] = choice
+
     def _plan_linears(self, rows: int) -> None:
-        """For every compressed layer shape, time packed vs dense at ``rows`` rows (graph-replayed)
-        and route the layer's calls accordingly for the pass that follows (a step being captured,
-        a prefill or a tree pass: eager ones plan at their row count's power-of-two bucket). Groups
-        (q/k/v, gate/up) whose members all run dense run one fused GEMM of their copies."""
+        """For every compressed layer shape, time its candidate formats at ``rows`` rows (graph-replayed)
+        and route the layer's calls accordingly for the pass that follows (a step being captured, a
+        prefill or a tree pass: eager ones plan at their row count's power-of-two bucket). Groups (q/k/v,
+        gate/up) whose members all run a copy of one fusable format run one fused GEMM of their copies."""
         mods = self._packed_modules
         if not mods or rows == self._routed_rows:  # the routing depends on the bucket alone
             return
         from kernels.nm_int4 import dequantize_nm_int4
-        from kernels.int4_tuner import time_graphed_ms
 
-        self._use_dense = set()
-        self._use_sparse = set()
+        self._use_dense, self._use_sparse, self._use_fp8 = set(), set(), {}
         planned = True
         for m in mods:
             key = _shape_key(m) + (rows,)
-            if key not in self.plan.choice:
-                if self.device.type != "cuda":  # nothing to time without graphs: a given plan only
-                    planned = False
-                    continue
-                x = torch.randn(rows, m.in_features, device=self.device, dtype=self.dtype)
-                w = dequantize_nm_int4(m.packed, self.dtype)
-                packed_us = 1e3 * time_graphed_ms(lambda: m(x), "warm")
-                dense_us = 1e3 * time_graphed_ms(lambda: F.linear(x, w), "warm")
-                sparse_us, ws = None, None
-                if key[2] in SPARSE_PATTERNS and rows >= SPARSE_MIN_ROWS:
-                    ws = self._sparse[id(m)] if id(m) in self._sparse else semi_structured_copy(w)
-                    if ws is not None:
-                        try:
-                            sparse_us = 1e3 * time_graphed_ms(lambda: F.linear(x, ws).contiguous(), "warm")
-                        except RuntimeError as exc:  # e.g. a cuSPARSELt call that cannot be graph-captured
-                            log.info("semi-structured copy of %s not timed: %s", key[:3], exc)
-                timed = {"packed": packed_us, "dense": dense_us, **({} if sparse_us is None else {"sparse": sparse_us})}
-                self.plan.timings[key] = (packed_us, dense_us, sparse_us)
-                self.plan.choice[key] = min(timed, key=timed.get)
-                if self.plan.choice[key] == "sparse":  # kept only where chosen: ~0.56x of a dense copy
-                    self._sparse.setdefault(id(m), ws)
-                log.info("linear %s at %d rows: packed %.1f us, dense %.1f us%s -> %s", key[:3], rows,
-                         packed_us, dense_us, "" if sparse_us is None else f", sparse {sparse_us:.1f} us",
-                         self.plan.choice[key])
-                del w
-            if self.plan.choice[key] == "dense":
-                if id(m) not in self._dense:
-                    self._dense[id(m)] = dequantize_nm_int4(m.packed, self.dtype)
-                self._use_dense.add(id(m))
-            elif self.plan.choice[key] == "sparse":
-                if id(m) not in self._sparse:  # a given plan (or one made before a reload)
-                    ws = semi_structured_copy(dequantize_nm_int4(m.packed, self.dtype))
-                    if ws is None:
-                        raise RuntimeError(f"the plan serves {key[:3]} at {rows} rows from a semi-structured "
-                                           "sparse copy, which this device cannot build")
-                    self._sparse[id(m)] = ws
-                self._use_sparse.add(id(m))
-        self._fused_active = set()
+            if self.forced is not None:
+                choice = self.forced
+                if choice is LinearChoice.SPARSE_FP8 and key[2] not in SPARSE_PATTERNS:
+                    choice = LinearChoice.FP8  # a dense-pattern layer has no 2:4 form
+                if choice is LinearChoice.SPARSE and key[2] not in SPARSE_PATTERNS:
+                    choice = LinearChoice.DENSE
+            else:
+                if key not in self.plan.choice:
+                    if self.device.type != "cuda":  # nothing to time without graphs: a given plan only
+                        planned = False
+                        continue
+                    self._time_layer(m, key, rows)
+                choice = LinearChoice(self.plan.choice[key])
+            self._route(m, choice, rows)
+        self._fused_active = {}
         for group in self._groups():
-            if all(id(m) in self._use_dense for m in group):
+            kinds = {self._use_fp8.get(id(m)) or (LinearChoice.DENSE if id(m) in self._use_dense else None)
+                     for m in group}
+            kind = kinds.pop() if len(kinds) == 1 else None
+            if kind not in _FUSABLE:
+                continue
+            if kind is LinearChoice.DENSE:
                 if id(group[0]) not in self._fused_copies:
                     fused = self._fuse([self._dense[id(m)] for m in group], group)
                     if fused is None:
@@ -765,7 +896,28 @@ class DecodeEngine:
                     # the members' copies become views of the fused one (no second copy kept)
                     for m, w in zip(group, fused[0].split(fused[2], 0)):
                         self._dense[id(m)] = w
-                self._fused_active.add(id(group[0]))
+            elif (id(group[0]), kind) not in self._fused_fp8:
+                fused = self._fuse([dequantize_nm_int4(m.packed, self.dtype) for m in group], group)
+                w8 = None if fused is None else self._fp8_copy(_FusedBias(fused[1]), fused[0], kind)
+                if w8 is None:
+                    kind = None
+                else:
+                    self._fused_fp8[(id(group[0]), kind)] = (w8, fused[2])
+            if kind is not None:
+                self._fused_active[id(group[0])] = kind
+        # FP8 copies: a fused group's members need none of their own; the others get theirs now
+        for m in mods:
+            choice = self._use_fp8.get(id(m))
+            if choice is None or (id(m), choice) in self._fp8:
+                continue
+            group = next((g for g in self._groups() if m in g), None)
+            if group is not None and self._fused_active.get(id(group[0])) is choice:
+                continue
+            w8 = self._fp8_copy(m, dequantize_nm_int4(m.packed, self.dtype), choice)
+            if w8 is None:
+                raise RuntimeError(f"the plan serves {_shape_key(m)} at {rows} rows as {choice.value}, which this "
+                                   "device cannot build")
+            self._fp8[(id(m), choice)] = w8
         self._routed_rows = rows if planned else None
 
     # -------------------------------------------------------------- tree pass
@@ -867,13 +1019,15 @@ def weights_signature(model: Any) -> tuple:
     return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
 
 
-def engine_for(model: Any) -> DecodeEngine:
+def engine_for(model: Any, formats: LinearFormats | None = None) -> DecodeEngine:
     """The model's engine (buffers, captured graphs and linear plan are kept across calls while
-    the weights are unchanged; a changed model gets a new engine)."""
+    the weights are unchanged; a changed model gets a new engine). ``formats``: what its linear plan may
+    choose among (None: whatever the existing engine has, else :data:`DEFAULT_LINEAR_FORMATS`); another
+    value than the existing engine's gets a new engine (its captured graphs hold the old routing)."""
     eng = _ENGINES.get(model)
     sig = weights_signature(model)
-    if eng is None or eng.signature != sig:
-        eng = DecodeEngine(model)
+    if eng is None or eng.signature != sig or (formats is not None and eng.formats is not LinearFormats(formats)):
+        eng = DecodeEngine(model, formats=formats)
         eng.signature = sig
         _ENGINES[model] = eng
     return eng
@@ -892,7 +1046,7 @@ def exact_logprobs_of(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
     return logits[rows, tok].float() - lse[rows]
 
 
-__all__ = ["DecodeEngine", "LinearPlan", "engine_for", "exact_logprobs_of", "check_supported",
+__all__ = ["DecodeEngine", "LinearPlan", "LinearFormats", "LinearChoice", "engine_for", "exact_logprobs_of", "check_supported",
            "bucket_queries", "model_device", "model_dtype", "decoder_of",
            "SUPPORTED_MODEL_TYPES"]
 

@@ -1,0 +1,224 @@
+"""FP8 / 2:4 FP8 layer formats (kernels/fp8_linear.py) and the engine's per-bucket choice among formats.
+
+The CPU checks the references, the round trips and the plan's choice logic (timings and errors faked where
+a GPU would measure them); the CUDA tests check the Triton quantization kernel and the two tensor-core
+products against the references. The Triton kernel is not run under TRITON_INTERPRET: the interpreter's
+float32 -> e4m3 conversion rounds some values to the wrong binade (124.3 -> 64), so it would test the
+interpreter, not the kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.fp8_linear import (FP8_DTYPE, FP8_MAX, Fp8Layout, fp8_linear, fp8_linear_reference, fp8_supported,
+                                quantize_rows_fp8, quantize_rows_fp8_reference, quantize_weight_fp8, relative_error)
+
+CUDA = torch.cuda.is_available()
+
+
+def _nm24(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with the 2 largest |w| of every 4 consecutive columns kept."""
+    n, k = w.shape
+    g = w.reshape(n, k // 4, 4)
+    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(2, g.abs().topk(2, dim=2).indices, True)
+    return (g * keep).reshape(n, k)
+
+
+def test_weight_round_trip_is_within_e4m3_precision_per_channel():
+    torch.manual_seed(0)
+    w = torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]  # channels over 4 decades
+    w[5] = 0.0
+    w8 = quantize_weight_fp8(w)
+    assert w8.data.dtype == FP8_DTYPE and w8.scale.dtype == torch.float32 and w8.scale.shape == (48,)
+    back = w8.data.float() * w8.scale[:, None]
+    assert torch.equal(back[5], torch.zeros(64))  # an all-zero channel stays zero (finite scale)
+    # each channel's amax maps to 448 exactly; e4m3 keeps 3 mantissa bits: relative error <= 2^-4 per value
+    assert torch.allclose(w8.data.float().abs().amax(1)[w.abs().amax(1) > 0], torch.tensor(FP8_MAX))
+    rel = ((back - w).abs() / w.abs().clamp(min=1e-30))[w.abs() > w.abs().amax(1, keepdim=True) / 64]
+    assert float(rel.max()) <= 2 ** -4 + 1e-6
+    assert w8.nbytes() == 48 * 64 + 48 * 4
+
+
+def test_row_quantization_reference_scales_each_row_to_its_amax():
+    torch.manual_seed(1)
+    x = torch.randn(6, 40) * torch.tensor([1e-4, 1e-2, 1.0, 10.0, 300.0, 1.0])[:, None]
+    x[5] = 0.0
+    q, s = quantize_rows_fp8_reference(x)
+    assert q.dtype == FP8_DTYPE and s.shape == (6, 1) and s.dtype == torch.float32
+    assert torch.allclose(s[:5, 0], x[:5].abs().amax(1) / FP8_MAX)
+    assert torch.equal(q[5].float(), torch.zeros(40)) and bool(torch.isfinite(s).all())
+    assert relative_error(q.float() * s, x[:5].new_zeros(0).sum() + x) < 0.04
+    q2, s2 = quantize_rows_fp8(x)  # CPU: the reference itself
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("shape", [(8, 64, 48), (33, 128, 96)])
+def test_fp8_linear_on_cpu_equals_its_reference_and_stays_near_the_float_product(shape):
+    m, k, n = shape
+    torch.manual_seed(2)
+    x, w, b = torch.randn(m, k), torch.randn(n, k) * 0.05, torch.randn(n)
+    w8 = quantize_weight_fp8(w, bias=b)
+    y = fp8_linear(x, w8)
+    ref = fp8_linear_reference(x, w8.data, w8.scale, b)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    assert relative_error(y, F.linear(x, w, b)) < 0.06  # the format's own error, Gaussian data
+
+
+def test_sparse_layout_refuses_a_weight_that_is_not_2_to_4_and_needs_cuda_on_cpu():
+    w = torch.randn(16, 32)
+    with pytest.raises(ValueError, match="more than 2 nonzeros"):
+        quantize_weight_fp8(w, Fp8Layout.SPARSE_24)
+    with pytest.raises(ValueError, match="K % 4"):
+        quantize_weight_fp8(torch.zeros(4, 6), Fp8Layout.SPARSE_24)
+    assert fp8_supported(torch.device("cpu"), Fp8Layout.DENSE) is None
+    assert "CUDA" in fp8_supported(torch.device("cpu"), Fp8Layout.SPARSE_24)
+
+
+def test_sparse_reference_equals_the_dense_reference_of_the_pruned_weight():
+    torch.manual_seed(3)
+    x, w = torch.randn(16, 64), _nm24(torch.randn(32, 64))
+    w8 = quantize_weight_fp8(w)  # the uncompressed values a 2:4 copy holds
+    assert int(((w8.data.float().reshape(32, 16, 4) != 0).sum(-1)).max()) <= 2
+    assert relative_error(fp8_linear_reference(x, w8.data, w8.scale), x @ w.t()) < 0.06
+
+
+# ------------------------------------------------------------------------------------------ the engine's plan
+def _compressed_tiny(pattern: str = "2:4"):
+    from adbatch.compress import CompressConfig, compress_
+    from tests.test_decoding_engine import make_tiny_llama
+
+    model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
+    compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", uniform_pattern=pattern,
+                                    group_policy="uniform", dense_dtype="float32"))
+    return model
+
+
+def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_copy(monkeypatch):
+    """Fake timings (a GPU measures them): FP8 fastest but over the error bound -> not served; the next
+    fastest wins; FP8 is no candidate below FP8_MIN_ROWS or with LinearFormats.INT4."""
+    import adbatch.decoding.engine as eng_mod
+    import kernels.int4_tuner as tuner
+    from adbatch.decoding import LinearFormats
+    from adbatch.decoding.engine import FP8_MIN_ROWS, DecodeEngine, LinearChoice, _shape_key
+
+    model = _compressed_tiny("4:4")
+    engine = DecodeEngine(model, formats=LinearFormats.FP8)
+    m = engine._packed_modules[0]
+    fake_us = {LinearChoice.PACKED: 30.0, LinearChoice.DENSE: 20.0, LinearChoice.FP8: 10.0}
+    current = {}
+    # the fake timer runs the candidate once (which records what it is) and returns that format's time
+    monkeypatch.setattr(tuner, "time_graphed_ms", lambda fn, l2: (fn(), fake_us[current["choice"]] / 1e3)[1])
+    real_fp8 = eng_mod.fp8_linear
+
+    def run_candidates(err_scale):
+        def fake_fp8(x, w):
+            current["choice"] = LinearChoice.FP8
+            return real_fp8(x, w) * err_scale
+
+        monkeypatch.setattr(eng_mod, "fp8_linear", fake_fp8)
+        orig_m_forward, orig_linear = m.forward, eng_mod.F.linear
+
+        def packed(x):
+            current["choice"] = LinearChoice.PACKED
+            return orig_m_forward(x)
+
+        def dense(x, w, b=None):
+            current["choice"] = LinearChoice.DENSE
+            return orig_linear(x, w, b)
+
+        monkeypatch.setattr(m, "forward", packed)
+        monkeypatch.setattr(eng_mod.F, "linear", dense)
+
+    rows = FP8_MIN_ROWS
+    key = _shape_key(m) + (rows,)
+    run_candidates(1.0)
+    engine._time_layer(m, key, rows)
+    assert engine.plan.choice[key] is LinearChoice.FP8
+    assert engine.plan.errors[key][LinearChoice.FP8] < 0.06
+    assert set(engine.plan.timings[key]) == {LinearChoice.PACKED, LinearChoice.DENSE, LinearChoice.FP8}
+
+    run_candidates(1.5)  # a broken copy: 50 % off
+    engine._time_layer(m, key, rows)
+    assert engine.plan.choice[key] is LinearChoice.DENSE and LinearChoice.FP8 not in engine.plan.timings[key]
+    assert engine.plan.errors[key][LinearChoice.FP8] > 0.4
+
+    run_candidates(1.0)
+    small = _shape_key(m) + (rows // 2,)
+    engine._time_layer(m, small, rows // 2)
+    assert LinearChoice.FP8 not in engine.plan.timings[small]
+    int4 = DecodeEngine(model)  # the default formats
+    assert int4.formats is LinearFormats.INT4
+    int4._time_layer(m, key, rows)
+    assert LinearChoice.FP8 not in int4.plan.timings[key]
+
+
+def _two_steps(engine):
+    from tests.test_decoding_engine import _two_steps as steps
+
+    return steps(engine)
+
+
+def test_fp8_routing_fuses_qkv_and_gate_up_and_keeps_the_step_near_the_packed_path():
+    """Every compressed layer served as FP8 (the plan's route, forced here): q/k/v and gate/up run one
+    FP8 GEMM each over one quantization of their input; the step's log-probs stay near the packed path's."""
+    from adbatch.decoding.engine import DecodeEngine, LinearChoice
+
+    model = _compressed_tiny("4:4")
+    want = _two_steps(DecodeEngine(model))
+    routed = DecodeEngine(model)
+    routed.forced = LinearChoice.FP8
+    routed._plan_linears(4)
+    n_layers = model.config.num_hidden_layers
+    assert set(routed._fused_active.values()) == {LinearChoice.FP8} and len(routed._fused_active) == 2 * n_layers
+    # only the o / down projections need copies of their own
+    assert len(routed._fp8) == 2 * n_layers and not routed._use_dense
+    got = _two_steps(routed)
+    assert relative_error(got.exp(), want.exp()) < 0.05
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.75
+
+
+def test_forced_sparse_fp8_falls_back_to_fp8_for_dense_pattern_layers_and_is_refused_on_cpu():
+    from adbatch.decoding.engine import DecodeEngine, LinearChoice
+
+    routed = DecodeEngine(_compressed_tiny("2:4"))
+    routed.forced = LinearChoice.SPARSE_FP8
+    with pytest.raises(RuntimeError, match="sparse_fp8"):
+        routed._plan_linears(4)
+
+
+# ------------------------------------------------------------------------------------------ CUDA
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel and the FP8 tensor-core products need a GPU")
+@pytest.mark.parametrize("shape", [(1, 64), (37, 4096), (130, 28672), (8, 100)])
+def test_triton_row_quantization_equals_the_reference(shape):
+    torch.manual_seed(4)
+    x = (torch.randn(*shape, device="cuda") * 3).to(torch.bfloat16)
+    if shape[0] > 2:
+        x[2] = 0
+    q, s = quantize_rows_fp8(x)
+    qr, sr = quantize_rows_fp8_reference(x)
+    torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+    assert float((q.float() - qr.float()).abs().max()) == 0.0
+
+
+@pytest.mark.skipif(not CUDA or fp8_supported(torch.device("cuda"), Fp8Layout.DENSE) is not None,
+                    reason="FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("layout", [Fp8Layout.DENSE, Fp8Layout.SPARSE_24])
+def test_fp8_products_on_cuda_equal_the_reference(layout):
+    why = fp8_supported(torch.device("cuda"), layout)
+    if why is not None:
+        pytest.skip(why)
+    torch.manual_seed(5)
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 1024, device="cuda") * 0.02
+    if layout is Fp8Layout.SPARSE_24:
+        w = _nm24(w)
+    b = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    dense8 = quantize_weight_fp8(w, Fp8Layout.DENSE, b)
+    ref = fp8_linear_reference(x, dense8.data, dense8.scale, b)
+    y = fp8_linear(x, quantize_weight_fp8(w, layout, b))
+    assert y.dtype == torch.bfloat16 and y.shape == (256, 512)
+    assert relative_error(y, ref) < 1e-2  # bf16 output rounding only
+    assert relative_error(y, F.linear(x.float(), w, b.float())) < 0.06
