@@ -182,12 +182,16 @@ def device_of(model) -> torch.device:
 Runner = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]], dict]]
 
 
-def engine_runner(mod, model, trie: Trie, beams: int, k: int, verify: str, qbatch: int, cost, profile: bool
-                  ) -> Runner:
-    """One query batch through ``mod.search_targets`` (``mod``: adbatch.decoding or the baseline)."""
+def engine_runner(mod, model, trie: Trie, beams: int, k: int, verify: str, qbatch: int, cost, profile: bool,
+                  formats: str | None = None) -> Runner:
+    """One query batch through ``mod.search_targets`` (``mod``: adbatch.decoding or the baseline);
+    ``formats``: the search's ``linear_formats`` (None: the config's default)."""
     # verify as a string: ConfigBase coerces it to the module's own VerifyMode; ``batch`` holds <= qbatch
     # queries, searched together (the baseline engine still takes that size as a config field)
-    sized = {"batch_size": qbatch} if "batch_size" in inspect.signature(mod.TargetSearchConfig).parameters else {}
+    params = inspect.signature(mod.TargetSearchConfig).parameters
+    sized = {"batch_size": qbatch} if "batch_size" in params else {}
+    if formats is not None:
+        sized["linear_formats"] = formats
     cfg = mod.TargetSearchConfig(num_beams=beams, top_k=k, verify=verify, profile=profile, **sized)
 
     def run(batch):
@@ -205,8 +209,10 @@ def hf_runner(model, trie: Trie, beams: int, k: int, eos: int, pad: int) -> Runn
 
 
 def runner_for(name: str, ctx: dict, beams: int, k: int, qbatch: int) -> Runner | None:
-    """``name``: hf | old | off | auto | always, optionally ``@variant`` (a model in ctx['variants']).
-    None when the method does not run at this point (HF above its batch cap, no baseline)."""
+    """``name``: hf | old | off | auto | always, optionally ``@variant`` (a model in ctx['variants']), and
+    ``+fp8`` (the search's ``linear_formats = fp8``: FP8 / 2:4 FP8 copies join the compressed model's
+    per-bucket plan). None when the method does not run at this point (HF above its batch cap, no baseline)."""
+    name, _, formats = name.partition("+")
     base, _, variant = name.partition("@")
     model, cost = ctx["variants"][variant] if variant else (ctx["model"], ctx["cost"])
     if base == "hf":
@@ -217,7 +223,7 @@ def runner_for(name: str, ctx: dict, beams: int, k: int, qbatch: int) -> Runner 
         if ctx["old"] is None or qbatch > ctx.get("old_max_batch", qbatch):
             return None
         return engine_runner(ctx["old"], model, ctx["trie"], beams, k, "off", qbatch, None, ctx["profile"])
-    return engine_runner(ours, model, ctx["trie"], beams, k, base, qbatch, cost, ctx["profile"])
+    return engine_runner(ours, model, ctx["trie"], beams, k, base, qbatch, cost, ctx["profile"], formats or None)
 
 
 def time_pass(run: Runner, qs: list[list[int]], qbatch: int, dev) -> dict:
@@ -274,7 +280,7 @@ def bench_point(section: str, scheme: str, names: list[str], ctx: dict, beams: i
     qps = {n: n_q / med[n] for n in runners}
     out = []
     for name, r in res.items():
-        base, _, variant = name.partition("@")
+        base, _, variant = name.partition("+")[0].partition("@")
         suffix = "@" + variant if variant else ""
         t = times[name]
         row = {"section": section, "scheme": scheme, "method": name, "beams": beams, "top_k": k,
@@ -620,13 +626,31 @@ def compressed_section(report: Report, shape: str, model, tries: dict[str, Trie]
     w = workload(shape, args.smoke)
     cost_c = calibrate_cost(mc, args.out / "calibration", args.smoke, rows=w["calib_rows"],
                             tokens=(32, 256, 1024, 4096), repeats=2, beams=w["beams"])
-    names = ["off", "auto", "off@2:4", "auto@2:4"]
+    names = args.compressed_methods
     search_section(report, section, tries, points, names, dict(ctx, variants={"2:4": (mc, cost_c)}), queries,
                    args, budget, scheme_prefix=f"{shape}:")
+    report.note(section, plan_table(mc, f"{shape}: the compressed model's per-bucket linear plan"))
     del mc, cost_c
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def plan_table(model, title: str) -> str:
+    """Markdown: per engine of ``model`` (one per linear_formats), per layer shape and row bucket, every timed
+    format's microseconds, the FP8 copies' relative errors and the choice."""
+    from adbatch.decoding.engine import _ENGINES
+
+    lines = [title, "", "| formats | N | K | pattern | rows | timed us (graph-replayed) | FP8 rel. error | choice |",
+             "|---|---:|---:|---|---:|---|---|---|"]
+    for formats, eng in (_ENGINES.get(model) or {}).items():
+        for key in sorted(eng.plan.choice, key=lambda k: (k[3], k[0], k[1])):
+            t = eng.plan.timings.get(key, {})
+            e = eng.plan.errors.get(key, {})
+            lines.append(f"| {formats.value} | {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
+                         + ", ".join(f"{c.value} {v:.1f}" for c, v in t.items()) + " | "
+                         + ", ".join(f"{c.value} {v:.3f}" for c, v in e.items()) + f" | {eng.plan.choice[key].value} |")
+    return "\n".join(lines)
 
 
 def exactness_check(report: Report, dev: torch.device, tries: dict[str, Trie], eos: int, pad: int) -> None:
@@ -800,6 +824,9 @@ def main() -> None:
     g.add_argument("--hf-max-batch-8b", type=int, default=16)
     g.add_argument("--check", action="store_true", help="8b: fp32 exactness check first")
     g.add_argument("--check-only", action="store_true", help="only the fp32 exactness check (8B-shape tries)")
+    g.add_argument("--compressed-methods", type=lambda s: s.split(","),
+                   default=["off", "auto", "off@2:4", "auto@2:4", "auto@2:4+fp8"],
+                   help="(d) methods of the compressed section; @2:4 = the compressed copy, +fp8 = linear_formats fp8")
     g.add_argument("--creatives", action="store_true", help="(c) greedy creatives, HF generate vs ours")
     g.add_argument("--creative-prompts", type=int, default=256)
     g.add_argument("--creative-tokens", type=int, default=16)

@@ -1,11 +1,13 @@
-"""Decode steps at large row counts (issue 20 item 4): a 2:4-compressed 8B-shaped model vs its dense form.
+"""Decode steps at large row counts (issues 20, 42): a 2:4-compressed 8B-shaped model vs its dense form.
 
 Not a test. Builds a random-init bf16 Llama of Llama-3-8B's width (``bench/decode.py``'s ``SHAPES["8b"]``)
 with ``--layers`` decoder layers, its uniform 2:4 + INT4 copy (``bench/decode.py``'s ``compress_copy``: the
 library's ``compress_``), and times the decode engine's graph-replayed step (``DecodeEngine.step``, what
 ``search_targets`` calls) on both at ``--queries`` x ``--beams`` rows. The compressed engine plans every
 layer shape per bucket among the packed kernel, a dense copy and (from ``SPARSE_MIN_ROWS`` rows) a
-semi-structured sparse copy; the table shows each shape's timings and choice, then the step ratio.
+semi-structured sparse copy -- and, with ``linear_formats`` fp8 (a second engine over the same model), FP8
+and 2:4 FP8 copies from ``FP8_MIN_ROWS`` rows; the tables show the step ratios, then each shape's timings,
+FP8 errors and choice.
 
     python bench/large_rows.py --layers 4 --queries 16,128,512,1024 --out $OUT/large_rows.md
     python bench/large_rows.py --smoke    # CPU, seconds: tiny model, compress, eager steps (no graphs, no sparse copies)
@@ -25,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.decode import build_model, compress_copy, random_prompts  # noqa: E402
 from bench.step_profile import eager_step_ms, graphed_step_ms, write_report  # noqa: E402
+from adbatch.decoding import LinearFormats  # noqa: E402
 from adbatch.decoding.engine import DecodeEngine  # noqa: E402
 
 
@@ -70,22 +73,34 @@ def main() -> None:
     comp, summary = compress_copy(dense, dev)
     print(f"built + compressed in {time.perf_counter() - t0:.1f} s: {summary}", flush=True)
     queries = random_prompts(max(args.queries), 32, 100, 40000, seed=0)
-    e_dense, e_comp = DecodeEngine(dense), DecodeEngine(comp)
+    e_dense = DecodeEngine(dense)
+    e_comp = {f: DecodeEngine(comp, formats=f) for f in (LinearFormats.INT4, LinearFormats.FP8)}
     lines = [f"# Decode steps at large row counts ({args.layers}-layer Llama-3-8B width, uniform 2:4 + INT4, bf16, "
              f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
-             "| queries | rows | dense step ms | compressed step ms | compressed / dense speed |", "|---:|---:|---:|---:|---:|"]
+             "compressed = the engine's per-bucket plan with linear_formats int4 (packed INT4 / bf16 copy / 2:4 bf16 "
+             "copy) or fp8 (also FP8 and 2:4 FP8 copies); speed = dense step ms / compressed step ms", "",
+             "| queries | rows | dense step ms | compressed int4 ms | compressed fp8 ms | int4 speed | fp8 speed |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for qn in args.queries:
         d = graphed_step_ms(e_dense, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
-        c = graphed_step_ms(e_comp, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
-        lines.append(f"| {qn} | {qn * args.beams} | {d:.2f} | {c:.2f} | {d / c:.2f}x |")
+        c = {f: graphed_step_ms(e, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
+             for f, e in e_comp.items()}
+        ci, cf = c[LinearFormats.INT4], c[LinearFormats.FP8]
+        lines.append(f"| {qn} | {qn * args.beams} | {d:.2f} | {ci:.2f} | {cf:.2f} | {d / ci:.2f}x | {d / cf:.2f}x |")
         print(lines[-1], flush=True)
-    lines += ["", "per layer shape and bucket (graph-replayed us): packed / dense / semi-structured sparse -> choice", "",
-              "| N | K | pattern | rows | packed | dense | sparse | choice |", "|---:|---:|---|---:|---:|---:|---:|---|"]
-    for key, (p, d, s) in sorted(e_comp.plan.timings.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][1])):
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {p:.1f} | {d:.1f} | "
-                     f"{'-' if s is None else f'{s:.1f}'} | {e_comp.plan.choice[key]} |")
-    sparse_bytes = sum(sparse_copy_bytes(t) for t in e_comp._sparse.values())
-    lines += ["", f"semi-structured copies kept: {len(e_comp._sparse)} layers, {sparse_bytes / 2**20:.1f} MiB"]
+    lines += ["", "per layer shape and bucket (graph-replayed us of every format timed; FP8 copies' relative error vs "
+              "the bf16 copy) -> choice", "",
+              "| formats | N | K | pattern | rows | timed us | FP8 rel. error | choice |", "|---|---:|---:|---|---:|---|---|---|"]
+    for f, e in e_comp.items():
+        for key in sorted(e.plan.choice, key=lambda k: (k[3], k[0], k[1])):
+            t, err = e.plan.timings.get(key, {}), e.plan.errors.get(key, {})
+            lines.append(f"| {f.value} | {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
+                         + ", ".join(f"{c_.value} {v:.1f}" for c_, v in t.items()) + " | "
+                         + ", ".join(f"{c_.value} {v:.3f}" for c_, v in err.items()) + f" | {e.plan.choice[key].value} |")
+    sparse_bytes = sum(sparse_copy_bytes(t) for e in e_comp.values() for t in e._sparse.values())
+    fp8_bytes = sum(w.nbytes() for e in e_comp.values() for w in e._fp8.values()) + sum(
+        w.nbytes() for e in e_comp.values() for w, _ in e._fused_fp8.values())
+    lines += ["", f"semi-structured bf16 copies kept: {sparse_bytes / 2**20:.1f} MiB; FP8 copies kept: {fp8_bytes / 2**20:.1f} MiB"]
     write_report(lines, args.out)
 
 

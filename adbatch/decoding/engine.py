@@ -1010,7 +1010,9 @@ class DecodeEngine:
         return self.head_lse(self._layer_stack(h, attend).reshape(V * Fn, -1))
 
 
-_ENGINES: "weakref.WeakKeyDictionary[Any, DecodeEngine]" = weakref.WeakKeyDictionary()
+# model -> its engines by LinearFormats, the last one used first (a bench or a caller that switches formats
+# keeps both engines' graphs and copies instead of rebuilding them at every switch)
+_ENGINES: "weakref.WeakKeyDictionary[Any, dict[LinearFormats, DecodeEngine]]" = weakref.WeakKeyDictionary()
 
 
 def weights_signature(model: Any) -> tuple:
@@ -1020,16 +1022,22 @@ def weights_signature(model: Any) -> tuple:
 
 
 def engine_for(model: Any, formats: LinearFormats | None = None) -> DecodeEngine:
-    """The model's engine (buffers, captured graphs and linear plan are kept across calls while
-    the weights are unchanged; a changed model gets a new engine). ``formats``: what its linear plan may
-    choose among (None: whatever the existing engine has, else :data:`DEFAULT_LINEAR_FORMATS`); another
-    value than the existing engine's gets a new engine (its captured graphs hold the old routing)."""
-    eng = _ENGINES.get(model)
+    """The model's engine for ``formats`` (buffers, captured graphs and linear plan are kept across calls
+    while the weights are unchanged; a changed model gets new engines). ``formats`` None: the engine used
+    last for this model, else one with :data:`DEFAULT_LINEAR_FORMATS`."""
+    engines = _ENGINES.get(model)
     sig = weights_signature(model)
-    if eng is None or eng.signature != sig or (formats is not None and eng.formats is not LinearFormats(formats)):
+    if engines is None or any(e.signature != sig for e in engines.values()):
+        engines = {}
+        _ENGINES[model] = engines
+    if formats is None:
+        formats = next(iter(engines), DEFAULT_LINEAR_FORMATS)
+    formats = LinearFormats(formats)
+    eng = engines.pop(formats, None)
+    if eng is None:
         eng = DecodeEngine(model, formats=formats)
         eng.signature = sig
-        _ENGINES[model] = eng
+    _ENGINES[model] = {formats: eng, **engines}
     return eng
 
 
