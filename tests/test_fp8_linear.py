@@ -169,7 +169,7 @@ def test_fp8_routing_fuses_qkv_and_gate_up_and_keeps_the_step_near_the_packed_pa
     model = _compressed_tiny("4:4")
     want = _two_steps(DecodeEngine(model))
     routed = DecodeEngine(model)
-    routed.forced = LinearChoice.FP8
+    routed.force_format(LinearChoice.FP8)
     routed._plan_linears(4)
     n_layers = model.config.num_hidden_layers
     assert set(routed._fused_active.values()) == {LinearChoice.FP8} and len(routed._fused_active) == 2 * n_layers
@@ -184,7 +184,7 @@ def test_forced_sparse_fp8_falls_back_to_fp8_for_dense_pattern_layers_and_is_ref
     from adbatch.decoding.engine import DecodeEngine, LinearChoice
 
     routed = DecodeEngine(_compressed_tiny("2:4"))
-    routed.forced = LinearChoice.SPARSE_FP8
+    routed.force_format(LinearChoice.SPARSE_FP8)
     with pytest.raises(RuntimeError, match="sparse_fp8"):
         routed._plan_linears(4)
 

@@ -305,6 +305,18 @@ class DecodeEngine:
         self.prompt_len = self.prompt_bias = self.prompt_pos = None
         self.in_tokens = self.in_parent = self.in_t = self.in_prompt = None
 
+    def force_format(self, choice: LinearChoice | None) -> None:
+        """Serve every compressed layer as ``choice`` at every bucket from now on, without timing (an
+        accuracy measurement of one format; ``SPARSE_FP8`` / ``SPARSE`` fall back to ``FP8`` / ``DENSE`` on
+        dense-pattern layers), or the measured plan again (None). Drops the captured graphs: they hold the
+        old routing."""
+        self.forced = None if choice is None else LinearChoice(choice)
+        self._graphs.clear()
+        self._pool = self._tree_pool = self._host_pool = self._prefill_pool = None
+        self._seen_keys = {}
+        self._eager_keys = set()
+        self._routed_rows = None
+
     # -------------------------------------------------------------- buffers
     def reserve(self, queries: int, beams: int, prompt_width: int, suffix: int) -> None:
         """Make room for ``queries`` query rows of ``beams`` slots, prompts of ``prompt_width``
