@@ -9,7 +9,8 @@ own timer, :func:`kernels.int4_tuner.time_graphed_ms`) for every format a compre
   sp24_bf16   2:4 semi-structured bf16 copy (cuSPARSELt / CUTLASS through torch.sparse)
   fp8         FP8 copy, per-channel weight / per-row activation scales (kernels.fp8_linear: the Triton row
               quantization + torch._scaled_mm), activation quantization included in the time
-  sp24_fp8    2:4 FP8 copy on the sparse tensor cores (kernels.fp8_linear: quantization + cuSPARSELt)
+  sp24_fp8    2:4 FP8 copy on the sparse tensor cores (kernels.fp8_linear: torchao's 2:4 FP8 CUTLASS layout)
+  ao_fp8      public reference for fp8: torchao Float8DynamicActivationFloat8WeightConfig(PerRow), when importable
 
 on random normal weights (std 0.02, pruned 2:4 for the sparse formats) and activations, never zeros, and
 each format's relative error vs the float32 product of the same (2:4 or dense) weights. Prints a table of
@@ -38,7 +39,21 @@ from kernels.fp8_linear import Fp8Layout, fp8_linear, fp8_supported, quantize_we
 
 #: N x K of one Llama-3-8B layer's GEMMs as the engine runs them (q/k/v and gate/up fused)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-FORMATS = ["bf16", "int4_2:4", "sp24_bf16", "fp8", "sp24_fp8"]
+FORMATS = ["bf16", "int4_2:4", "sp24_bf16", "fp8", "sp24_fp8", "ao_fp8"]
+
+
+def torchao_fp8(wb: torch.Tensor):
+    """torchao's dense FP8 (row-wise scales) of ``wb``, or None without torchao."""
+    try:
+        from torchao import quantization as aoq
+    except ImportError:
+        return None
+    lin = torch.nn.Linear(wb.shape[1], wb.shape[0], bias=False, device=wb.device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(wb)
+    aoq.quantize_(lin, aoq.Float8DynamicActivationFloat8WeightConfig(granularity=aoq.PerRow(),
+                                                                     set_inductor_config=False))
+    return lin
 
 
 def prune_24(w: torch.Tensor) -> torch.Tensor:
@@ -75,6 +90,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int]) -> list[dict]:
     sp = semi_structured_copy(w24b)
     w8 = quantize_weight_fp8(wb) if fp8_supported(w.device, Fp8Layout.DENSE) is None else None
     s8 = quantize_weight_fp8(w24b, Fp8Layout.SPARSE_24) if fp8_supported(w.device, Fp8Layout.SPARSE_24) is None else None
+    ao = torchao_fp8(wb)
     out = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -86,6 +102,8 @@ def bench_shape(name: str, n: int, k: int, rows: list[int]) -> list[dict]:
             fns["fp8"] = (lambda: fp8_linear(x, w8), ref_dense)
         if s8 is not None:
             fns["sp24_fp8"] = (lambda: fp8_linear(x, s8), ref_24)
+        if ao is not None:
+            fns["ao_fp8"] = (lambda: ao(x), ref_dense)
         row = {"layer": name, "N": n, "K": k, "rows": m, "us": {}, "rel_err": {}}
         for fmt, (fn, ref) in fns.items():
             try:

@@ -97,10 +97,13 @@ def main() -> None:
             lines.append(f"| {f.value} | {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
                          + ", ".join(f"{c_.value} {v:.1f}" for c_, v in t.items()) + " | "
                          + ", ".join(f"{c_.value} {v:.3f}" for c_, v in err.items()) + f" | {e.plan.choice[key].value} |")
-    sparse_bytes = sum(sparse_copy_bytes(t) for e in e_comp.values() for t in e._sparse.values())
-    fp8_bytes = sum(w.nbytes() for e in e_comp.values() for w in e._fp8.values()) + sum(
-        w.nbytes() for e in e_comp.values() for w, _ in e._fused_fp8.values())
-    lines += ["", f"semi-structured bf16 copies kept: {sparse_bytes / 2**20:.1f} MiB; FP8 copies kept: {fp8_bytes / 2**20:.1f} MiB"]
+    kept: dict[str, int] = {}
+    for e in e_comp.values():
+        for (_, choice), c in e._copies.items():
+            n = c.nbytes() if hasattr(c, "nbytes") and callable(c.nbytes) else (
+                sparse_copy_bytes(c) if hasattr(c, "__tensor_flatten__") else c.numel() * c.element_size())
+            kept[choice.value] = kept.get(choice.value, 0) + n
+    lines += ["", "copies kept by the engines: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in kept.items())]
     write_report(lines, args.out)
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adbatch.decoding.engine import DecodeEngine, _shape_key, semi_structured_copy  # noqa: E402
+from adbatch.decoding.engine import DecodeEngine, semi_structured_copy  # noqa: E402
 from bench.decode import build_model, compress_copy, random_prompts  # noqa: E402
 from kernels.nm_int4 import dequantize_nm_int4  # noqa: E402
 
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
     engines = {}
     for route in ("dense", "sparse"):
         eng = DecodeEngine(comp)
-        for m in eng._packed_modules:
-            for rows in (1024, 4096):  # the step's rows and the prefill's (128 queries x 32 prompt tokens)
-                eng.plan.choice[_shape_key(m) + (rows,)] = route
+        for rows in (1024, 4096):  # the step's rows and the prefill's (128 queries x 32 prompt tokens)
+            for key in eng.plan_keys(rows):
+                eng.plan.choice[key] = route
         engines[route] = eng
     result = {"gemm_max_abs_diff": gemm_check(engines["dense"]._packed_modules[0], "sparse", 1024, dev)}
     queries = random_prompts(128, 32, 100, 40000, seed=0)
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
             tok = torch.randint(100, 40000, (Qb * 8,), device=dev, generator=torch.Generator(dev).manual_seed(0))
             logits, lse = eng.step(tok, 0, Qb)
             out[route] = logits.float() - lse[:, None]
-        print(route, "layers served sparse:", len(eng._use_sparse), "dense:", len(eng._use_dense), flush=True)
+        served = [c.value for c, _ in eng._route.values()]
+        print(route, "units served sparse:", served.count("sparse"), "dense:", served.count("dense"), flush=True)
     d = (out["sparse"] - out["dense"]).abs()
     result.update(max_abs_diff=float(d.max()), mean_abs_diff=float(d.mean()),
                   top1_agreement=float((out["sparse"].argmax(1) == out["dense"].argmax(1)).float().mean()))

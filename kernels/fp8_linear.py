@@ -11,14 +11,18 @@ Formats (both: weights per output channel, activations per row, dynamically):
 - :attr:`Fp8Layout.DENSE`: ``data`` float8_e4m3fn ``[N, K]`` row-major, ``scale`` float32 ``[N]`` with
   ``W ~= data * scale[:, None]``; the product is ``torch._scaled_mm`` (cuBLASLt FP8, row-wise scales,
   bf16 / fp16 out; sm_89+).
-- :attr:`Fp8Layout.SPARSE_24`: the same values with at most 2 nonzeros in every 4 consecutive columns,
-  ``data`` the cuSPARSELt-compressed 1-D buffer of ``torch._cslt_compress`` (values + 2-bit metadata,
-  10/16 of the dense FP8 bytes); the product is ``torch._cslt_sparse_mm`` with the weight scales as its
-  per-output-row ``alpha`` vector, then the activation row scales (sm_90; torch's cuSPARSELt build).
+- :attr:`Fp8Layout.SPARSE_24`: the same values with at most 2 nonzeros in every 4 consecutive columns, held
+  by torchao's 2:4 FP8 layout (``Float8DynamicActivationFloat8WeightConfig(PerRow, "sparse_2d_data_2d_metadata")``:
+  values + metadata, row-wise scales fused into its CUTLASS sm_90a kernel; ``module`` is the quantized
+  ``nn.Linear``). torchao is an optional GPU dependency, imported only here. Why not torch's own cuSPARSELt
+  (``torch._cslt_sparse_mm`` takes FP8): on the H100 with torch 2.11 it refused the per-channel ``alpha``
+  vector ("operation not supported"), and scaling its output afterwards is two more passes over ``[M, N]``.
 
-Activations: :func:`quantize_rows_fp8` -- one Triton program per row (amax, scale, cast: one read of
-``x``, one 1-byte write) on CUDA; :func:`quantize_rows_fp8_reference` in torch everywhere (the tests'
-reference; CPU). Every product has a float32 reference, :func:`fp8_linear_reference`.
+Activations of the dense layout: :func:`quantize_rows_fp8` -- one Triton program per row (amax, scale,
+cast: one read of ``x``, one 1-byte write) on CUDA; :func:`quantize_rows_fp8_reference` in torch everywhere
+(the tests' reference). On the CPU :func:`fp8_linear` computes the float32 reference of the same quantized
+values (no speed there: tests and accuracy measurements of the format). Every product has that float32
+reference, :func:`fp8_linear_reference`.
 """
 
 from __future__ import annotations
@@ -50,21 +54,32 @@ class Fp8Layout(str, enum.Enum):
 class Fp8Weight:
     """An FP8 weight with per-output-channel scales.
 
-    ``data``: float8_e4m3fn ``[N, K]`` (:attr:`Fp8Layout.DENSE`) or the cuSPARSELt-compressed buffer
-    (:attr:`Fp8Layout.SPARSE_24`); ``scale``: float32 ``[N]``; ``bias``: ``[N]`` in the activations'
-    dtype or None.
+    :attr:`Fp8Layout.DENSE`: ``data`` float8_e4m3fn ``[N, K]``, ``scale`` float32 ``[N]``, ``bias`` ``[N]`` in the
+    activations' dtype or None. :attr:`Fp8Layout.SPARSE_24`: ``module``, torchao's quantized ``nn.Linear``
+    (values, metadata, scales and bias inside); ``data`` / ``scale`` None.
     """
 
-    data: torch.Tensor
-    scale: torch.Tensor
+    data: torch.Tensor | None
+    scale: torch.Tensor | None
     layout: Fp8Layout
     out_features: int
     in_features: int
     bias: torch.Tensor | None = None
+    module: torch.nn.Module | None = None
 
     def nbytes(self) -> int:
-        n = self.data.numel() * self.data.element_size() + self.scale.numel() * 4
-        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        tensors = [self.data, self.scale, self.bias]
+        if self.module is not None:
+            tensors = [t for m in [self.module] for t in _inner_tensors(m.weight)] + [self.module.bias]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors of a tensor subclass (torchao's quantized weights), or ``[t]``."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.nn.Parameter:
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _inner_tensors(getattr(t, n))]
+    return [t]
 
 
 def fp8_supported(device: torch.device, layout: Fp8Layout) -> str | None:
@@ -79,9 +94,11 @@ def fp8_supported(device: torch.device, layout: Fp8Layout) -> str | None:
         return f"FP8 needs sm_89+, this GPU is sm_{major}{minor}"
     if layout is Fp8Layout.SPARSE_24:
         if major != 9:
-            return f"2:4 FP8 through cuSPARSELt is built for sm_90, this GPU is sm_{major}{minor}"
-        if not torch.backends.cusparselt.is_available():
-            return "this torch has no cuSPARSELt"
+            return f"torchao's 2:4 FP8 kernel is built for sm_90a, this GPU is sm_{major}{minor}"
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            return "torchao is not installed (the optional GPU dependency of 2:4 FP8: pip install torchao)"
     return None
 
 
@@ -98,16 +115,35 @@ def quantize_weight_fp8(w: torch.Tensor, layout: Fp8Layout = Fp8Layout.DENSE,
     if w.dim() != 2:
         raise ValueError(f"weight must be [N, K], got {tuple(w.shape)}")
     n, k = w.shape
-    scale = _channel_scale(w)
-    data = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     if layout is Fp8Layout.SPARSE_24:
         if k % 4:
             raise ValueError(f"2:4 FP8 needs K % 4 == 0, got K = {k}")
         nnz = (w.reshape(n, k // 4, 4) != 0).sum(-1)
         if int(nnz.max()) > 2:
             raise ValueError("2:4 FP8: the weight has more than 2 nonzeros in some group of 4 columns")
-        data = torch._cslt_compress(data)
+        return Fp8Weight(data=None, scale=None, layout=layout, out_features=int(n), in_features=int(k), bias=bias,
+                         module=_torchao_sparse_fp8(w, bias))
+    scale = _channel_scale(w)
+    data = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return Fp8Weight(data=data, scale=scale, layout=layout, out_features=int(n), in_features=int(k), bias=bias)
+
+
+def _torchao_sparse_fp8(w: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+    """An ``nn.Linear`` of ``w`` (bf16, CUDA, 2:4) quantized by torchao to its 2:4 FP8 layout."""
+    from torchao import quantization as aoq  # optional GPU dependency: imported only here
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if bias is not None:
+            lin.bias.copy_(bias)
+    cfg = aoq.Float8DynamicActivationFloat8WeightConfig(granularity=aoq.PerRow(),
+                                                        packing_format="sparse_2d_data_2d_metadata",
+                                                        set_inductor_config=False)
+    aoq.quantize_(lin, cfg)
+    if type(lin.weight) in (torch.nn.Parameter, torch.Tensor):
+        raise RuntimeError("torchao left the 2:4 FP8 weight unquantized")
+    return lin
 
 
 def quantize_rows_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,17 +167,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     ``x``: bf16 / fp16 ``[..., K]``; returns ``[..., N]`` in ``x``'s dtype (float32 accumulation)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    xq, sx = quantize_rows_fp8(x2)
-    if w.layout is Fp8Layout.DENSE:
+    if w.layout is Fp8Layout.SPARSE_24:
+        y = w.module(x2)
+    elif not x.is_cuda:
+        y = fp8_linear_reference(x2, w.data, w.scale, w.bias).to(x.dtype)
+    else:
+        xq, sx = quantize_rows_fp8(x2)
         y = torch._scaled_mm(xq, w.data.t(), scale_a=sx, scale_b=w.scale[None, :], bias=w.bias,
                              out_dtype=x.dtype)
-    else:
-        # cuSPARSELt: the compressed weight is the sparse left operand (W [N, K] @ xq.T [K, M]); alpha
-        # scales its output rows (= the weight's channels); transpose_result writes [M, N] row-major
-        y = torch._cslt_sparse_mm(w.data, xq.t(), alpha=w.scale, out_dtype=x.dtype, transpose_result=True)
-        y = y * sx.to(y.dtype)
-        if w.bias is not None:
-            y = y + w.bias
     return y.reshape(*lead, w.out_features)
 
 

@@ -122,10 +122,10 @@ def _two_steps(engine):
 
 
 def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results():
-    """A plan that routes every compressed layer to its dense copy: q/k/v and gate/up become one
-    fused GEMM each (views of one copy), and the step's log-probs equal the packed path's."""
+    """A plan that routes every compressed unit to its dense copy: q/k/v and gate/up are one unit each
+    (one GEMM of one concatenated copy), and the step's log-probs equal the packed path's."""
     from adbatch.compress import CompressConfig, compress_
-    from adbatch.decoding.engine import _shape_key
+    from adbatch.decoding.engine import LinearChoice
 
     model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
     compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", group_policy="uniform",
@@ -133,26 +133,29 @@ def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results()
 
     packed = DecodeEngine(model)
     assert packed._packed_modules and not packed._fused  # nothing dense to fuse up front
+    n_layers = model.config.num_hidden_layers
+    assert len(packed._units) == 4 * n_layers  # q/k/v, o, gate/up, down per layer
     want = _two_steps(packed)
     routed = DecodeEngine(model)
-    for m in routed._packed_modules:
-        routed.plan.choice[_shape_key(m) + (4,)] = "dense"
+    for key in routed.plan_keys(4):
+        routed.plan.choice[key] = "dense"
     routed._plan_linears(4)
-    assert len(routed._fused_active) == 2 * model.config.num_hidden_layers
-    qkv = routed._fused_copies[id(model.model.layers[0].self_attn.q_proj)]
-    assert routed._dense[id(model.model.layers[0].self_attn.k_proj)].data_ptr() != qkv[0].data_ptr()
-    assert routed._dense[id(model.model.layers[0].self_attn.q_proj)].data_ptr() == qkv[0].data_ptr()
+    attn = model.model.layers[0].self_attn
+    choice, qkv = routed._route[id(attn.q_proj)]
+    assert choice is LinearChoice.DENSE and qkv.shape[0] == sum(m.out_features for m in (attn.q_proj, attn.k_proj,
+                                                                                        attn.v_proj))
+    assert id(attn.k_proj) not in routed._route  # a member of the q/k/v unit, not a unit of its own
     torch.testing.assert_close(_two_steps(routed), want, atol=1e-4, rtol=1e-4)
 
 
 def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(monkeypatch):
-    """A plan that serves the 2:4 layers from semi-structured copies (the large-bucket path) runs
+    """A plan that serves the 2:4 units from semi-structured copies (the large-bucket path) runs
     ``F.linear`` on the copy, not the packed kernel or the dense copy, with the packed path's results.
     On a CPU torch has no semi-structured tensors: a dense stand-in for the copy checks the routing,
     and without the stand-in such a plan is refused by name."""
     import adbatch.decoding.engine as engine_mod
     from adbatch.compress import CompressConfig, compress_
-    from adbatch.decoding.engine import SPARSE_MIN_ROWS, _shape_key
+    from adbatch.decoding.engine import SPARSE_MIN_ROWS, LinearChoice
 
     model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
     compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", uniform_pattern="2:4",
@@ -162,12 +165,12 @@ def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(mon
     copies = []
     monkeypatch.setattr(engine_mod, "semi_structured_copy", lambda w: copies.append(w) or w.clone())
     routed = DecodeEngine(model)
-    assert {_shape_key(m)[2] for m in routed._packed_modules} == {"2:4"}
-    for m in routed._packed_modules:
-        routed.plan.choice[_shape_key(m) + (4,)] = "sparse"
+    assert all(u.sparse for u in routed._units)
+    for key in routed.plan_keys(4):
+        routed.plan.choice[key] = "sparse"
     routed._plan_linears(4)
-    assert routed._use_sparse == {id(m) for m in routed._packed_modules} and not routed._use_dense
-    assert len(copies) == len(routed._packed_modules) and not routed._fused_active  # nothing dense to fuse
+    assert {c for c, _ in routed._route.values()} == {LinearChoice.SPARSE}
+    assert len(copies) == len(routed._units) == len(routed._route)
     packed_calls = []
     for m in routed._packed_modules:
         monkeypatch.setattr(m, "forward", lambda *a, **k: packed_calls.append(1))
@@ -175,9 +178,9 @@ def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(mon
     assert not packed_calls
     monkeypatch.undo()
     refused = DecodeEngine(model)
-    for m in refused._packed_modules:
-        refused.plan.choice[_shape_key(m) + (8,)] = "sparse"
-    with pytest.raises(RuntimeError, match="semi-structured"):
+    for key in refused.plan_keys(8):
+        refused.plan.choice[key] = "sparse"
+    with pytest.raises(RuntimeError, match="sparse copy"):
         refused._plan_linears(8)
     assert SPARSE_MIN_ROWS >= 256  # cuSPARSELt lost to cuBLAS at 256 rows on the H200 (0.37x)
 

@@ -102,56 +102,65 @@ def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_co
     import adbatch.decoding.engine as eng_mod
     import kernels.int4_tuner as tuner
     from adbatch.decoding import LinearFormats
-    from adbatch.decoding.engine import FP8_MIN_ROWS, DecodeEngine, LinearChoice, _shape_key
+    from adbatch.decoding.engine import FP8_MIN_ROWS, DecodeEngine, LinearChoice
 
     model = _compressed_tiny("4:4")
     engine = DecodeEngine(model, formats=LinearFormats.FP8)
-    m = engine._packed_modules[0]
+    unit = engine._units[0]
+    assert len(unit.mods) == 3  # q/k/v
     fake_us = {LinearChoice.PACKED: 30.0, LinearChoice.DENSE: 20.0, LinearChoice.FP8: 10.0}
-    current = {}
-    # the fake timer runs the candidate once (which records what it is) and returns that format's time
-    monkeypatch.setattr(tuner, "time_graphed_ms", lambda fn, l2: (fn(), fake_us[current["choice"]] / 1e3)[1])
-    real_fp8 = eng_mod.fp8_linear
+    err_scale = {"v": 1.0}
 
-    def run_candidates(err_scale):
-        def fake_fp8(x, w):
-            current["choice"] = LinearChoice.FP8
-            return real_fp8(x, w) * err_scale
+    def fake_timer(fn, l2):  # the format is read from the routing tuple the candidate runs with
+        return fake_us[fake_timer.current] / 1e3
 
-        monkeypatch.setattr(eng_mod, "fp8_linear", fake_fp8)
-        orig_m_forward, orig_linear = m.forward, eng_mod.F.linear
+    monkeypatch.setattr(tuner, "time_graphed_ms", fake_timer)
+    real_run = DecodeEngine._run_copy
 
-        def packed(x):
-            current["choice"] = LinearChoice.PACKED
-            return orig_m_forward(x)
+    def run_copy(route, x, bias):
+        fake_timer.current = route[0]
+        y = real_run(route, x, bias)
+        return y * err_scale["v"] if route[0] is LinearChoice.FP8 else y
 
-        def dense(x, w, b=None):
-            current["choice"] = LinearChoice.DENSE
-            return orig_linear(x, w, b)
+    monkeypatch.setattr(DecodeEngine, "_run_copy", staticmethod(run_copy))
+    real_fwd = [m.forward for m in unit.mods]
 
-        monkeypatch.setattr(m, "forward", packed)
-        monkeypatch.setattr(eng_mod.F, "linear", dense)
+    def packed_fwd(i):
+        def fwd(x):
+            fake_timer.current = LinearChoice.PACKED
+            return real_fwd[i](x)
+        return fwd
 
-    rows = FP8_MIN_ROWS
-    key = _shape_key(m) + (rows,)
-    run_candidates(1.0)
-    engine._time_layer(m, key, rows)
+    for i, m in enumerate(unit.mods):
+        monkeypatch.setattr(m, "forward", packed_fwd(i))
+
+    def timed(eng, rows):
+        key = unit.key + (rows,)
+        eng.plan.choice.pop(key, None)
+        eng._copies.clear()
+        # the fake timer reads the format of the last candidate run: run each once first
+        real_timer = fake_timer
+        monkeypatch.setattr(tuner, "time_graphed_ms", lambda fn, l2: (fn(), real_timer(fn, l2))[1])
+        eng._time_unit(unit, key, rows)
+        return key
+
+    key = timed(engine, FP8_MIN_ROWS)
     assert engine.plan.choice[key] is LinearChoice.FP8
     assert engine.plan.errors[key][LinearChoice.FP8] < 0.06
     assert set(engine.plan.timings[key]) == {LinearChoice.PACKED, LinearChoice.DENSE, LinearChoice.FP8}
+    assert (id(unit.mods[0]), LinearChoice.FP8) in engine._copies  # the winner's copy is kept
 
-    run_candidates(1.5)  # a broken copy: 50 % off
-    engine._time_layer(m, key, rows)
+    err_scale["v"] = 1.5  # a broken copy: 50 % off
+    key = timed(engine, FP8_MIN_ROWS)
     assert engine.plan.choice[key] is LinearChoice.DENSE and LinearChoice.FP8 not in engine.plan.timings[key]
     assert engine.plan.errors[key][LinearChoice.FP8] > 0.4
 
-    run_candidates(1.0)
-    small = _shape_key(m) + (rows // 2,)
-    engine._time_layer(m, small, rows // 2)
+    err_scale["v"] = 1.0
+    small = timed(engine, FP8_MIN_ROWS // 2)
     assert LinearChoice.FP8 not in engine.plan.timings[small]
     int4 = DecodeEngine(model)  # the default formats
     assert int4.formats is LinearFormats.INT4
-    int4._time_layer(m, key, rows)
+    key = timed(int4, FP8_MIN_ROWS)
     assert LinearChoice.FP8 not in int4.plan.timings[key]
 
 
@@ -161,8 +170,8 @@ def _two_steps(engine):
     return steps(engine)
 
 
-def test_fp8_routing_fuses_qkv_and_gate_up_and_keeps_the_step_near_the_packed_path():
-    """Every compressed layer served as FP8 (the plan's route, forced here): q/k/v and gate/up run one
+def test_fp8_routing_runs_qkv_and_gate_up_as_one_fp8_gemm_and_keeps_the_step_near_the_packed_path():
+    """Every compressed unit served as FP8 (forced here; the plan's route on a GPU): q/k/v and gate/up run one
     FP8 GEMM each over one quantization of their input; the step's log-probs stay near the packed path's."""
     from adbatch.decoding.engine import DecodeEngine, LinearChoice
 
@@ -172,20 +181,22 @@ def test_fp8_routing_fuses_qkv_and_gate_up_and_keeps_the_step_near_the_packed_pa
     routed.force_format(LinearChoice.FP8)
     routed._plan_linears(4)
     n_layers = model.config.num_hidden_layers
-    assert set(routed._fused_active.values()) == {LinearChoice.FP8} and len(routed._fused_active) == 2 * n_layers
-    # only the o / down projections need copies of their own
-    assert len(routed._fp8) == 2 * n_layers and not routed._use_dense
+    assert {c for c, _ in routed._route.values()} == {LinearChoice.FP8} and len(routed._route) == 4 * n_layers
+    attn = model.model.layers[0].self_attn
+    assert routed._route[id(attn.q_proj)][1].out_features == attn.q_proj.out_features + 2 * attn.k_proj.out_features
     got = _two_steps(routed)
     assert relative_error(got.exp(), want.exp()) < 0.05
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.75
+    routed.force_format(None)  # back to the plan: on the CPU nothing is timed, the packed path runs
+    torch.testing.assert_close(_two_steps(routed), want, atol=1e-4, rtol=1e-4)
 
 
-def test_forced_sparse_fp8_falls_back_to_fp8_for_dense_pattern_layers_and_is_refused_on_cpu():
+def test_forced_sparse_fp8_is_refused_where_the_device_cannot_build_it():
     from adbatch.decoding.engine import DecodeEngine, LinearChoice
 
     routed = DecodeEngine(_compressed_tiny("2:4"))
     routed.force_format(LinearChoice.SPARSE_FP8)
-    with pytest.raises(RuntimeError, match="sparse_fp8"):
+    with pytest.raises(RuntimeError, match="sparse_fp8 copy"):
         routed._plan_linears(4)
 
 

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from adbatch.decoding.config import LinearFormats
 from kernels import fused_ops as fo
-from kernels.fp8_linear import Fp8Layout, Fp8Weight, fp8_linear, fp8_supported, quantize_weight_fp8, relative_error
+from kernels.fp8_linear import Fp8Layout, fp8_linear, fp8_supported, quantize_weight_fp8, relative_error
 from kernels.decode_attention import (RowGather, decode_attention, decode_attention_reference,
                                       decode_attention_rows, gather_suffix, row_gather)
 
@@ -161,11 +161,8 @@ class LinearChoice(str, enum.Enum):
     DENSE = "dense"          #: a bf16 / fp16 copy of the dequantized weight (cuBLAS)
     SPARSE = "sparse"        #: a semi-structured 2:4 copy in the activation dtype (cuSPARSELt / CUTLASS)
     FP8 = "fp8"              #: an FP8 copy, activations quantized per row (torch._scaled_mm)
-    SPARSE_FP8 = "sparse_fp8"  #: a 2:4 FP8 copy on the sparse tensor cores (cuSPARSELt)
+    SPARSE_FP8 = "sparse_fp8"  #: a 2:4 FP8 copy on the sparse tensor cores (torchao's CUTLASS kernel)
 
-
-#: the copies a fused q/k/v or gate/up group can run as one GEMM
-_FUSABLE = (LinearChoice.DENSE, LinearChoice.FP8, LinearChoice.SPARSE_FP8)
 
 
 @dataclass
@@ -205,11 +202,26 @@ def _shape_key(mod: Any) -> tuple:
     return (int(mod.out_features), int(mod.in_features), str(getattr(mod.pattern, "value", mod.pattern)))
 
 
-class _FusedBias:
-    """Stands in for a module where only its ``bias`` is read (a fused group's concatenated bias)."""
+@dataclass(eq=False)
+class _Unit:
+    """Compressed projections the plan times and routes as one: a group that reads one input (q/k/v or
+    gate/up, every member compressed) runs as one GEMM of its members' concatenated copies -- one activation
+    quantization for FP8 -- or its members' packed kernels; any other compressed layer is a unit of one."""
 
-    def __init__(self, bias: torch.Tensor | None) -> None:
-        self.bias = bias
+    mods: tuple[Any, ...]
+    sizes: tuple[int, ...]          # out_features per member (the fused output's split)
+    bias: torch.Tensor | None       # the members' biases concatenated (all or none have one)
+
+    @property
+    def key(self) -> tuple:
+        """``(N, K, pattern)``: summed out_features, in_features, the members' patterns joined by '+'."""
+        pats = "+".join(str(getattr(m.pattern, "value", m.pattern)) for m in self.mods)
+        return (sum(self.sizes), int(self.mods[0].in_features), pats)
+
+    @property
+    def sparse(self) -> bool:
+        """Every member 2:4 or sparser: a semi-structured (2:4) copy holds the unit."""
+        return all(str(getattr(m.pattern, "value", m.pattern)) in SPARSE_PATTERNS for m in self.mods)
 
 
 #: what the engine plans among when its caller names nothing (TargetSearchConfig.linear_formats is the knob)
@@ -262,12 +274,11 @@ class DecodeEngine:
             self.window = [int(window)] * len(self.layers)  # Mistral: every layer slides
         self.vocab = int(getattr(self.head, "out_features", 0) or self.cfg.vocab_size)
         self.plan = LinearPlan()
-        self._dense: dict[int, torch.Tensor] = {}
-        self._use_dense: set[int] = set()
-        self._sparse: dict[int, torch.Tensor] = {}  # semi-structured copies of layers some bucket chose
-        self._use_sparse: set[int] = set()
-        self._fp8: dict[tuple[int, LinearChoice], Fp8Weight] = {}  # FP8 copies the routing uses
-        self._use_fp8: dict[int, LinearChoice] = {}
+        # copies of compressed units some bucket chose, by (id of the unit's first module, format); kept
+        # across buckets (building one costs a dequantization, FP8 ones a quantization too)
+        self._copies: dict[tuple[int, LinearChoice], Any] = {}
+        # the routing of the pass being run: id of a unit's first module -> (format, its copy or None)
+        self._route: dict[int, tuple[LinearChoice, Any]] = {}
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._tree_pool = None
@@ -284,15 +295,11 @@ class DecodeEngine:
         self.act = act if act in ("silu", "gelu_pytorch_tanh") else None  # None: the module's own act_fn
         self._fused: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
         self._fuse_dense_projections()
-        # compressed q/k/v or gate/up groups whose every member runs its dense copy at the bucket
-        # being captured: one fused GEMM of the copies, as for a dense model
-        self._fused_copies: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
-        # the same for groups whose members all run an FP8 copy of one layout: (fused weight, split sizes)
-        self._fused_fp8: dict[tuple[int, LinearChoice], tuple[Fp8Weight, tuple[int, ...]]] = {}
-        self._fused_active: dict[int, LinearChoice] = {}  # group (its first member's id) -> fused copy format
-        self._routed_rows: int | None = None  # the bucket _use_dense / _fused_active were planned for
+        self._routed_rows: int | None = None  # the bucket _route was planned for
         self._fp8_refused: set[Fp8Layout] = set()
         self._packed_modules = [m for m in model.modules() if _is_packed(m)]
+        self._units = self._compressed_units()
+        self._unit_of = {id(u.mods[0]): u for u in self._units}
         self.capture_seconds = 0.0
         self.signature: tuple = ()
         # buffers (allocated by reserve)
@@ -315,7 +322,7 @@ class DecodeEngine:
         self._pool = self._tree_pool = self._host_pool = self._prefill_pool = None
         self._seen_keys = {}
         self._eager_keys = set()
-        self._routed_rows = None
+        self._route, self._routed_rows = {}, None
 
     # -------------------------------------------------------------- buffers
     def reserve(self, queries: int, beams: int, prompt_width: int, suffix: int) -> None:
@@ -368,15 +375,21 @@ class DecodeEngine:
 
     # -------------------------------------------------------------- building blocks
     def _linear(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
-        if id(mod) in self._use_dense:
-            return F.linear(x, self._dense[id(mod)], getattr(mod, "bias", None))
-        if id(mod) in self._use_sparse:  # the sparse GEMM's result is a transposed view: the fused ops need rows
-            y = F.linear(x.reshape(-1, x.shape[-1]), self._sparse[id(mod)], getattr(mod, "bias", None))
+        route = self._route.get(id(mod))
+        if route is None or route[0] is LinearChoice.PACKED:
+            return mod(x)
+        return self._run_copy(route, x, getattr(mod, "bias", None))
+
+    @staticmethod
+    def _run_copy(route: tuple[LinearChoice, Any], x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., K]`` through a unit's copy in its format -> ``[..., N]`` (rows contiguous)."""
+        choice, copy = route
+        if choice is LinearChoice.DENSE:
+            return F.linear(x, copy, bias)
+        if choice is LinearChoice.SPARSE:  # the sparse GEMM's result is a transposed view: the fused ops need rows
+            y = F.linear(x.reshape(-1, x.shape[-1]), copy, bias)
             return y.contiguous().reshape(*x.shape[:-1], -1)
-        fp8 = self._use_fp8.get(id(mod))
-        if fp8 is not None:
-            return fp8_linear(x, self._fp8[(id(mod), fp8)])
-        return mod(x)
+        return fp8_linear(x, copy)  # FP8 / SPARSE_FP8 (the bias lives in the copy)
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[N, T, D]`` for positions ``pos: Long[N, T]``."""
@@ -418,12 +431,11 @@ class DecodeEngine:
 
     def _projections(self, group: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
         fused = self._fused.get(id(group[0]))
-        active = self._fused_active.get(id(group[0]))
-        if fused is None and active is LinearChoice.DENSE:
-            fused = self._fused_copies[id(group[0])]
-        elif fused is None and active is not None:  # an FP8 layout: one quantization of x, one GEMM
-            w8, sizes = self._fused_fp8[(id(group[0]), active)]
-            return list(fp8_linear(x, w8).split(sizes, dim=-1))
+        unit = self._unit_of.get(id(group[0]))
+        if fused is None and unit is not None and len(unit.mods) == len(group):
+            route = self._route.get(id(group[0]))
+            if route is not None and route[0] is not LinearChoice.PACKED:  # one GEMM of the members' copy
+                return list(self._run_copy(route, x, unit.bias).split(unit.sizes, dim=-1))
         if fused is None:
             return [self._linear(m, x) for m in group]
         w, b, sizes = fused
@@ -771,165 +783,143 @@ class DecodeEngine:
         return graph, outs
 
     # -------------------------------------------------------------- linear formats, per bucket
-    def _candidates(self, m: Any, rows: int, w: torch.Tensor) -> dict[LinearChoice, Any]:
-        """The formats ``m`` may run in at ``rows`` rows: choice -> its copy (None: the packed module
-        itself), built from ``w`` (``m``'s dequantized weight ``[N, K]``, the engine's dtype)."""
-        pattern = _shape_key(m)[2]
-        out: dict[LinearChoice, Any] = {LinearChoice.PACKED: None, LinearChoice.DENSE: w}
-        if pattern in SPARSE_PATTERNS and rows >= SPARSE_MIN_ROWS:
-            ws = self._sparse[id(m)] if id(m) in self._sparse else semi_structured_copy(w)
-            if ws is not None:
-                out[LinearChoice.SPARSE] = ws
-        if self.formats is LinearFormats.FP8 and rows >= FP8_MIN_ROWS:
-            for choice in (LinearChoice.FP8, LinearChoice.SPARSE_FP8):
-                if choice is LinearChoice.SPARSE_FP8 and pattern not in SPARSE_PATTERNS:
-                    continue
-                w8 = self._fp8_copy(m, w, choice)
-                if w8 is not None:
-                    out[choice] = w8
-        return out
+    def _compressed_units(self) -> list[_Unit]:
+        """The compressed layers as plan units: each q/k/v or gate/up group whose members are all compressed
+        (and all or none have a bias) is one unit, every other compressed layer a unit of its own."""
+        packed = {id(m) for m in self._packed_modules}
+        units, grouped = [], set()
+        for group in self._groups():
+            biases = [getattr(m, "bias", None) for m in group]
+            if all(id(m) in packed for m in group) and (all(b is None for b in biases) or
+                                                        not any(b is None for b in biases)):
+                bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+                units.append(_Unit(tuple(group), tuple(int(m.out_features) for m in group), bias))
+                grouped.update(id(m) for m in group)
+        units += [_Unit((m,), (int(m.out_features),), getattr(m, "bias", None))
+                  for m in self._packed_modules if id(m) not in grouped]
+        return units
 
-    def _fp8_copy(self, m: Any, w: torch.Tensor, choice: LinearChoice) -> Fp8Weight | None:
-        """An FP8 copy of ``w`` (``m``'s dequantized weight) in ``choice``'s layout; None where this device
-        cannot (the reason is logged once per layout)."""
+    def plan_keys(self, rows: int) -> list[tuple]:
+        """The :attr:`plan` keys ``(N, K, pattern, rows)`` a pass at ``rows`` rows routes by."""
+        return list(dict.fromkeys(u.key + (rows,) for u in self._units))
+
+    def _unit_weight(self, unit: _Unit) -> torch.Tensor:
+        """The unit's dequantized weight ``[sum N, K]`` in the engine's dtype."""
+        from kernels.nm_int4 import dequantize_nm_int4
+
+        ws = [dequantize_nm_int4(m.packed, self.dtype) for m in unit.mods]
+        return ws[0] if len(ws) == 1 else torch.cat(ws, 0)
+
+    def _make_copy(self, unit: _Unit, choice: LinearChoice, w: torch.Tensor) -> Any:
+        """``unit``'s copy in ``choice``'s format from its dequantized weight ``w``; None where this device
+        cannot (the reason is logged once per format)."""
+        why = None
+        if choice is LinearChoice.DENSE:
+            return w
+        if choice is LinearChoice.SPARSE:
+            return semi_structured_copy(w)
         layout = Fp8Layout.DENSE if choice is LinearChoice.FP8 else Fp8Layout.SPARSE_24
         why = fp8_supported(self.device, layout)
         if why is None:
             try:
-                return quantize_weight_fp8(w, layout, getattr(m, "bias", None))
-            except (RuntimeError, ValueError) as exc:
+                return quantize_weight_fp8(w, layout, unit.bias)
+            except (RuntimeError, ValueError, ImportError) as exc:
                 why = str(exc).splitlines()[0]
         if layout not in self._fp8_refused:
             self._fp8_refused.add(layout)
             log.info("no %s copies of compressed layers: %s", layout.value, why)
         return None
 
-    def _time_layer(self, m: Any, key: tuple, rows: int) -> None:
-        """Time every candidate format of ``m`` at ``rows`` rows (graph-replayed, random normal input)
-        and record the fastest that is accurate enough in :attr:`plan`."""
-        from kernels.int4_tuner import time_graphed_ms
-        from kernels.nm_int4 import dequantize_nm_int4
+    def _candidates(self, unit: _Unit, rows: int) -> list[LinearChoice]:
+        """The formats ``unit`` may run in at ``rows`` rows under :attr:`formats`."""
+        out = [LinearChoice.PACKED, LinearChoice.DENSE]
+        if unit.sparse and rows >= SPARSE_MIN_ROWS:
+            out.append(LinearChoice.SPARSE)
+        if self.formats is LinearFormats.FP8 and rows >= FP8_MIN_ROWS:
+            out += [LinearChoice.FP8] + ([LinearChoice.SPARSE_FP8] if unit.sparse else [])
+        return out
 
-        x = torch.randn(rows, m.in_features, device=self.device, dtype=self.dtype)
-        w = dequantize_nm_int4(m.packed, self.dtype)
-        bias = getattr(m, "bias", None)
-        calls = {LinearChoice.PACKED: lambda c: m(x), LinearChoice.DENSE: lambda c: F.linear(x, c, bias),
-                 # the sparse GEMM's result is a transposed view: the step's fused ops need rows
-                 LinearChoice.SPARSE: lambda c: F.linear(x, c, bias).contiguous(),
-                 LinearChoice.FP8: lambda c: fp8_linear(x, c), LinearChoice.SPARSE_FP8: lambda c: fp8_linear(x, c)}
+    def _time_unit(self, unit: _Unit, key: tuple, rows: int) -> None:
+        """Time every candidate format of ``unit`` at ``rows`` rows (graph-replayed, random normal input)
+        and record the fastest accurate one in :attr:`plan` (copies of the winner are kept)."""
+        from kernels.int4_tuner import time_graphed_ms
+
+        x = torch.randn(rows, key[1], device=self.device, dtype=self.dtype)
+        w = self._unit_weight(unit)
         timed: dict[LinearChoice, float] = {}
         errors: dict[LinearChoice, float] = {}
+        kept: dict[LinearChoice, Any] = {}
         ref = None
-        candidates = self._candidates(m, rows, w)
-        for choice, copy_ in candidates.items():
-            fn = (lambda c=copy_, f=calls[choice]: f(c))
+        for choice in self._candidates(unit, rows):
+            if choice is LinearChoice.PACKED:
+                fn = (lambda: [m(x) for m in unit.mods])
+            else:
+                copy_ = self._copies.get((id(unit.mods[0]), choice))
+                copy_ = self._make_copy(unit, choice, w) if copy_ is None else copy_
+                if copy_ is None:
+                    continue
+                fn = (lambda r=(choice, copy_): self._run_copy(r, x, unit.bias))
+                kept[choice] = copy_
             if choice in (LinearChoice.FP8, LinearChoice.SPARSE_FP8):
-                ref = F.linear(x, w, bias) if ref is None else ref
+                ref = F.linear(x, w, unit.bias) if ref is None else ref
                 try:
                     errors[choice] = relative_error(fn(), ref)
                 except RuntimeError as exc:
                     log.info("%s copy of %s not run: %s", choice.value, key[:3], str(exc).splitlines()[0])
                     continue
-                if errors[choice] > FP8_MAX_REL_ERROR:
+                if not errors[choice] <= FP8_MAX_REL_ERROR:  # also refuses nan
                     log.info("%s copy of %s refused: relative error %.4f > %.2f", choice.value, key[:3],
                              errors[choice], FP8_MAX_REL_ERROR)
                     continue
             try:
                 timed[choice] = 1e3 * time_graphed_ms(fn, "warm")
-            except RuntimeError as exc:  # e.g. a cuSPARSELt call that cannot be graph-captured
+            except RuntimeError as exc:  # e.g. a kernel that cannot be graph-captured
                 log.info("%s copy of %s not timed: %s", choice.value, key[:3], str(exc).splitlines()[0])
         best = min(timed, key=timed.get)
         self.plan.timings[key], self.plan.errors[key], self.plan.choice[key] = timed, errors, best
-        if best is LinearChoice.SPARSE:  # kept: ~0.56x of a dense copy, and re-building costs seconds
-            self._sparse.setdefault(id(m), candidates[best])
+        if best in kept:
+            self._copies[(id(unit.mods[0]), best)] = kept[best]
         log.info("linear %s at %d rows: %s -> %s", key[:3], rows,
                  ", ".join(f"{c.value} {t:.1f} us" for c, t in timed.items()), best.value)
 
-    def _route(self, m: Any, choice: LinearChoice, rows: int) -> None:
-        """Serve ``m`` as ``choice`` for the pass that follows, building the copy it needs."""
-        from kernels.nm_int4 import dequantize_nm_int4
-
-        if choice is LinearChoice.DENSE:
-            if id(m) not in self._dense:
-                self._dense[id(m)] = dequantize_nm_int4(m.packed, self.dtype)
-            self._use_dense.add(id(m))
-        elif choice is LinearChoice.SPARSE:
-            if id(m) not in self._sparse:  # a given plan (or one made before a reload)
-                ws = semi_structured_copy(dequantize_nm_int4(m.packed, self.dtype))
-                if ws is None:
-                    raise RuntimeError(f"the plan serves {_shape_key(m)} at {rows} rows from a semi-structured "
-                                       "sparse copy, which this device cannot build")
-                self._sparse[id(m)] = ws
-            self._use_sparse.add(id(m))
-        elif choice in (LinearChoice.FP8, LinearChoice.SPARSE_FP8):
-            self._use_fp8[id(m)] = choice
+    def _forced_choice(self, unit: _Unit) -> LinearChoice:
+        choice = self.forced
+        if not unit.sparse and choice is LinearChoice.SPARSE_FP8:
+            return LinearChoice.FP8  # a dense-pattern layer has no 2:4 form
+        if not unit.sparse and choice is LinearChoice.SPARSE:
+            return LinearChoice.DENSE
+        return choice
 
     def _plan_linears(self, rows: int) -> None:
-        """For every compressed layer shape, time its candidate formats at ``rows`` rows (graph-replayed)
-        and route the layer's calls accordingly for the pass that follows (a step being captured, a
-        prefill or a tree pass: eager ones plan at their row count's power-of-two bucket). Groups (q/k/v,
-        gate/up) whose members all run a copy of one fusable format run one fused GEMM of their copies."""
-        mods = self._packed_modules
-        if not mods or rows == self._routed_rows:  # the routing depends on the bucket alone
+        """For every compressed unit, time its candidate formats at ``rows`` rows (graph-replayed) once per
+        unit shape and route the unit's calls accordingly for the pass that follows (a step being captured,
+        a prefill or a tree pass: eager ones plan at their row count's power-of-two bucket)."""
+        if not self._units or rows == self._routed_rows:  # the routing depends on the bucket alone
             return
-        from kernels.nm_int4 import dequantize_nm_int4
-
-        self._use_dense, self._use_sparse, self._use_fp8 = set(), set(), {}
+        route: dict[int, tuple[LinearChoice, Any]] = {}
         planned = True
-        for m in mods:
-            key = _shape_key(m) + (rows,)
+        for unit in self._units:
+            key = unit.key + (rows,)
             if self.forced is not None:
-                choice = self.forced
-                if choice is LinearChoice.SPARSE_FP8 and key[2] not in SPARSE_PATTERNS:
-                    choice = LinearChoice.FP8  # a dense-pattern layer has no 2:4 form
-                if choice is LinearChoice.SPARSE and key[2] not in SPARSE_PATTERNS:
-                    choice = LinearChoice.DENSE
+                choice = self._forced_choice(unit)
             else:
                 if key not in self.plan.choice:
                     if self.device.type != "cuda":  # nothing to time without graphs: a given plan only
                         planned = False
                         continue
-                    self._time_layer(m, key, rows)
+                    self._time_unit(unit, key, rows)
                 choice = LinearChoice(self.plan.choice[key])
-            self._route(m, choice, rows)
-        self._fused_active = {}
-        for group in self._groups():
-            kinds = {self._use_fp8.get(id(m)) or (LinearChoice.DENSE if id(m) in self._use_dense else None)
-                     for m in group}
-            kind = kinds.pop() if len(kinds) == 1 else None
-            if kind not in _FUSABLE:
-                continue
-            if kind is LinearChoice.DENSE:
-                if id(group[0]) not in self._fused_copies:
-                    fused = self._fuse([self._dense[id(m)] for m in group], group)
-                    if fused is None:
-                        continue
-                    self._fused_copies[id(group[0])] = fused
-                    # the members' copies become views of the fused one (no second copy kept)
-                    for m, w in zip(group, fused[0].split(fused[2], 0)):
-                        self._dense[id(m)] = w
-            elif (id(group[0]), kind) not in self._fused_fp8:
-                fused = self._fuse([dequantize_nm_int4(m.packed, self.dtype) for m in group], group)
-                w8 = None if fused is None else self._fp8_copy(_FusedBias(fused[1]), fused[0], kind)
-                if w8 is None:
-                    kind = None
-                else:
-                    self._fused_fp8[(id(group[0]), kind)] = (w8, fused[2])
-            if kind is not None:
-                self._fused_active[id(group[0])] = kind
-        # FP8 copies: a fused group's members need none of their own; the others get theirs now
-        for m in mods:
-            choice = self._use_fp8.get(id(m))
-            if choice is None or (id(m), choice) in self._fp8:
-                continue
-            group = next((g for g in self._groups() if m in g), None)
-            if group is not None and self._fused_active.get(id(group[0])) is choice:
-                continue
-            w8 = self._fp8_copy(m, dequantize_nm_int4(m.packed, self.dtype), choice)
-            if w8 is None:
-                raise RuntimeError(f"the plan serves {_shape_key(m)} at {rows} rows as {choice.value}, which this "
-                                   "device cannot build")
-            self._fp8[(id(m), choice)] = w8
+            copy_ = None
+            if choice is not LinearChoice.PACKED:
+                copy_ = self._copies.get((id(unit.mods[0]), choice))
+                if copy_ is None:  # a given plan, another unit of the same shape, or a forced format
+                    copy_ = self._make_copy(unit, choice, self._unit_weight(unit))
+                    if copy_ is None:
+                        raise RuntimeError(f"the plan serves {key[:3]} at {rows} rows as a {choice.value} copy, "
+                                           "which this device cannot build")
+                    self._copies[(id(unit.mods[0]), choice)] = copy_
+            route[id(unit.mods[0])] = (choice, copy_)
+        self._route = route
         self._routed_rows = rows if planned else None
 
     # -------------------------------------------------------------- tree pass
