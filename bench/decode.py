@@ -258,7 +258,7 @@ def bench_point(section: str, scheme: str, names: list[str], ctx: dict, beams: i
     k = min(beams, 10)
     n_q = max(qbatch, q1_queries) if qbatch == 1 else qbatch
     qs = queries[:n_q]
-    dev = device_of(ctx["model"])
+    dev = ctx.get("dev") or device_of(ctx["model"])
     runners = {n: r for n in names if (r := runner_for(n, ctx, beams, k, qbatch)) is not None}
     for run in runners.values():  # untimed: graph capture, kernel compiles, allocator growth
         gc.collect()
@@ -620,15 +620,28 @@ def compressed_section(report: Report, shape: str, model, tries: dict[str, Trie]
         report.note(section, f"{shape}: skipped, {budget.left():.0f}s of budget left < {need_s:.0f}s needed")
         return
     t0 = time.perf_counter()
-    mc, summary = compress_copy(model, device_of(model))
+    dev = device_of(model)
+    mc, summary = compress_copy(model, dev)
     report.note(section, f"{shape}: 2:4 INT4 copy (magnitude score, uniform 2:4, group 128, lm_head dense) "
                          f"built in {time.perf_counter() - t0:.1f}s: {json.dumps(summary)}")
+    names = args.compressed_methods
+    if all("@" in n for n in names) and dev.type == "cuda":
+        # no dense method in this section (its rows are the shape's own section, same points, same run): the
+        # dense model and its engines leave the GPU, which then holds the compressed model's engines alone
+        # (an 8B dense model, its engines' buffers and the compressed engines' copies do not fit 80 GB together)
+        from adbatch.decoding.engine import _ENGINES, _MODEL_COPIES
+
+        _ENGINES.pop(model, None)
+        _MODEL_COPIES.pop(model, None)
+        model.to("cpu")
+        gc.collect()
+        torch.cuda.empty_cache()
+        report.note(section, f"{shape}: dense model moved off the GPU for this section; dense rows: section {shape}")
     w = workload(shape, args.smoke)
     cost_c = calibrate_cost(mc, args.out / "calibration", args.smoke, rows=w["calib_rows"],
                             tokens=(32, 256, 1024, 4096), repeats=2, beams=w["beams"])
-    names = args.compressed_methods
-    search_section(report, section, tries, points, names, dict(ctx, variants={"2:4": (mc, cost_c)}), queries,
-                   args, budget, scheme_prefix=f"{shape}:")
+    search_section(report, section, tries, points, names, dict(ctx, variants={"2:4": (mc, cost_c)}, dev=dev),
+                   queries, args, budget, scheme_prefix=f"{shape}:")
     report.note(section, plan_table(mc, f"{shape}: the compressed model's per-bucket linear plan"))
     del mc, cost_c
     gc.collect()

@@ -224,6 +224,9 @@ class _Unit:
         return all(str(getattr(m.pattern, "value", m.pattern)) in SPARSE_PATTERNS for m in self.mods)
 
 
+#: per model, the copies of its compressed units its engines built (see DecodeEngine._copies)
+_MODEL_COPIES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, LinearChoice], Any]]" = weakref.WeakKeyDictionary()
+
 #: what the engine plans among when its caller names nothing (TargetSearchConfig.linear_formats is the knob)
 DEFAULT_LINEAR_FORMATS = LinearFormats.INT4
 
@@ -275,8 +278,9 @@ class DecodeEngine:
         self.vocab = int(getattr(self.head, "out_features", 0) or self.cfg.vocab_size)
         self.plan = LinearPlan()
         # copies of compressed units some bucket chose, by (id of the unit's first module, format); kept
-        # across buckets (building one costs a dequantization, FP8 ones a quantization too)
-        self._copies: dict[tuple[int, LinearChoice], Any] = {}
+        # across buckets (building one costs a dequantization, FP8 ones a quantization too) and shared by the
+        # model's engines of other linear_formats (an 8B model's bf16 copies are 14 GB)
+        self._copies: dict[tuple[int, LinearChoice], Any] = _MODEL_COPIES.setdefault(model, {})
         # the routing of the pass being run: id of a unit's first module -> (format, its copy or None)
         self._route: dict[int, tuple[LinearChoice, Any]] = {}
         self._graphs: dict[tuple, _Graph] = {}
@@ -1032,6 +1036,7 @@ def engine_for(model: Any, formats: LinearFormats | None = None) -> DecodeEngine
     if engines is None or any(e.signature != sig for e in engines.values()):
         engines = {}
         _ENGINES[model] = engines
+        _MODEL_COPIES.pop(model, None)  # copies of the old weights
     if formats is None:
         formats = next(iter(engines), DEFAULT_LINEAR_FORMATS)
     formats = LinearFormats(formats)
