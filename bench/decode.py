@@ -621,18 +621,23 @@ def compressed_section(report: Report, shape: str, model, tries: dict[str, Trie]
         return
     t0 = time.perf_counter()
     dev = device_of(model)
-    mc, summary = compress_copy(model, dev)
-    report.note(section, f"{shape}: 2:4 INT4 copy (magnitude score, uniform 2:4, group 128, lm_head dense) "
-                         f"built in {time.perf_counter() - t0:.1f}s: {json.dumps(summary)}")
     names = args.compressed_methods
-    if all("@" in n for n in names) and dev.type == "cuda":
+    dense_free = all("@" in n for n in names) and dev.type == "cuda"
+    if dense_free:
         # no dense method in this section (its rows are the shape's own section, same points, same run): the
-        # dense model and its engines leave the GPU, which then holds the compressed model's engines alone
-        # (an 8B dense model, its engines' buffers and the compressed engines' copies do not fit 80 GB together)
+        # dense model's engines go before the copy is made and the dense model leaves the GPU after, which then
+        # holds the compressed model's engines alone (an 8B dense model, its engines' buffers and the compressed
+        # engines' copies do not fit 80 GB together)
         from adbatch.decoding.engine import _ENGINES, _MODEL_COPIES
 
         _ENGINES.pop(model, None)
         _MODEL_COPIES.pop(model, None)
+        gc.collect()
+        torch.cuda.empty_cache()
+    mc, summary = compress_copy(model, dev)
+    report.note(section, f"{shape}: 2:4 INT4 copy (magnitude score, uniform 2:4, group 128, lm_head dense) "
+                         f"built in {time.perf_counter() - t0:.1f}s: {json.dumps(summary)}")
+    if dense_free:
         model.to("cpu")
         gc.collect()
         torch.cuda.empty_cache()
