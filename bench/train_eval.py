@@ -60,7 +60,7 @@ def channels(args: argparse.Namespace) -> None:
        queries repeated), median of 3: generative vs hybrid;
     4. the compress stage's defaults (``run_compress``, ``use_ray=False``), its checkpoint loaded as generate
        loads it (its manifest carries the fusion), and the same rows at the default width.
-    Writes ``results.json`` and ``table.md`` under ``--out``.
+    Writes ``results.json`` and ``table.md`` under ``--out``. ``--ablation``: :func:`channels_ablation` instead.
     """
     import statistics
 
@@ -68,24 +68,14 @@ def channels(args: argparse.Namespace) -> None:
 
     from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.eval.targeting import evaluate_targeting
-    from adbatch.index.dense import DenseRetriever, PrecomputedQueryEmbedder
     from adbatch.serving.generators import ModelSpec, load_model
     from adbatch.serving.hybrid import FusionMethod, FusionParams, HybridRanker, fusion_of_record
-    from adbatch.training import TrainConfig, train_on_index
+    from adbatch.training import train_on_index
     from adbatch.training.checkpoint import read_training_record
 
-    out, device, results, save = _results_file(args)
-
-    bundle, cat = Path(args.bundle), args.catalogue
-    if (bundle / "prepare.json").is_file():
-        results["prepare"] = json.loads((bundle / "prepare.json").read_text())
-    data = load_bundle(bundle, cat)
-    index = data["indexes"][args.scheme]
-    dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(bundle / f"query_emb_{cat}.npz"))
-    cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048, compile=False)
-    cfg = TrainConfig.from_dict(_merged(cfg.to_dict(), json.loads(args.train_json)))
-    if args.train_budget_s:
-        cfg = cfg.replace(time_budget_s=args.train_budget_s)
+    if args.ablation:
+        return channels_ablation(args)
+    out, device, results, save, bundle, cat, data, index, dense, cfg = _channels_setup(args)
     results["train_config"] = cfg.to_dict()
     model_dir = Path(args.work) / f"trained_{cat}_{args.scheme}"
     t0 = time.perf_counter()
@@ -204,6 +194,111 @@ def channels(args: argparse.Namespace) -> None:
     print(table)
     print(json.dumps({k: results.get(k) for k in ("train", "fusion", "prior_weight", "speed", "compress")},
                      default=str)[:3000])
+
+
+def _channels_setup(args: argparse.Namespace) -> tuple:
+    """What ``channels`` and its ablation share: the results file, the bundle, the index of ``--scheme``, the
+    dense channel over the bundle's precomputed MiniLM query vectors, and the TrainConfig (the ``adbatch train``
+    defaults, ``--train-json`` merged, ``--train-budget-s``)."""
+    from adbatch.index.dense import DenseRetriever, PrecomputedQueryEmbedder
+    from adbatch.training import TrainConfig
+
+    out, device, results, save = _results_file(args)
+    bundle, cat = Path(args.bundle), args.catalogue
+    if (bundle / "prepare.json").is_file():
+        results["prepare"] = json.loads((bundle / "prepare.json").read_text())
+    data = load_bundle(bundle, cat)
+    index = data["indexes"][args.scheme]
+    dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(bundle / f"query_emb_{cat}.npz"))
+    cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048, compile=False)
+    cfg = TrainConfig.from_dict(_merged(cfg.to_dict(), json.loads(args.train_json)))
+    if args.train_budget_s:
+        cfg = cfg.replace(time_budget_s=args.train_budget_s)
+    return out, device, results, save, bundle, cat, data, index, dense, cfg
+
+
+#: the arms of ``channels --ablation`` (issue 41 item 4): TrainConfig overrides merged over the run's config;
+#: ``rank`` / ``rank_gen`` also take ``--rank-json``. The device has no MiniLM and the bundle holds vectors of the
+#: validation / test queries only, so the teacher places a training query at its source ad's vector
+#: (``teacher_query = source_ad``) unless ``--rank-json`` says otherwise
+ABLATION_ARMS = {
+    "ce": {"rank": {"enabled": False}},
+    "rank": {"rank": {"enabled": True, "teacher_query": "source_ad", "sources": ["labelled", "spans"]}},
+    # the teacher-labelled generated queries: the generator's queries join training (mix: spans + generated)
+    # and rank against the teacher's top-k
+    "rank_gen": {"pseudo_queries": {"source": "mix"},
+                 "rank": {"enabled": True, "teacher_query": "source_ad", "sources": ["labelled", "spans", "generated"]}},
+}
+
+
+def channels_ablation(args: argparse.Namespace) -> None:
+    """``channels --ablation``: the rank-aware distillation's ablation, one trained model per arm of ``--arms``
+    (:data:`ABLATION_ARMS`: CE only, CE + rank loss, CE + rank loss + teacher-labelled generated queries), each
+    evaluated on the test queries through :class:`adbatch.serving.hybrid.HybridRanker` (bf16, 10 beams, the
+    fusion its training fitted): dense, generative and hybrid recall@10 / MRR@10 (rows ``<arm> <channel>``),
+    with the training summary's rank record. Each arm trains within ``--train-budget-s``; for a 10-minute
+    device call, one arm per call (the arms write ``results.json`` under ``--out`` as they finish)."""
+    import torch
+
+    from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
+    from adbatch.eval.targeting import evaluate_targeting
+    from adbatch.serving.hybrid import HybridRanker, fusion_of_record
+    from adbatch.training import TrainConfig, train_on_index
+    from adbatch.training.checkpoint import read_training_record
+
+    out, device, results, save, bundle, cat, data, index, dense, base_cfg = _channels_setup(args)
+    rank_over = json.loads(args.rank_json)
+    results["ablation"] = {}
+    base = TargetSearchConfig(verify=VerifyMode.OFF, num_beams=10)
+    channels_menu = {"dense": base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k),
+                     "generative": base.replace(fusion=FusionMode.GENERATIVE),
+                     "hybrid": base.replace(fusion=FusionMode.HYBRID)}
+    for arm in [a for a in args.arms.split(",") if a]:
+        if arm not in ABLATION_ARMS:
+            raise SystemExit(f"unknown ablation arm {arm!r} (arms: {', '.join(ABLATION_ARMS)})")
+        over = ABLATION_ARMS[arm]
+        if over["rank"]["enabled"]:
+            over = _merged(over, {"rank": rank_over})
+        cfg = TrainConfig.from_dict(_merged(base_cfg.to_dict(), over))
+        model_dir = Path(args.work) / f"trained_{cat}_{args.scheme}_{arm}"
+        t0 = time.perf_counter()
+        model, tok = load_base(args.model, args.smoke, device)
+        query_gen = bench_query_gen(args.smoke, json.loads(args.query_gen_json)) if arm == "rank_gen" else None
+        model, tok, summary = train_on_index(index, model_dir, cfg, ad_texts=data["ad_texts"], labelled=data["labelled"],
+                                             model=model, tokenizer=tok, device=device, progress=False,
+                                             valid_qrels=data["valid"], dense=dense, query_gen=query_gen,
+                                             exclude_queries=[*data["qrels"], *data["valid"]])
+        fusion = fusion_of_record(read_training_record(model_dir))
+        row: dict[str, Any] = {"train_config": cfg.to_dict(), "wall_s": round(time.perf_counter() - t0, 1),
+                               "train": {k: v for k, v in summary.train.items() if k not in ("evals",)},
+                               "examples": {k: v for k, v in summary.data.items() if isinstance(v, int)},
+                               "fusion": fusion.to_dict()}
+        served = model.to(device, torch.bfloat16) if device == "cuda" else model
+        served.eval()
+        for name, search in channels_menu.items():
+            hr = HybridRanker(served, tok, index, search, dense=dense, fusion=fusion)
+
+            def rank(qs: list[str], hr: Any = hr) -> list[list[Any]]:
+                return [[index.ad_ids[r] for r in row_] for row_ in hr.rank(qs).lists()]
+
+            r = evaluate_targeting(rank, data["qrels"], batch_size=args.batch, max_queries=args.max_queries)
+            row[name] = {k: r[k] for k in ("recall@10", "mrr@10", "recall@1", "queries", "queries_per_s") if k in r}
+            results["rows"][f"{arm} {name}"] = r
+            log.info("%s %s: recall@10 %.4f mrr@10 %.4f", arm, name, r["recall@10"], r["mrr@10"])
+        results["ablation"][arm] = row
+        save()
+        del served, model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    lines = ["| arm | channel | recall@10 | MRR@10 | rank steps | rank mean loss |", "|---|---|---|---|---|---|"]
+    for arm, row in results["ablation"].items():
+        rk = row["train"].get("rank") or {}
+        for name in channels_menu:
+            lines.append(f"| {arm} | {name} | {row[name]['recall@10']:.4f} | {row[name]['mrr@10']:.4f} | "
+                         f"{rk.get('steps', '-')} | {rk.get('mean_loss', '-')} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
 
 
 def smoke(out: Path) -> None:
@@ -1118,6 +1213,12 @@ def main(argv: list[str] | None = None) -> None:
     ch.add_argument("--train-json", default="{}", help="JSON TrainConfig overrides (nested dicts merge)")
     ch.add_argument("--skip-compress", action="store_true")
     ch.add_argument("--reuse-trained", action="store_true")
+    ch.add_argument("--ablation", action="store_true",
+                    help="issue 41 item 4: train one model per --arms (CE only / CE + rank loss / CE + rank loss + "
+                         "teacher-labelled generated queries) and report each channel's recall@10 / MRR@10")
+    ch.add_argument("--arms", default="ce,rank,rank_gen", help="ablation arms, in order (see ABLATION_ARMS)")
+    ch.add_argument("--rank-json", default="{}", help="JSON RankLossConfig overrides of the rank arms")
+    ch.add_argument("--query-gen-json", default="{}", help="JSON QueryGenConfig overrides (the rank_gen arm)")
     pr = sub.add_parser("run")
     pr.add_argument("--bundle", required=True)
     pr.add_argument("--out", required=True)

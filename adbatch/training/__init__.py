@@ -21,18 +21,20 @@ from adbatch.training.pseudo_queries import QuerySource
 # The configs below live beside the torch code that reads them. They load at first access (PEP 562),
 # so a process that only checks a model's training record (a generate job's driver imports
 # adbatch.training.checkpoint) does not import torch.
-_LAZY = {"DistillConfig": "distill", "QuantAwareConfig": "quant_aware",
+_LAZY = {"DistillConfig": "distill", "QuantAwareConfig": "quant_aware", "RankLossConfig": "rank_loss",
          "SparsityScheduleConfig": "sparsity", "TrainConfig": "trainer"}
 
 if TYPE_CHECKING:
     from adbatch.training.distill import DistillConfig
     from adbatch.training.quant_aware import QuantAwareConfig
+    from adbatch.training.rank_loss import RankLossConfig
     from adbatch.training.sparsity import SparsityScheduleConfig
     from adbatch.training.trainer import TrainConfig
 
 __getattr__ = lazy_members(__name__, _LAZY)
 
-__all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "DistillConfig", "train_on_index", "TrainSummary",
+__all__ = ["TrainConfig", "SparsityScheduleConfig", "QuantAwareConfig", "DistillConfig", "RankLossConfig",
+           "train_on_index", "TrainSummary",
            "check_index_compat",
            "IndexMismatchError", "read_training_record", "load_masks", "save_trained", "scheme_name"]
 
@@ -222,6 +224,29 @@ def _fit_fusion(model: Any, tokenizer: Any, index: Any, config: TrainConfig, ad_
         model.train(was_training)
 
 
+def _rank_queries(tokenizer: Any, index: Any, config: TrainConfig, ad_texts: Mapping[Hashable, str],
+                  labelled: list[tuple[str, Hashable]], generated: Any, dense: Any, device: str) -> Any:
+    """The ranking queries of the rank phase (:func:`adbatch.training.rank_loss.rank_queries`) from this run's
+    training queries, with the dense teacher's (``dense``, else one over ``index``) top-k of each."""
+    from adbatch.training.rank_loss import rank_queries, spans_of
+
+    if dense is None:
+        from adbatch.index.dense import DenseRetriever
+
+        dense = DenseRetriever(index, device)
+    t = time.perf_counter()
+    eos = [tokenizer.eos_token_id] if config.append_eos else []
+    targets = [t_ + eos for t_ in _index_targets(index)]
+    spans = spans_of([str(ad_texts.get(a) or "") for a in index.ad_ids], config.pseudo_queries)
+    rq = rank_queries(tokenizer, index, dense, config.rank, targets=targets, max_query_tokens=config.max_query_tokens,
+                      labelled=labelled if config.retrieval else (), spans=spans,
+                      generated=generated.pairs() if generated is not None else ())
+    rq.stats["teacher_seconds"] = round(time.perf_counter() - t, 3)
+    log.info("rank phase: %d ranking queries %s (teacher %.1f s)", len(rq), rq.stats["by_source"],
+             rq.stats["teacher_seconds"])
+    return rq
+
+
 def train_on_index(
     index: Any,
     out_dir: str | Path | None,
@@ -269,6 +294,8 @@ def train_on_index(
     ``config.fusion_queries`` of ``valid_qrels`` (else held-out pseudo-queries) and stored in the record
     (``fusion``; :func:`adbatch.serving.hybrid.fit_fusion_on`). ``dense``: the
     :class:`~adbatch.index.dense.DenseRetriever` to fit with (default: one over ``index`` on ``device``).
+    With ``config.rank.enabled`` the same ``dense`` retriever (default: one over ``index``) is the teacher of
+    the rank phase (:mod:`adbatch.training.rank_loss`): its top-k of the run's training queries, before training.
     Returns ``(model, tokenizer, TrainSummary)``.
     """
     import torch
@@ -342,6 +369,10 @@ def train_on_index(
 
         evaluate = validation_metric(tokenizer, index, valid_qrels, metric=config.valid_metric,
                                      max_queries=config.valid_max_queries)
+    rank_qs = None
+    if config.rank.enabled:
+        rank_qs = _rank_queries(tokenizer, index, config, ad_texts, labelled, generated, dense, device)
+        data_stats["rank"] = rank_qs.stats
     teacher = None
     if config.distill.enabled:
         import copy
@@ -356,8 +387,8 @@ def train_on_index(
         trained = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
     stats, sparsity = train_loop(trained, examples, config, pad_id=tokenizer.pad_token_id, device=device,
                                  rank=rank, world_size=world_size, evaluate=evaluate, progress=progress,
-                                 teacher=teacher)
-    del teacher
+                                 teacher=teacher, rank_queries=rank_qs)
+    del teacher, rank_qs
     if creative_pairs is not None:
         from adbatch.serving.prompts import declare_creative_prompt
 

@@ -28,7 +28,10 @@ already initialised there):
   prunable linears compute with their INT4 weights (straight-through gradient) from
   ``qat.start_fraction`` of the steps on;
 - optional distillation (``distill``, :mod:`adbatch.training.distill`) from a frozen copy of the
-  starting model, for sparsifying a model already trained on the index.
+  starting model, for sparsifying a model already trained on the index;
+- optional rank-aware distillation from the dense teacher (``rank``, :mod:`adbatch.training.rank_loss`):
+  from ``rank.start_fraction`` of the steps on, each step adds a listwise / margin loss over candidate
+  groups (the teacher's top-k, the model's own beam outputs, the labelled ad).
 
 Why one module of ~730 lines: the config, the loop, its statistics and the pieces of one step only the
 loop uses (packed masks and their probe, the batch loss, the regional compile, model selection) are
@@ -53,6 +56,7 @@ from adbatch.training.data import (Batch, ExampleKind, TrainingExamples, collate
 from adbatch.training.distill import DistillConfig, distill_loss
 from adbatch.training.head_loss import linear_cross_entropy
 from adbatch.training.pseudo_queries import PseudoQueryConfig
+from adbatch.training.rank_loss import RankLossConfig
 from adbatch.training.rehearsal import CreativeRehearsalConfig
 from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
 from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig, unwrap_ddp
@@ -125,6 +129,8 @@ class TrainConfig(ConfigBase):
                                   metadata={"help": "quantization-aware final phase (INT4 fake-quant, STE)"})
     distill: DistillConfig = field(default_factory=DistillConfig,
                                    metadata={"help": "distil from a frozen copy of the starting model"})
+    rank: RankLossConfig = field(default_factory=RankLossConfig, metadata={
+        "help": "rank-aware distillation from the dense teacher in the last part of training"})
     creative_rehearsal: CreativeRehearsalConfig = field(default_factory=CreativeRehearsalConfig, metadata={
         "help": "mix creative examples (the starting model's own headlines) into training"})
     eval_every: float = field(default=0.0, metadata={
@@ -408,6 +414,8 @@ class TrainStats:
     best: dict[str, Any] = field(default_factory=dict)
     eval_seconds: float = 0.0  # validation time, excluded from ``seconds`` (and so from tokens/s)
     qat: dict[str, Any] | None = None  # QuantAwareTraining.summary() when QAT ran
+    rank: dict[str, Any] | None = None  # the rank phase (adbatch.training.rank_loss) when it ran
+    rank_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, rank loss) at logged steps
     packing: dict[str, Any] = field(default_factory=dict)  # enabled, row_tokens, rows, fallback reason
     compiled: bool = False
     examples: int = 0  # examples trained on (an example repeated in an epoch, or in several epochs, counts each time)
@@ -449,6 +457,8 @@ class TrainStats:
             out.update({f"{k}_all_ranks": v for k, v in self.all_ranks.items()})
         if self.sparsity:
             out["sparsity_density"] = self.sparsity.get("density")
+        if self.rank is not None:
+            out["rank"] = self.rank
         if self.evals:
             out["evals"] = self.evals
             out["best"] = self.best
@@ -532,6 +542,94 @@ class BestWeights:
             core.load_state_dict(self.state)
 
 
+class _RankPhase:
+    """The rank phase of :func:`train_loop` (:mod:`adbatch.training.rank_loss`): when it starts, mining the beam
+    negatives (then the candidate groups), and one rank micro-batch per optimizer step.
+
+    Negatives are mined once at the phase's start by default: the phase is short (the last part of a run whose
+    ids are already learned), the beams move little once the ids are known, and a mining is a beam search over
+    every ranking query (seconds to a minute on the GPU for thousands of queries), which a refresh every few
+    steps would repeat; ``refresh_every`` re-mines for longer phases. Loss values stay on the device (summed
+    there; read at logged steps only)."""
+
+    def __init__(self, model: nn.Module, rq: Any, config: TrainConfig, total_steps: int, pad_id: int,
+                 device: torch.device, autocast: bool) -> None:
+        self.model, self.rq, self.cfg = model, rq, config.rank
+        self.pad_id, self.device, self.autocast = pad_id, device, autocast
+        self.start = min(total_steps - 1, round(self.cfg.start_fraction * total_steps))
+        self.started: int | None = None
+        self.groups: Any = None
+        self.gen = torch.Generator().manual_seed(self.cfg.seed)
+        self.order = torch.empty(0, dtype=torch.int64)
+        self.cursor = 0
+        self.mine_seconds, self.minings, self.steps, self.batch_slots = 0.0, 0, 0, 0
+        self.total = torch.zeros((), device=device)
+        self.last = torch.zeros((), device=device)
+        self.group_stats: dict[str, Any] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.groups is not None
+
+    def due(self, step: int, share: float | None) -> bool:
+        """Whether to mine before ``step``: at the phase's start, then every ``refresh_every`` steps."""
+        if self.started is None:
+            return step >= self.start or (share is not None and share >= self.cfg.start_fraction)
+        return self.cfg.refresh_every > 0 and (step - self.started) % self.cfg.refresh_every == 0
+
+    def mine(self, step: int) -> None:
+        from adbatch.training.rank_loss import build_groups, mine_beams
+
+        t = time.perf_counter()
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            beams = mine_beams(unwrap_ddp(self.model), self.rq, self.cfg)  # eval mode inside, training restored
+        self.groups = build_groups(self.rq, beams, self.cfg)
+        self.group_stats = self.groups.stats
+        self.order = torch.randperm(len(self.rq), generator=self.gen)
+        self.cursor = 0
+        if self.started is None:
+            self.started = step
+            log.info("rank phase from step %d: %d groups of %d slots (%.1f candidates, %.1f beam negatives each)",
+                     step, len(self.rq), self.groups.rows.shape[1], self.group_stats["candidates_per_group"],
+                     self.group_stats["beam_negatives_per_group"])
+        self.minings += 1
+        self.mine_seconds += time.perf_counter() - t
+
+    def _picks(self) -> torch.Tensor:
+        G = min(self.cfg.queries_per_step, len(self.rq))
+        if self.cursor + G > len(self.order):  # a new shuffled pass over the groups
+            self.order = torch.randperm(len(self.rq), generator=self.gen)
+            self.cursor = 0
+        picks = self.order[self.cursor:self.cursor + G]
+        self.cursor += G
+        return picks
+
+    def loss(self) -> tuple[torch.Tensor, int]:
+        """One rank micro-batch's loss (float32 scalar) and its real tokens."""
+        from adbatch.training.rank_loss import group_loss, rank_batch, sequence_logprobs
+
+        picks = self._picks()
+        batch, mask, teacher, pos, neg = rank_batch(self.groups, picks, self.pad_id)
+        batch = batch.to(self.device)
+        student = sequence_logprobs(self.model, batch, tuple(mask.shape), mask.to(self.device))  # [G, C]
+        loss = group_loss(student, mask, teacher, pos, neg, self.cfg)
+        self.last = loss.detach()
+        self.total += self.last
+        self.steps += 1
+        self.batch_slots = batch.num_slots
+        return loss, batch.num_tokens
+
+    def last_value(self) -> float:
+        return float(self.last)
+
+    def summary(self) -> dict[str, Any]:
+        out = {**self.rq.stats, **self.group_stats, "start_step": self.started, "planned_start": self.start,
+               "steps": self.steps, "minings": self.minings, "mining_seconds": round(self.mine_seconds, 3),
+               "mode": self.cfg.mode.value, "weight": self.cfg.weight}
+        out["mean_loss"] = round(float(self.total) / self.steps, 5) if self.steps else None
+        return out
+
+
 class _BudgetClock:
     """Seconds since the loop started, as every rank agrees on them (for ``time_budget_s``).
 
@@ -597,12 +695,19 @@ def train_loop(
     evaluate: Callable[[nn.Module], float] | None = None,
     progress: bool = True,
     teacher: nn.Module | None = None,
+    rank_queries: Any = None,
 ) -> tuple[TrainStats, ProgressiveSparsity | None]:
     """Train ``model`` in place on ``examples`` (prompt tokens masked out of the loss).
 
     ``teacher``: a frozen model (same vocabulary, on ``device``) whose target-position distributions
     the loss also matches, as ``config.distill`` says (:mod:`adbatch.training.distill`); required when
     ``config.distill.enabled``.
+
+    ``rank_queries``: the ranking queries and the dense teacher's view of them
+    (:class:`adbatch.training.rank_loss.RankQueries`, :func:`~adbatch.training.rank_loss.rank_queries`);
+    required when ``config.rank.enabled`` (one process only), which adds the rank phase's loss from
+    ``config.rank.start_fraction`` of the steps (or of ``time_budget_s``, whichever comes first) on; its
+    record is ``stats.rank``.
 
     ``evaluate(model) -> float`` (higher is better; run under ``no_grad`` in eval mode, bf16
     autocast on CUDA) is called every ``config.eval_every`` epochs and after the last step when
@@ -667,6 +772,14 @@ def train_loop(
                          else "a teacher model was given but TrainConfig.distill is not enabled")
     if teacher is not None:
         teacher.eval().requires_grad_(False)
+    if config.rank.enabled != (rank_queries is not None):
+        raise ValueError("TrainConfig.rank is enabled but no rank_queries were given" if rank_queries is None
+                         else "rank_queries were given but TrainConfig.rank is not enabled")
+    if rank_queries is not None and (world_size > 1 or _fast_parts(model) is None):
+        # the groups are mined and batched by one process; under DDP each rank would need its share of them
+        # and the forward through DDP's wrapper (not done yet)
+        raise ValueError("the rank loss runs in one process on a plain model (not under DDP)")
+    ranking = _RankPhase(model, rank_queries, config, total_steps, pad_id, device, autocast) if rank_queries is not None else None
     stats = TrainStats(micro_batches_per_epoch=per_epoch, packing=packing, world_size=world_size)
     compiled = None
     if config.compile and device.type == "cuda":
@@ -719,6 +832,14 @@ def train_loop(
         want_stats = sparsity is not None and sparsity.wants_stats(step)
         if want_stats:
             sparsity.start_stats()
+        if ranking is not None:
+            share = elapsed / config.time_budget_s if config.time_budget_s is not None else None
+            if ranking.due(step, share):  # mining decodes other shapes: eager layers meanwhile
+                if compiled is not None:
+                    compiled.off()
+                ranking.mine(step)
+                if compiled is not None:
+                    compiled.on()
         loss_acc.zero_()
         for _ in range(config.grad_accum):
             batch = next(batch_iter).to(device)
@@ -730,6 +851,13 @@ def train_loop(
             stats.tokens += batch.num_tokens
             stats.padded_tokens += batch.num_slots
             stats.target_tokens += n_tgt
+        if ranking is not None and ranking.active:
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+                r_loss, r_tokens = ranking.loss()
+            (config.rank.weight * r_loss).backward()  # next to the CE micro-batches' mean, weighted
+            loss_acc += config.rank.weight * r_loss.detach()
+            stats.tokens += r_tokens
+            stats.padded_tokens += ranking.batch_slots
         if sparsity is not None:
             sparsity.before_optimizer_step(step)
         if config.max_grad_norm > 0:
@@ -745,6 +873,8 @@ def train_loop(
         if step % config.log_every == 0 or step == total_steps - 1:
             value = float(loss_acc)  # one sync per logged step only
             stats.losses.append((step, value))
+            if ranking is not None and ranking.active:
+                stats.rank_losses.append((step, ranking.last_value()))
             if sparsity is not None:
                 stats.density.append((step, sparsity.density()))
             if on_step is not None:
@@ -795,6 +925,9 @@ def train_loop(
             log.warning("progressive sparsity did not reach its final masks (stopped at step %d)", stats.steps)
             sparsity.finish_early()
         stats.sparsity = sparsity.summary()
+    if ranking is not None:
+        stats.rank = ranking.summary()
+        stats.rank["losses"] = stats.rank_losses
     if qat is not None:  # plain forwards again: the caller saves / compresses the fp32 weights
         qat.detach()
         stats.qat = qat.summary()
