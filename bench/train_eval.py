@@ -231,6 +231,54 @@ ABLATION_ARMS = {
 }
 
 
+#: issue 42 item 2: the compressed model's layers served in one format at every bucket (forced: the worst case of
+#: what a per-bucket plan may choose), next to the measured plan of the default formats
+FORMAT_ROWS = {"int4 plan": None, "fp8 every layer": "fp8", "2:4 fp8 + fp8 every layer": "sparse_fp8"}
+
+
+def compressed_formats(args: argparse.Namespace, bundle: Path, cat: str, model_dir: Path, index: Any, dense: Any,
+                       data: dict, channels_menu: dict, tok: Any) -> dict[str, dict]:
+    """The compress stage's defaults on ``model_dir`` (``run_compress``, the product's recipe), then the generative
+    and hybrid channels' recall with the compressed layers served per :data:`FORMAT_ROWS`."""
+    import torch
+
+    from adbatch.decoding.engine import engine_for
+    from adbatch.eval.targeting import evaluate_targeting
+    from adbatch.serving.generators import ModelSpec, load_model
+    from adbatch.serving.hybrid import HybridRanker, fusion_of_record
+    from pipelines.compress import CompressJobConfig, run_compress
+
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    comp_dir = Path(args.work) / f"compressed_{model_dir.name}"
+    t0 = time.perf_counter()
+    run_compress(CompressJobConfig(model=str(model_dir), index=bundle / f"index_{cat}_{args.scheme}",
+                                   queries=bundle / f"train_{cat}.parquet", ads=bundle / f"titles_{cat}.parquet",
+                                   out=comp_dir, use_ray=False, layer_device=device if device == "cuda" else None))
+    log.info("compressed in %.1fs", time.perf_counter() - t0)
+    spec = ModelSpec(compressed=str(comp_dir))
+    cfus = fusion_of_record(spec.training_record())
+    cm, _ = load_model(spec, device)
+    out: dict[str, dict] = {}
+    for label, forced in FORMAT_ROWS.items():
+        engine_for(cm).force_format(forced)
+        for name in ("generative", "hybrid"):
+            hr = HybridRanker(cm, tok, index, channels_menu[name], dense=dense, fusion=cfus)
+
+            def rank(qs: list[str], hr: Any = hr) -> list[list[Any]]:
+                return [[index.ad_ids[r] for r in row_] for row_ in hr.rank(qs).lists()]
+            try:
+                r = evaluate_targeting(rank, data["qrels"], batch_size=args.batch, max_queries=args.max_queries)
+            except RuntimeError as exc:  # a format this device cannot build
+                log.warning("compressed %s %s: %s", label, name, str(exc).splitlines()[0])
+                continue
+            out[f"compressed {label} {name}"] = {k: r[k] for k in ("recall@10", "mrr@10", "queries", "queries_per_s")
+                                                 if k in r}
+            log.info("compressed %s %s: recall@10 %.4f", label, name, r["recall@10"])
+    engine_for(cm).force_format(None)
+    del cm
+    return out
+
+
 def channels_ablation(args: argparse.Namespace) -> None:
     """``channels --ablation``: the rank-aware distillation's ablation, one trained model per arm of ``--arms``
     (:data:`ABLATION_ARMS`: CE only, CE + rank loss, CE + rank loss + teacher-labelled generated queries), each
@@ -290,12 +338,20 @@ def channels_ablation(args: argparse.Namespace) -> None:
         del served, model
         if device == "cuda":
             torch.cuda.empty_cache()
+        if args.formats:
+            row["formats"] = compressed_formats(args, bundle, cat, model_dir, index, dense, data, channels_menu, tok)
+            for name, r in row["formats"].items():
+                results["rows"][f"{arm} {name}"] = r
+            save()
     lines = ["| arm | channel | recall@10 | MRR@10 | rank steps | rank mean loss |", "|---|---|---|---|---|---|"]
     for arm, row in results["ablation"].items():
         rk = row["train"].get("rank") or {}
         for name in channels_menu:
             lines.append(f"| {arm} | {name} | {row[name]['recall@10']:.4f} | {row[name]['mrr@10']:.4f} | "
                          f"{rk.get('steps', '-')} | {rk.get('mean_loss', '-')} |")
+    for arm, row in results["ablation"].items():
+        for name, r in (row.get("formats") or {}).items():
+            lines.append(f"| {arm} | {name} | {r['recall@10']:.4f} | {r['mrr@10']:.4f} | | |")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print(table)
@@ -1218,6 +1274,9 @@ def main(argv: list[str] | None = None) -> None:
                          "teacher-labelled generated queries) and report each channel's recall@10 / MRR@10")
     ch.add_argument("--arms", default="ce,rank,rank_gen", help="ablation arms, in order (see ABLATION_ARMS)")
     ch.add_argument("--rank-json", default="{}", help="JSON RankLossConfig overrides of the rank arms")
+    ch.add_argument("--formats", action="store_true",
+                    help="ablation: also compress each arm (the compress stage's defaults) and evaluate its layers served "
+                         "as the int4 plan, FP8 and 2:4 FP8 (issue 42)")
     ch.add_argument("--query-gen-json", default="{}", help="JSON QueryGenConfig overrides (the rank_gen arm)")
     pr = sub.add_parser("run")
     pr.add_argument("--bundle", required=True)
