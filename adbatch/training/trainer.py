@@ -581,7 +581,9 @@ class _RankPhase:
         from adbatch.training.rank_loss import build_groups, mine_beams
 
         t = time.perf_counter()
-        with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        # no autocast: the decoding engine runs in the model's own dtype (its KV cache is in that dtype, and
+        # autocast's bf16 projections next to an fp32 cache fail in the attention kernel; H100, 2026-12-06)
+        with torch.no_grad(), torch.autocast(device_type=self.device.type, enabled=False):
             beams = mine_beams(unwrap_ddp(self.model), self.rq, self.cfg)  # eval mode inside, training restored
         self.groups = build_groups(self.rq, beams, self.cfg)
         self.group_stats = self.groups.stats
