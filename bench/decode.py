@@ -210,8 +210,9 @@ def hf_runner(model, trie: Trie, beams: int, k: int, eos: int, pad: int) -> Runn
 
 def runner_for(name: str, ctx: dict, beams: int, k: int, qbatch: int) -> Runner | None:
     """``name``: hf | old | off | auto | always, optionally ``@variant`` (a model in ctx['variants']), and
-    ``+fp8`` (the search's ``linear_formats = fp8``: FP8 / 2:4 FP8 copies join the compressed model's
-    per-bucket plan). None when the method does not run at this point (HF above its batch cap, no baseline)."""
+    ``+FORMATS`` (the search's ``linear_formats``, e.g. ``+int4``: the compressed model's per-bucket plan without
+    the FP8 copies; none: the config's default). None when the method does not run at this point (HF above its
+    batch cap, no baseline)."""
     name, _, formats = name.partition("+")
     base, _, variant = name.partition("@")
     model, cost = ctx["variants"][variant] if variant else (ctx["model"], ctx["cost"])
@@ -843,8 +844,9 @@ def main() -> None:
     g.add_argument("--check", action="store_true", help="8b: fp32 exactness check first")
     g.add_argument("--check-only", action="store_true", help="only the fp32 exactness check (8B-shape tries)")
     g.add_argument("--compressed-methods", type=lambda s: s.split(","),
-                   default=["off", "auto", "off@2:4", "auto@2:4", "auto@2:4+fp8"],
-                   help="(d) methods of the compressed section; @2:4 = the compressed copy, +fp8 = linear_formats fp8")
+                   default=["off", "auto", "off@2:4", "auto@2:4+int4", "auto@2:4+fp8"],
+                   help="(d) methods of the compressed section; @2:4 = the compressed copy, +int4 / +fp8 = its "
+                        "linear_formats (none: the default)")
     g.add_argument("--creatives", action="store_true", help="(c) greedy creatives, HF generate vs ours")
     g.add_argument("--creative-prompts", type=int, default=256)
     g.add_argument("--creative-tokens", type=int, default=16)

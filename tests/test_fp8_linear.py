@@ -158,8 +158,8 @@ def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_co
     err_scale["v"] = 1.0
     small = timed(engine, FP8_MIN_ROWS // 2)
     assert LinearChoice.FP8 not in engine.plan.timings[small]
-    int4 = DecodeEngine(model)  # the default formats
-    assert int4.formats is LinearFormats.INT4
+    assert DecodeEngine(model).formats is LinearFormats.FP8  # the default (TargetSearchConfig's)
+    int4 = DecodeEngine(model, formats=LinearFormats.INT4)
     key = timed(int4, FP8_MIN_ROWS)
     assert LinearChoice.FP8 not in int4.plan.timings[key]
 

@@ -63,11 +63,14 @@ class TargetSearchConfig(ConfigBase):
     prior_weight: float = field(
         default=0.0, metadata={"help": "dense prior (PAG planning-ahead): beams are ranked by log-prob + this x "
                                        "the best dense cosine below their node (needs the dense channel; 0 = off)"})
+    # fp8 by default: the 8B shape's search 1.06x / 1.64x / 1.83x / 1.96x dense at 16 / 64 / 256 / 1,024 queries vs
+    # 0.87-0.98x with int4, the trained 135M model's hybrid recall@10 within 0.7 points of int4 (H100, 2026-12-06;
+    # bench/RESULTS.md, "Per-bucket formats")
     linear_formats: LinearFormats = field(
-        default=LinearFormats.INT4, metadata={
+        default=LinearFormats.FP8, metadata={
             "help": "formats a compressed model's layers may run in, chosen per row bucket by timing: int4 (packed "
-                    "INT4 kernel, bf16 copy, 2:4 bf16 copy) | fp8 (also FP8 and 2:4 FP8 copies at >= 64 rows, where "
-                    "accurate enough; activations quantized per row). See docs/decoding.md"})
+                    "INT4 kernel, bf16 copy, 2:4 bf16 copy) | fp8 (also FP8 and, with torchao installed, 2:4 FP8 copies "
+                    "at >= 64 rows where accurate enough; activations quantized per row). See docs/decoding.md"})
     logprob_chunk: int = field(
         default=1024, metadata={"help": "positions per chunk when turning tree hidden states into log-probs"})
     profile: bool = field(

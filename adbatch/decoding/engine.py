@@ -55,7 +55,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from adbatch.decoding.config import LinearFormats
+from adbatch.decoding.config import LinearFormats, TargetSearchConfig
 from kernels import fused_ops as fo
 from kernels.fp8_linear import Fp8Layout, fp8_linear, fp8_supported, quantize_weight_fp8, relative_error
 from kernels.decode_attention import (RowGather, decode_attention, decode_attention_reference,
@@ -227,8 +227,8 @@ class _Unit:
 #: per model, the copies of its compressed units its engines built (see DecodeEngine._copies)
 _MODEL_COPIES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, LinearChoice], Any]]" = weakref.WeakKeyDictionary()
 
-#: what the engine plans among when its caller names nothing (TargetSearchConfig.linear_formats is the knob)
-DEFAULT_LINEAR_FORMATS = LinearFormats.INT4
+#: what the engine plans among when its caller names nothing: TargetSearchConfig.linear_formats's default (the knob)
+DEFAULT_LINEAR_FORMATS: LinearFormats = TargetSearchConfig.__dataclass_fields__["linear_formats"].default
 
 
 # ------------------------------------------------------------------------------------------ engine
