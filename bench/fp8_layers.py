@@ -18,6 +18,7 @@ speed vs bf16 and writes it to ``--out``. The public kernels of the same formats
 mslk's FP8 x INT4, torch 2:4 fp16) come from the project's anchor script, run in the same device call.
 
     python bench/fp8_layers.py --rows 64,256,1024,4096,8192 --out $OUT/fp8_layers.md
+    python bench/fp8_layers.py --smoke    # CPU, seconds: small shapes, the references' errors, no timing
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ def prune_24(w: torch.Tensor) -> torch.Tensor:
     return (g * keep).reshape(n, k)
 
 
+def timed_us(fn, dev: torch.device) -> float | None:
+    """Graph-replayed median microseconds of ``fn`` on CUDA (the engine plan's timer); None on the CPU."""
+    if dev.type != "cuda":
+        return None
+    from kernels.int4_tuner import time_graphed_ms
+
+    return round(1e3 * time_graphed_ms(fn, "warm"), 2)
+
+
 def packed_24(w24: torch.Tensor):
     """The product's 2:4 INT4 layer of ``w24`` (uniform group 128), via the compress stage's own verb."""
     from torch import nn
@@ -73,27 +83,26 @@ def packed_24(w24: torch.Tensor):
     holder = nn.Sequential(nn.Linear(w24.shape[1], w24.shape[0], bias=False))
     with torch.no_grad():
         holder[0].weight.copy_(w24.float().cpu())
+    dev = w24.device
     compress_(holder, CompressConfig(score="magnitude", pattern_policy="uniform", uniform_pattern="2:4",
                                      group_policy="uniform", follow_training_qat=False, skip_modules=[]),
-              executor=SequentialExecutor("cuda"))
-    return holder[0].to("cuda")
+              executor=SequentialExecutor(dev if dev.type == "cuda" else None))
+    return holder[0].to(dev)
 
 
-def bench_shape(name: str, n: int, k: int, rows: list[int]) -> list[dict]:
-    from kernels.int4_tuner import time_graphed_ms
-
+def bench_shape(name: str, n: int, k: int, rows: list[int], dev: torch.device) -> list[dict]:
     torch.manual_seed(0)
-    w = torch.randn(n, k, device="cuda") * 0.02
+    w = torch.randn(n, k, device=dev) * 0.02
     w24 = prune_24(w)
     wb, w24b = w.to(torch.bfloat16), w24.to(torch.bfloat16)
     layer = packed_24(w24)
     sp = semi_structured_copy(w24b)
     w8 = quantize_weight_fp8(wb) if fp8_supported(w.device, Fp8Layout.DENSE) is None else None
     s8 = quantize_weight_fp8(w24b, Fp8Layout.SPARSE_24) if fp8_supported(w.device, Fp8Layout.SPARSE_24) is None else None
-    ao = torchao_fp8(wb)
+    ao = torchao_fp8(wb) if dev.type == "cuda" else None
     out = []
     for m in rows:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ref_dense, ref_24 = x.float() @ w.t(), x.float() @ w24.t()
         fns = {"bf16": (lambda: F.linear(x, wb), ref_dense), "int4_2:4": (lambda: layer(x), ref_24)}
         if sp is not None:
@@ -108,7 +117,7 @@ def bench_shape(name: str, n: int, k: int, rows: list[int]) -> list[dict]:
         for fmt, (fn, ref) in fns.items():
             try:
                 row["rel_err"][fmt] = round(relative_error(fn(), ref), 4)
-                row["us"][fmt] = round(1e3 * time_graphed_ms(fn, "warm"), 2)
+                row["us"][fmt] = timed_us(fn, dev)
             except RuntimeError as exc:
                 row.setdefault("failed", {})[fmt] = str(exc).splitlines()[0][:160]
         out.append(row)
@@ -121,19 +130,26 @@ def main() -> None:
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024, 4096, 8192])
     ap.add_argument("--shapes", type=lambda s: s.split(","), default=list(SHAPES))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: 128-wide stand-ins of the four units at 8 / 32 rows, the formats' errors only (no timing)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to time")
+    if args.smoke:
+        dev, shapes, args.rows = torch.device("cpu"), {s: (n // 32, k // 32) for s, (n, k) in SHAPES.items()}, [8, 32]
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to time (--smoke checks the script on the CPU)")
         return
-    rows = [r for s in args.shapes for r in bench_shape(s, *SHAPES[s], args.rows)]
-    lines = [f"# Layer formats at the 8B shapes ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+    else:
+        dev, shapes = torch.device("cuda"), SHAPES
+    rows = [r for s in args.shapes for r in bench_shape(s, *shapes[s], args.rows, dev)]
+    card = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU smoke: no timing"
+    lines = [f"# Layer formats at the 8B shapes ({card}, torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              "speed vs cuBLAS bf16 (graph-replayed medians, L2 warm); FP8 times include the activation quantization",
              "", "| layer | N x K | rows | bf16 us | " + " | ".join(f"{f}" for f in FORMATS[1:]) + " | rel. err "
              + " / ".join(FORMATS[1:]) + " |", "|---|---|---:|---:|" + "---:|" * (len(FORMATS) - 1) + "---|"]
     for r in rows:
         base = r["us"].get("bf16")
-        cells = [f"{base / r['us'][f]:.2f}x" if base and f in r["us"] else "-" for f in FORMATS[1:]]
+        cells = [f"{base / r['us'][f]:.2f}x" if base and r["us"].get(f) else "-" for f in FORMATS[1:]]
         errs = " / ".join(f"{r['rel_err'][f]:.3f}" if f in r["rel_err"] else "-" for f in FORMATS[1:])
         lines.append(f"| {r['layer']} | {r['N']}x{r['K']} | {r['rows']} | {base or '-'} | " + " | ".join(cells)
                      + f" | {errs} |")

@@ -26,6 +26,9 @@ SMOKE = {
                             == ["dense:3:6", "compressed:3:6"]),
     "decode.py": (["--out", "{tmp}"], lambda out, tmp: (tmp / "decode_gpu_default.md").is_file()
                   and (tmp / "decode_gpu_8b.md").is_file()),
+    "fp8_layers.py": (["--out", "{tmp}/f.md"], lambda out, tmp: all(
+        set(json.loads(x)["rel_err"]) == {"bf16", "int4_2:4", "fp8"} and json.loads(x)["rel_err"]["fp8"] < 0.06
+        for x in (tmp / "f.jsonl").read_text().splitlines())),
     "generate_gpu.py": (["--requests", "16", "--ads", "100", "--work", "{tmp}"], lambda out, tmp: "IDENTICAL" in out),
     "ids.py": (["--work", "{tmp}"], lambda out, tmp: all(f"| {d} |" in out for d in ("codes", "text", "rq 2x8"))),
     "hybrid_speed.py": (["--out", "{tmp}/h.json"], lambda out, tmp: set(json.loads((tmp / "h.json").read_text())["rows"])
