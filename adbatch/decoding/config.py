@@ -122,6 +122,10 @@ class CreativeConfig(ConfigBase):
         "help": "never generate an n-gram of this many tokens that occurs in the prompt (0 = off): a headline "
                 "does not copy its ad's description; shorter runs (a name) stay allowed"})
     seed: int = field(default=0, metadata={"help": "sampling seed"})
+    # int4 here: FP8 activations were measured on targeting (recall), never on headlines (ROUGE)
+    linear_formats: LinearFormats = field(default=LinearFormats.INT4, metadata={
+        "help": "formats a compressed creative model's layers may run in per row bucket on a GPU: int4 | fp8 "
+                "(TargetSearchConfig.linear_formats; fp8 is not measured on headline quality)"})
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:

@@ -341,7 +341,7 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
     check_supported(model)
     if not isinstance(config, CreativeConfig):
         raise TypeError(f"config must be a CreativeConfig, got {type(config).__name__}")
-    engine = engine_for(model)
+    engine = engine_for(model, config.linear_formats)
     end_mask = end_token_mask(model, tokenizer, config.stop_strings, engine.vocab, engine.device)
     was_training = model.training
     model.eval()
