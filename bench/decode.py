@@ -648,28 +648,29 @@ def compressed_section(report: Report, shape: str, model, tries: dict[str, Trie]
                             tokens=(32, 256, 1024, 4096), repeats=2, beams=w["beams"])
     search_section(report, section, tries, points, names, dict(ctx, variants={"2:4": (mc, cost_c)}, dev=dev),
                    queries, args, budget, scheme_prefix=f"{shape}:")
-    report.note(section, plan_table(mc, f"{shape}: the compressed model's per-bucket linear plan"))
+    from adbatch.decoding.engine import _ENGINES
+
+    report.note(section, "\n".join(plan_table(_ENGINES.get(mc) or {}, f"{shape}: the compressed model's per-bucket "
+                                                                          "linear plan")))
     del mc, cost_c
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def plan_table(model, title: str) -> str:
-    """Markdown: per engine of ``model`` (one per linear_formats), per layer shape and row bucket, every timed
+def plan_table(engines: dict, title: str) -> list[str]:
+    """Markdown lines: per engine (``{LinearFormats: DecodeEngine}``), per unit shape and row bucket, every timed
     format's microseconds, the FP8 copies' relative errors and the choice."""
-    from adbatch.decoding.engine import _ENGINES
-
     lines = [title, "", "| formats | N | K | pattern | rows | timed us (graph-replayed) | FP8 rel. error | choice |",
              "|---|---:|---:|---|---:|---|---|---|"]
-    for formats, eng in (_ENGINES.get(model) or {}).items():
+    for formats, eng in engines.items():
         for key in sorted(eng.plan.choice, key=lambda k: (k[3], k[0], k[1])):
             t = eng.plan.timings.get(key, {})
             e = eng.plan.errors.get(key, {})
             lines.append(f"| {formats.value} | {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
                          + ", ".join(f"{c.value} {v:.1f}" for c, v in t.items()) + " | "
                          + ", ".join(f"{c.value} {v:.3f}" for c, v in e.items()) + f" | {eng.plan.choice[key].value} |")
-    return "\n".join(lines)
+    return lines
 
 
 def exactness_check(report: Report, dev: torch.device, tries: dict[str, Trie], eos: int, pad: int) -> None:

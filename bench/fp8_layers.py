@@ -35,6 +35,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from adbatch.compress.sparsity import nm_mask  # noqa: E402
 from adbatch.decoding.engine import semi_structured_copy  # noqa: E402
 from kernels.fp8_linear import Fp8Layout, fp8_linear, fp8_supported, quantize_weight_fp8, relative_error  # noqa: E402
 
@@ -55,13 +56,6 @@ def torchao_fp8(wb: torch.Tensor):
     aoq.quantize_(lin, aoq.Float8DynamicActivationFloat8WeightConfig(granularity=aoq.PerRow(),
                                                                      set_inductor_config=False))
     return lin
-
-
-def prune_24(w: torch.Tensor) -> torch.Tensor:
-    n, k = w.shape
-    g = w.reshape(n, k // 4, 4)
-    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(2, g.abs().topk(2, dim=2).indices, True)
-    return (g * keep).reshape(n, k)
 
 
 def timed_us(fn, dev: torch.device) -> float | None:
@@ -93,7 +87,7 @@ def packed_24(w24: torch.Tensor):
 def bench_shape(name: str, n: int, k: int, rows: list[int], dev: torch.device) -> list[dict]:
     torch.manual_seed(0)
     w = torch.randn(n, k, device=dev) * 0.02
-    w24 = prune_24(w)
+    w24 = w * nm_mask(w.abs(), 2)  # the 2 largest |w| of every 4 along K
     wb, w24b = w.to(torch.bfloat16), w24.to(torch.bfloat16)
     layer = packed_24(w24)
     sp = semi_structured_copy(w24b)

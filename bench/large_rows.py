@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.decode import build_model, compress_copy, random_prompts  # noqa: E402
+from bench.decode import build_model, compress_copy, plan_table, random_prompts  # noqa: E402
 from bench.step_profile import eager_step_ms, graphed_step_ms, write_report  # noqa: E402
 from adbatch.decoding import LinearFormats  # noqa: E402
 from adbatch.decoding.engine import DecodeEngine  # noqa: E402
@@ -88,21 +88,14 @@ def main() -> None:
         ci, cf = c[LinearFormats.INT4], c[LinearFormats.FP8]
         lines.append(f"| {qn} | {qn * args.beams} | {d:.2f} | {ci:.2f} | {cf:.2f} | {d / ci:.2f}x | {d / cf:.2f}x |")
         print(lines[-1], flush=True)
-    lines += ["", "per layer shape and bucket (graph-replayed us of every format timed; FP8 copies' relative error vs "
-              "the bf16 copy) -> choice", "",
-              "| formats | N | K | pattern | rows | timed us | FP8 rel. error | choice |", "|---|---:|---:|---|---:|---|---|---|"]
-    for f, e in e_comp.items():
-        for key in sorted(e.plan.choice, key=lambda k: (k[3], k[0], k[1])):
-            t, err = e.plan.timings.get(key, {}), e.plan.errors.get(key, {})
-            lines.append(f"| {f.value} | {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
-                         + ", ".join(f"{c_.value} {v:.1f}" for c_, v in t.items()) + " | "
-                         + ", ".join(f"{c_.value} {v:.3f}" for c_, v in err.items()) + f" | {e.plan.choice[key].value} |")
+    lines += [""] + plan_table(e_comp, "per unit shape and bucket (graph-replayed us of every format timed; FP8 "
+                                       "copies' relative error vs the bf16 copy) -> choice")
     kept: dict[str, int] = {}
-    for e in e_comp.values():
-        for (_, choice), c in e._copies.items():
-            n = c.nbytes() if hasattr(c, "nbytes") and callable(c.nbytes) else (
-                sparse_copy_bytes(c) if hasattr(c, "__tensor_flatten__") else c.numel() * c.element_size())
-            kept[choice.value] = kept.get(choice.value, 0) + n
+    # the two engines share one dict of copies (one model): count it once
+    for (_, choice), c in e_comp[LinearFormats.INT4]._copies.items():
+        n = c.nbytes() if hasattr(c, "nbytes") and callable(c.nbytes) else (
+            sparse_copy_bytes(c) if hasattr(c, "__tensor_flatten__") else c.numel() * c.element_size())
+        kept[choice.value] = kept.get(choice.value, 0) + n
     lines += ["", "copies kept by the engines: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in kept.items())]
     write_report(lines, args.out)
 

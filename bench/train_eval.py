@@ -69,7 +69,7 @@ def channels(args: argparse.Namespace) -> None:
     from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.eval.targeting import evaluate_targeting
     from adbatch.serving.generators import ModelSpec, load_model
-    from adbatch.serving.hybrid import FusionMethod, FusionParams, HybridRanker, fusion_of_record
+    from adbatch.serving.hybrid import FusionMethod, FusionParams, fusion_of_record
     from adbatch.training import train_on_index
     from adbatch.training.checkpoint import read_training_record
 
@@ -98,8 +98,7 @@ def channels(args: argparse.Namespace) -> None:
     base = TargetSearchConfig(verify=VerifyMode.OFF)
 
     def ranker(m: Any, search: Any, fus: FusionParams) -> Any:
-        hr = HybridRanker(m, tok, index, search, dense=dense, fusion=fus)
-        return lambda qs: [[index.ad_ids[r] for r in row] for row in hr.rank(qs).lists()]
+        return hybrid_rank(m, tok, index, search, dense, fus)
 
     def eval_row(name: str, m: Any, search: Any, fus: FusionParams, qrels: dict | None = None) -> dict:
         rank = ranker(m, search, fus)
@@ -171,16 +170,8 @@ def channels(args: argparse.Namespace) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
     if not args.skip_compress:
-        from pipelines.compress import CompressJobConfig, run_compress
-
-        t0 = time.perf_counter()
         comp_dir = Path(args.work) / f"compressed_{cat}_{args.scheme}"
-        csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / f"index_{cat}_{args.scheme}",
-                                              queries=bundle / f"train_{cat}.parquet", ads=bundle / f"titles_{cat}.parquet",
-                                              out=comp_dir, use_ray=False,
-                                              layer_device=device if device == "cuda" else None))
-        results["compress"] = {"defaults": {"wall_s": round(time.perf_counter() - t0, 1),
-                                            **{k: v for k, v in csum.items() if isinstance(v, (int, float, str))}}}
+        results["compress"] = {"defaults": compress_defaults(args, bundle, cat, model_dir, comp_dir, device)}
         spec = ModelSpec(compressed=str(comp_dir))
         cfus = fusion_of_record(spec.training_record())
         results["compressed_fusion"] = cfus.to_dict()
@@ -194,6 +185,29 @@ def channels(args: argparse.Namespace) -> None:
     print(table)
     print(json.dumps({k: results.get(k) for k in ("train", "fusion", "prior_weight", "speed", "compress")},
                      default=str)[:3000])
+
+
+def hybrid_rank(model: Any, tok: Any, index: Any, search: Any, dense: Any, fusion: Any) -> Any:
+    """``queries -> ad ids, best first`` through :class:`adbatch.serving.hybrid.HybridRanker` (the generate
+    stage's ranking), for :func:`adbatch.eval.targeting.evaluate_targeting`."""
+    from adbatch.serving.hybrid import HybridRanker
+
+    hr = HybridRanker(model, tok, index, search, dense=dense, fusion=fusion)
+    return lambda qs: [[index.ad_ids[r] for r in row] for row in hr.rank(qs).lists()]
+
+
+def compress_defaults(args: argparse.Namespace, bundle: Path, cat: str, model_dir: Path, comp_dir: Path,
+                      device: str) -> dict[str, Any]:
+    """The compress stage with its defaults on ``model_dir`` (``run_compress``, no Ray), calibrated on the
+    bundle's index, training queries and titles; its summary plus ``wall_s``."""
+    from pipelines.compress import CompressJobConfig, run_compress
+
+    t0 = time.perf_counter()
+    csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / f"index_{cat}_{args.scheme}",
+                                          queries=bundle / f"train_{cat}.parquet", ads=bundle / f"titles_{cat}.parquet",
+                                          out=comp_dir, use_ray=False, layer_device=device if device == "cuda" else None))
+    return {"wall_s": round(time.perf_counter() - t0, 1),
+            **{k: v for k, v in csum.items() if isinstance(v, (int, float, str))}}
 
 
 def _channels_setup(args: argparse.Namespace) -> tuple:
@@ -245,16 +259,11 @@ def compressed_formats(args: argparse.Namespace, bundle: Path, cat: str, model_d
     from adbatch.decoding.engine import engine_for
     from adbatch.eval.targeting import evaluate_targeting
     from adbatch.serving.generators import ModelSpec, load_model
-    from adbatch.serving.hybrid import HybridRanker, fusion_of_record
-    from pipelines.compress import CompressJobConfig, run_compress
+    from adbatch.serving.hybrid import fusion_of_record
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     comp_dir = Path(args.work) / f"compressed_{model_dir.name}"
-    t0 = time.perf_counter()
-    run_compress(CompressJobConfig(model=str(model_dir), index=bundle / f"index_{cat}_{args.scheme}",
-                                   queries=bundle / f"train_{cat}.parquet", ads=bundle / f"titles_{cat}.parquet",
-                                   out=comp_dir, use_ray=False, layer_device=device if device == "cuda" else None))
-    log.info("compressed in %.1fs", time.perf_counter() - t0)
+    log.info("compressed in %.1fs", compress_defaults(args, bundle, cat, model_dir, comp_dir, device)["wall_s"])
     spec = ModelSpec(compressed=str(comp_dir))
     cfus = fusion_of_record(spec.training_record())
     cm, _ = load_model(spec, device)
@@ -262,10 +271,7 @@ def compressed_formats(args: argparse.Namespace, bundle: Path, cat: str, model_d
     for label, forced in FORMAT_ROWS.items():
         engine_for(cm).force_format(forced)
         for name in ("generative", "hybrid"):
-            hr = HybridRanker(cm, tok, index, channels_menu[name], dense=dense, fusion=cfus)
-
-            def rank(qs: list[str], hr: Any = hr) -> list[list[Any]]:
-                return [[index.ad_ids[r] for r in row_] for row_ in hr.rank(qs).lists()]
+            rank = hybrid_rank(cm, tok, index, channels_menu[name], dense, cfus)
             try:
                 r = evaluate_targeting(rank, data["qrels"], batch_size=args.batch, max_queries=args.max_queries)
             except RuntimeError as exc:  # a format this device cannot build
@@ -290,7 +296,7 @@ def channels_ablation(args: argparse.Namespace) -> None:
 
     from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.eval.targeting import evaluate_targeting
-    from adbatch.serving.hybrid import HybridRanker, fusion_of_record
+    from adbatch.serving.hybrid import fusion_of_record
     from adbatch.training import TrainConfig, train_on_index
     from adbatch.training.checkpoint import read_training_record
 
@@ -324,11 +330,7 @@ def channels_ablation(args: argparse.Namespace) -> None:
         served = model.to(device, torch.bfloat16) if device == "cuda" else model
         served.eval()
         for name, search in channels_menu.items():
-            hr = HybridRanker(served, tok, index, search, dense=dense, fusion=fusion)
-
-            def rank(qs: list[str], hr: Any = hr) -> list[list[Any]]:
-                return [[index.ad_ids[r] for r in row_] for row_ in hr.rank(qs).lists()]
-
+            rank = hybrid_rank(served, tok, index, search, dense, fusion)
             r = evaluate_targeting(rank, data["qrels"], batch_size=args.batch, max_queries=args.max_queries)
             row[name] = {k: r[k] for k in ("recall@10", "mrr@10", "recall@1", "queries", "queries_per_s") if k in r}
             results["rows"][f"{arm} {name}"] = r

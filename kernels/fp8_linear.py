@@ -68,9 +68,8 @@ class Fp8Weight:
     module: torch.nn.Module | None = None
 
     def nbytes(self) -> int:
-        tensors = [self.data, self.scale, self.bias]
-        if self.module is not None:
-            tensors = [t for m in [self.module] for t in _inner_tensors(m.weight)] + [self.module.bias]
+        tensors = [self.data, self.scale, self.bias] if self.module is None else [
+            *_inner_tensors(self.module.weight), self.module.bias]
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
@@ -84,7 +83,7 @@ def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 def fp8_supported(device: torch.device, layout: Fp8Layout) -> str | None:
     """None where ``layout`` can run on ``device``, else why not (one line). On the CPU the dense layout
-    runs torch's own ``_scaled_mm`` (no speed: for tests and accuracy measurements of the format)."""
+    runs its float32 reference (no speed: for tests and accuracy measurements of the format)."""
     if device.type == "cpu" and layout is Fp8Layout.DENSE:
         return None
     if device.type != "cuda":
@@ -102,16 +101,13 @@ def fp8_supported(device: torch.device, layout: Fp8Layout) -> str | None:
     return None
 
 
-def _channel_scale(w: torch.Tensor) -> torch.Tensor:
-    return (w.float().abs().amax(dim=1).clamp(min=AMAX_FLOOR) / FP8_MAX).contiguous()
-
-
 def quantize_weight_fp8(w: torch.Tensor, layout: Fp8Layout = Fp8Layout.DENSE,
                         bias: torch.Tensor | None = None) -> Fp8Weight:
     """``w`` float ``[N, K]`` -> :class:`Fp8Weight` (per-output-channel amax scaling).
 
-    :attr:`Fp8Layout.SPARSE_24` needs ``w`` already 2:4 along K (at most 2 nonzeros in every 4
-    consecutive columns; checked) and CUDA (the compression is cuSPARSELt's)."""
+    Per-channel scaling of a weight is the per-row scaling of activations applied to its rows
+    (:func:`quantize_rows_fp8_reference`). :attr:`Fp8Layout.SPARSE_24` needs ``w`` already 2:4 along K (at most
+    2 nonzeros in every 4 consecutive columns; checked), bf16 on an sm_90 GPU with torchao (its layout)."""
     if w.dim() != 2:
         raise ValueError(f"weight must be [N, K], got {tuple(w.shape)}")
     n, k = w.shape
@@ -123,9 +119,9 @@ def quantize_weight_fp8(w: torch.Tensor, layout: Fp8Layout = Fp8Layout.DENSE,
             raise ValueError("2:4 FP8: the weight has more than 2 nonzeros in some group of 4 columns")
         return Fp8Weight(data=None, scale=None, layout=layout, out_features=int(n), in_features=int(k), bias=bias,
                          module=_torchao_sparse_fp8(w, bias))
-    scale = _channel_scale(w)
-    data = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return Fp8Weight(data=data, scale=scale, layout=layout, out_features=int(n), in_features=int(k), bias=bias)
+    data, scale = quantize_rows_fp8_reference(w)
+    return Fp8Weight(data=data, scale=scale[:, 0].contiguous(), layout=layout, out_features=int(n),
+                     in_features=int(k), bias=bias)
 
 
 def _torchao_sparse_fp8(w: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:

@@ -20,11 +20,10 @@ CUDA = torch.cuda.is_available()
 
 
 def _nm24(w: torch.Tensor) -> torch.Tensor:
-    """``w`` with the 2 largest |w| of every 4 consecutive columns kept."""
-    n, k = w.shape
-    g = w.reshape(n, k // 4, 4)
-    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(2, g.abs().topk(2, dim=2).indices, True)
-    return (g * keep).reshape(n, k)
+    """``w`` with the 2 largest |w| of every 4 consecutive columns kept (the compress stage's mask)."""
+    from adbatch.compress.sparsity import nm_mask
+
+    return w * nm_mask(w.abs(), 2)
 
 
 def test_weight_round_trip_is_within_e4m3_precision_per_channel():
@@ -99,7 +98,6 @@ def _compressed_tiny(pattern: str = "2:4"):
 def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_copy(monkeypatch):
     """Fake timings (a GPU measures them): FP8 fastest but over the error bound -> not served; the next
     fastest wins; FP8 is no candidate below FP8_MIN_ROWS or with LinearFormats.INT4."""
-    import adbatch.decoding.engine as eng_mod
     import kernels.int4_tuner as tuner
     from adbatch.decoding import LinearFormats
     from adbatch.decoding.engine import FP8_MIN_ROWS, DecodeEngine, LinearChoice

@@ -164,7 +164,6 @@ class LinearChoice(str, enum.Enum):
     SPARSE_FP8 = "sparse_fp8"  #: a 2:4 FP8 copy on the sparse tensor cores (torchao's CUTLASS kernel)
 
 
-
 @dataclass
 class LinearPlan:
     """Per compressed layer shape and row bucket: which :class:`LinearChoice`, by measurement.
@@ -198,8 +197,20 @@ def _is_packed(mod: Any) -> bool:
     return hasattr(mod, "packed") and hasattr(mod, "qweight")
 
 
-def _shape_key(mod: Any) -> tuple:
-    return (int(mod.out_features), int(mod.in_features), str(getattr(mod.pattern, "value", mod.pattern)))
+def _pattern(mod: Any) -> str:
+    """A packed module's N:M pattern as its string value (``"2:4"``)."""
+    return str(getattr(mod.pattern, "value", mod.pattern))
+
+
+def _group_bias(group: tuple[Any, ...]) -> tuple[bool, torch.Tensor | None]:
+    """Whether ``group``'s projections can run as one GEMM as far as their biases go (all or none have one),
+    and the concatenated bias (None: none)."""
+    biases = [getattr(m, "bias", None) for m in group]
+    if all(b is None for b in biases):
+        return True, None
+    if any(b is None for b in biases):
+        return False, None
+    return True, torch.cat([b.detach() for b in biases], 0)
 
 
 @dataclass(eq=False)
@@ -215,13 +226,12 @@ class _Unit:
     @property
     def key(self) -> tuple:
         """``(N, K, pattern)``: summed out_features, in_features, the members' patterns joined by '+'."""
-        pats = "+".join(str(getattr(m.pattern, "value", m.pattern)) for m in self.mods)
-        return (sum(self.sizes), int(self.mods[0].in_features), pats)
+        return (sum(self.sizes), int(self.mods[0].in_features), "+".join(_pattern(m) for m in self.mods))
 
     @property
     def sparse(self) -> bool:
         """Every member 2:4 or sparser: a semi-structured (2:4) copy holds the unit."""
-        return all(str(getattr(m.pattern, "value", m.pattern)) in SPARSE_PATTERNS for m in self.mods)
+        return all(_pattern(m) in SPARSE_PATTERNS for m in self.mods)
 
 
 #: per model, the copies of its compressed units its engines built (see DecodeEngine._copies)
@@ -249,7 +259,7 @@ class DecodeEngine:
     [R, V]`` in the head's dtype and ``lse Float32[R]`` with ``log_softmax = logits - lse``.
     """
 
-    def __init__(self, model: Any, fused: bool | None = None, formats: LinearFormats = None) -> None:
+    def __init__(self, model: Any, fused: bool | None = None, formats: LinearFormats | None = None) -> None:
         check_supported(model)
         #: the formats the per-bucket plan may choose among (a compressed model's layers only)
         self.formats = LinearFormats(formats or DEFAULT_LINEAR_FORMATS)
@@ -414,24 +424,15 @@ class DecodeEngine:
         return [g for layer in self.layers for g in ((layer.self_attn.q_proj, layer.self_attn.k_proj,
                                                       layer.self_attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj))]
 
-    @staticmethod
-    def _fuse(weights: list[torch.Tensor], group: tuple[Any, ...]
-              ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]] | None:
-        biases = [getattr(m, "bias", None) for m in group]
-        if any(b is None for b in biases) and not all(b is None for b in biases):
-            return None
-        b = None if biases[0] is None else torch.cat([x.detach() for x in biases], 0)
-        return torch.cat(weights, 0), b, tuple(int(m.out_features) for m in group)
-
     def _fuse_dense_projections(self) -> None:
         """Concatenate each layer's dense q/k/v and gate/up weights into one matrix (one GEMM
         instead of three / two: at beam-search row counts the launches cost more than the math).
-        A copy: the model's own parameters stay untouched. Compressed layers keep their kernels."""
+        A copy: the model's own parameters stay untouched. Compressed layers are planned as units."""
         for group in self._groups():
-            if all(type(m) is torch.nn.Linear for m in group):
-                fused = self._fuse([m.weight.detach() for m in group], group)
-                if fused is not None:
-                    self._fused[id(group[0])] = fused
+            fusable, bias = _group_bias(group)
+            if fusable and all(type(m) is torch.nn.Linear for m in group):
+                self._fused[id(group[0])] = (torch.cat([m.weight.detach() for m in group], 0), bias,
+                                             tuple(int(m.out_features) for m in group))
 
     def _projections(self, group: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
         fused = self._fused.get(id(group[0]))
@@ -793,10 +794,8 @@ class DecodeEngine:
         packed = {id(m) for m in self._packed_modules}
         units, grouped = [], set()
         for group in self._groups():
-            biases = [getattr(m, "bias", None) for m in group]
-            if all(id(m) in packed for m in group) and (all(b is None for b in biases) or
-                                                        not any(b is None for b in biases)):
-                bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            fusable, bias = _group_bias(group)
+            if fusable and all(id(m) in packed for m in group):
                 units.append(_Unit(tuple(group), tuple(int(m.out_features) for m in group), bias))
                 grouped.update(id(m) for m in group)
         units += [_Unit((m,), (int(m.out_features),), getattr(m, "bias", None))
@@ -817,7 +816,6 @@ class DecodeEngine:
     def _make_copy(self, unit: _Unit, choice: LinearChoice, w: torch.Tensor) -> Any:
         """``unit``'s copy in ``choice``'s format from its dequantized weight ``w``; None where this device
         cannot (the reason is logged once per format)."""
-        why = None
         if choice is LinearChoice.DENSE:
             return w
         if choice is LinearChoice.SPARSE:

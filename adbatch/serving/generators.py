@@ -82,7 +82,6 @@ class GenerateConfig(ConfigBase):
             raise ConfigError(f"GenerateConfig.max_query_tokens must be >= 1, got {self.max_query_tokens}")
 
 
-
 class ModelKind(str, enum.Enum):
     DENSE = "dense"  #: an HF folder, a GGUF, or the default model, loaded as plain torch modules
     COMPRESSED = "compressed"  #: an ``adbatch compress`` checkpoint (INT4 + N:M packed linears)

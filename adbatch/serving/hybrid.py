@@ -69,6 +69,12 @@ class FusionParams(ConfigBase):
         if not np.isfinite(self.rrf_k) or self.rrf_k <= 0:
             raise ConfigError(f"FusionParams.rrf_k must be finite and > 0, got {self.rrf_k}")
 
+    @property
+    def dense_order(self) -> bool:
+        """Whether the fused score is the cosine alone (interpolation with generative weight 0): the dense
+        candidates' generative scores are then not needed."""
+        return self.method is FusionMethod.INTERPOLATION and self.weight_generative == 0.0
+
 
 def fusion_of_record(record: Mapping[str, Any] | None) -> FusionParams:
     """The fitted fusion a training record (or compressed manifest) carries; for a model trained without a fit
@@ -152,7 +158,7 @@ def fused_scores(c: Candidates, params: FusionParams) -> Any:
     import torch
 
     valid = c.rows >= 0
-    if params.method is FusionMethod.INTERPOLATION and params.weight_generative == 0.0:
+    if params.dense_order:
         s = c.dense  # the dense order over the union (generative scores may be absent: not computed)
     elif params.method is FusionMethod.INTERPOLATION:
         g = c.generative / c.length.clamp(min=1) if params.generative_norm == "mean" else c.generative
@@ -277,8 +283,7 @@ class HybridRanker:
         hits = self.dense.search(q, self.dense_k)
         # a fusion that ignores the generative score (fitted weight 0: a barely trained model) skips the dense
         # candidates' teacher-forced pass; their score_generative stays null unless the beam found them too
-        exact = self.search.prior_weight > 0 or not (self.fusion.method is FusionMethod.INTERPOLATION
-                                                     and self.fusion.weight_generative == 0.0)
+        exact = self.search.prior_weight > 0 or not self.fusion.dense_order
         with torch.inference_mode():
             res = search_targets(self.model, prompts, self.trie, self.search, cost_model=self.cost_model,
                                  dense=DenseCandidates(hits.rows, hits.scores.float()) if exact else None)

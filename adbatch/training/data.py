@@ -261,11 +261,15 @@ class Batch:
                      self.num_tokens, opt(self.position_ids), opt(self.seq_ids))
 
 
-def collate(ex: TrainingExamples, index: torch.Tensor, pad_id: int) -> Batch:
-    """Pad the examples at ``index`` (int64 ``[B]``) into a :class:`Batch` (vectorised scatter)."""
+def collate(ex: TrainingExamples, index: torch.Tensor, pad_id: int, pad_to: int | None = None) -> Batch:
+    """Pad the examples at ``index`` (int64 ``[B]``) into a :class:`Batch` (vectorised scatter), right-padded
+    to the longest of them, or to ``pad_to`` tokens when given (a fixed shape for compiled layers)."""
     lens = ex.lengths[index]
     plen = ex.prompt_lens[index].long()
     B, L = len(index), int(lens.max())
+    if pad_to is not None:
+        assert pad_to >= L, f"pad_to {pad_to} < the longest example ({L} tokens)"
+        L = pad_to
     pos = torch.arange(L).expand(B, L)
     valid = pos < lens[:, None]
     src = (ex.offsets[index][:, None] + pos).clamp(max=int(ex.offsets[-1]) - 1)

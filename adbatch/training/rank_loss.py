@@ -43,7 +43,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Hashable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -326,10 +326,9 @@ def build_groups(rq: RankQueries, beam_rows: torch.Tensor, config: RankLossConfi
     """The candidate groups of ``rq`` given the model's beam outputs ``beam_rows`` (int64 ``[Q, M]``, -1 pad).
 
     Candidates per query, deduplicated in this order: positives, the teacher's top-k, beam outputs; ``C =
-    config.candidates`` slots. Runs once per mining (offline, Python over queries is fine); the token rows are
-    gathered without a per-row loop.
+    config.candidates`` slots. Runs once per mining (offline, Python over queries is fine).
     """
-    from adbatch.training.data import ExampleKind, TrainingExamples
+    from adbatch.training.data import ExampleKind, build_prompted
 
     Q, C = len(rq), config.candidates
     rows = torch.full((Q, C), -1, dtype=torch.int64)
@@ -356,33 +355,15 @@ def build_groups(rq: RankQueries, beam_rows: torch.Tensor, config: RankLossConfi
         is_label[g, :len(dict.fromkeys(pos))] = True  # positives come first in every group
     top_cos = cos.masked_fill(~mask, -2.0).max(1, keepdim=True).values
     teacher = torch.where(is_label, top_cos.expand_as(cos), cos) / config.temperature
-    # flat rows prompt(g) + target(row): lengths, offsets and a token gather, no loop per row
-    p_lens = torch.tensor([len(p) for p in rq.prompts], dtype=torch.int64)
-    p_off = torch.zeros(Q + 1, dtype=torch.int64)
-    p_off[1:] = torch.cumsum(p_lens, 0)
-    p_tok = torch.tensor([t for p in rq.prompts for t in p], dtype=torch.int64)
-    t_lens = torch.tensor([len(t) for t in rq.targets], dtype=torch.int64)
-    t_off = torch.zeros(len(rq.targets) + 1, dtype=torch.int64)
-    t_off[1:] = torch.cumsum(t_lens, 0)
-    t_tok = torch.tensor([t for ts in rq.targets for t in ts], dtype=torch.int64)
-    grp = torch.arange(Q).repeat_interleave(C)            # [Q*C] group of each row
-    cand = safe.reshape(-1)                               # [Q*C] ad row of each row
-    plen, lens = p_lens[grp], p_lens[grp] + t_lens[cand]  # [Q*C]
-    offsets = torch.zeros(Q * C + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lens, 0)
-    row_of_tok = torch.repeat_interleave(torch.arange(Q * C), lens)
-    within = torch.arange(int(offsets[-1])) - offsets[:-1][row_of_tok]
-    in_prompt = within < plen[row_of_tok]
-    p_src = (p_off[grp][row_of_tok] + within).clamp(max=max(0, p_tok.numel() - 1))
-    t_src = (t_off[cand][row_of_tok] + within - plen[row_of_tok]).clamp(min=0, max=t_tok.numel() - 1)
-    tokens = torch.where(in_prompt, p_tok[p_src], t_tok[t_src]).to(torch.int32)
-    examples = TrainingExamples(tokens, offsets, plen.to(torch.int32),
-                                torch.full((Q * C,), int(ExampleKind.RETRIEVAL), dtype=torch.int8), cand)
+    # one example per slot, group-major: prompt(g) + target(candidate); once per mining
+    grp = torch.arange(Q).repeat_interleave(C).tolist()   # [Q*C] group of each row
+    cand = safe.reshape(-1).tolist()                      # [Q*C] ad row of each row
+    examples = build_prompted([rq.prompts[g] for g in grp], [rq.targets[r] for r in cand], ExampleKind.RETRIEVAL, cand)
     n_cand = mask.sum(1).float()
     stats = {"groups": Q, "candidates_per_group": round(float(n_cand.mean()), 3),
              "beam_negatives_per_group": round(n_neg / max(1, Q), 3)}
     return RankGroups(examples, rows, mask, teacher.float(), positive & mask, negative & mask,
-                      int(lens.max()), stats)
+                      int(examples.lengths.max()), stats)
 
 
 def mine_beams(model: Any, rq: RankQueries, config: RankLossConfig) -> torch.Tensor:
@@ -403,16 +384,11 @@ def rank_batch(groups: RankGroups, picks: torch.Tensor, pad_id: int) -> tuple[An
                                                                                torch.Tensor, torch.Tensor]:
     """The rank micro-batch of groups ``picks`` (int64 ``[G]``): a padded Batch of ``G * C`` rows, right-padded
     to ``groups.max_len``, and the groups' ``mask`` / ``teacher`` / ``positive`` / ``negative`` (``[G, C]``)."""
-    from adbatch.training.data import Batch, collate
+    from adbatch.training.data import collate
 
     C = groups.rows.shape[1]
     idx = (picks[:, None] * C + torch.arange(C)[None, :]).reshape(-1)  # [G*C]
-    b = collate(groups.examples, idx, pad_id)
-    extra = groups.max_len - b.input_ids.shape[1]
-    if extra > 0:  # one shape for every rank micro-batch
-        b = Batch(F.pad(b.input_ids, (0, extra), value=pad_id), F.pad(b.attention_mask, (0, extra), value=0),
-                  F.pad(b.labels, (0, extra), value=-100), torch.empty(0, dtype=torch.int64), b.num_tokens)
-        b.target_index = (b.labels[:, 1:] != -100).reshape(-1).nonzero().squeeze(1)
+    b = collate(groups.examples, idx, pad_id, pad_to=groups.max_len)  # one shape for every rank micro-batch
     return b, groups.mask[picks], groups.teacher[picks], groups.positive[picks], groups.negative[picks]
 
 
@@ -431,10 +407,3 @@ def spans_of(texts: Sequence[str], pseudo_queries: Any) -> list[tuple[str, int]]
     if pseudo_queries.per_ad == 0 or pseudo_queries.source is QuerySource.GENERATED:
         return []
     return span_pseudo_queries(list(texts), pseudo_queries)
-
-
-def record_of(rq: RankQueries | None, phase: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The rank phase's record: the queries' stats and what the phase did."""
-    if rq is None:
-        return None
-    return {**rq.stats, **(phase or {"steps": 0})}

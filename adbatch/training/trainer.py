@@ -415,7 +415,6 @@ class TrainStats:
     eval_seconds: float = 0.0  # validation time, excluded from ``seconds`` (and so from tokens/s)
     qat: dict[str, Any] | None = None  # QuantAwareTraining.summary() when QAT ran
     rank: dict[str, Any] | None = None  # the rank phase (adbatch.training.rank_loss) when it ran
-    rank_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, rank loss) at logged steps
     packing: dict[str, Any] = field(default_factory=dict)  # enabled, row_tokens, rows, fallback reason
     compiled: bool = False
     examples: int = 0  # examples trained on (an example repeated in an epoch, or in several epochs, counts each time)
@@ -566,6 +565,7 @@ class _RankPhase:
         self.total = torch.zeros((), device=device)
         self.last = torch.zeros((), device=device)
         self.group_stats: dict[str, Any] = {}
+        self.losses: list[tuple[int, float]] = []  # (step, rank loss) at logged steps
 
     @property
     def active(self) -> bool:
@@ -621,14 +621,16 @@ class _RankPhase:
         self.batch_slots = batch.num_slots
         return loss, batch.num_tokens
 
-    def last_value(self) -> float:
-        return float(self.last)
+    def log(self, step: int) -> None:
+        """Keep the last rank loss at a logged step (a host sync, as the loop's own loss read there)."""
+        self.losses.append((step, float(self.last)))
 
     def summary(self) -> dict[str, Any]:
         out = {**self.rq.stats, **self.group_stats, "start_step": self.started, "planned_start": self.start,
                "steps": self.steps, "minings": self.minings, "mining_seconds": round(self.mine_seconds, 3),
                "mode": self.cfg.mode.value, "weight": self.cfg.weight}
         out["mean_loss"] = round(float(self.total) / self.steps, 5) if self.steps else None
+        out["losses"] = self.losses
         return out
 
 
@@ -876,7 +878,7 @@ def train_loop(
             value = float(loss_acc)  # one sync per logged step only
             stats.losses.append((step, value))
             if ranking is not None and ranking.active:
-                stats.rank_losses.append((step, ranking.last_value()))
+                ranking.log(step)
             if sparsity is not None:
                 stats.density.append((step, sparsity.density()))
             if on_step is not None:
@@ -929,7 +931,6 @@ def train_loop(
         stats.sparsity = sparsity.summary()
     if ranking is not None:
         stats.rank = ranking.summary()
-        stats.rank["losses"] = stats.rank_losses
     if qat is not None:  # plain forwards again: the caller saves / compresses the fp32 weights
         qat.detach()
         stats.qat = qat.summary()
