@@ -2,8 +2,9 @@
 
 Runs :class:`adbatch.serving.hybrid.HybridRanker` -- what ``adbatch generate`` runs -- with the product's
 ``TargetSearchConfig`` defaults (``verify`` off, as the quality tables) over an index with a dense channel,
-``--batch`` queries per call, median of ``--repeats`` calls after a warm-up; then one profiled hybrid call
-(phase times: prefill, the dense candidates' teacher-forced tree pass, beam steps).
+``--batch`` queries per call, median of ``--repeats`` calls after a warm-up, with the hybrid calls' counters of
+dense candidates scored exactly (rows, tree tokens). A random-init model's fusion is the RRF fallback: every
+candidate the beams did not find is scored (no bound), the most work hybrid can cost.
 
 The model is random-init from a ``config.json`` (``--config``: the default model's shape) or loaded
 (``--model``); queries come with precomputed MiniLM vectors (``bench/train_eval.py prepare`` writes
@@ -17,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +72,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
-    from adbatch.decoding import DenseCandidates, search_targets
     from adbatch.index.dense import DenseRetriever, PrecomputedQueryEmbedder
-    from adbatch.serving.hybrid import HybridRanker
-    from adbatch.serving.prompts import encode_targeting_prompts
+    from bench.train_eval import time_hybrid
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     tmp = tempfile.TemporaryDirectory()
@@ -110,29 +107,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                            "batch": len(batch), "rows": {}}
     for name, search in rows.items():
-        ranker = HybridRanker(model, tok, index, search, dense=dense)
-        ranker.rank(batch)  # warm-up: graph captures
-        times = []
-        for _ in range(args.repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            ranker.rank(batch)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
-        out["rows"][name] = {"median_s": med, "queries_per_s": len(batch) / med, "times_s": times}
-        print(f"{name}: {len(batch) / med:.1f} queries/s (median of {len(times)}: {med:.3f} s)", flush=True)
+        r = out["rows"][name] = time_hybrid(model, tok, index, dense, search, None, batch, None, device, args.repeats)
+        print(f"{name}: {r['queries_per_s']:.1f} queries/s (median of {len(r['times_s'])}: {r['median_s']:.3f} s)",
+              flush=True)
     gen = out["rows"]["generative"]["queries_per_s"]
     for name, r in out["rows"].items():
         r["vs_generative"] = r["queries_per_s"] / gen
-    q = dense.embed(batch)
-    hits = dense.search(q, base.dense_k)
-    with torch.inference_mode():
-        res = search_targets(model, encode_targeting_prompts(tok, batch), index.trie, base.replace(profile=True),
-                             dense=DenseCandidates(hits.rows, hits.scores))
-    out["hybrid_phases_ms"] = res.stats.phase_ms
     print(json.dumps(out, indent=1, default=str))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))

@@ -62,8 +62,6 @@ def channels(args: argparse.Namespace) -> None:
        loads it (its manifest carries the fusion), and the same rows at the default width.
     Writes ``results.json`` and ``table.md`` under ``--out``. ``--ablation``: :func:`channels_ablation` instead.
     """
-    import statistics
-
     import torch
 
     from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
@@ -129,40 +127,22 @@ def channels(args: argparse.Namespace) -> None:
     eval_row("hybrid rrf b10", served, hyb.replace(num_beams=10), rrf)
     for dk in (10, 40):  # dense candidates per query (the default is TargetSearchConfig.dense_k)
         eval_row(f"hybrid b10 dense_k {dk}", served, hyb.replace(num_beams=10, dense_k=dk), fusion)
+    # every candidate's features, for fusion studies without the GPU (validation + test, dense_k 40, beams 10)
+    results["candidates"] = dump_candidates(served, tok, index, dense, hyb.replace(num_beams=10, dense_k=40),
+                                            {"valid": data["valid"], "test": data["qrels"]}, out / "candidates.npz")
+    save()
     # speed at a large batch: the test queries repeated (each call one batch), median of 3 after a warm-up
     qs = sorted(data["qrels"])
     big = (qs * (args.speed_batch // len(qs) + 1))[:args.speed_batch]
-    speed = {}
-    menu = [("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
-            ("hybrid b10", hyb.replace(num_beams=10)), ("hybrid b10 dense_k 10", hyb.replace(num_beams=10, dense_k=10)),
-            ("dense", base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k))]
+    menu = [("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10), None),
+            ("dense", base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k), None)]
+    menu += [(f"hybrid b10 {name}", hyb.replace(num_beams=10), sched) for name, sched in EXACT_SCHEDULES.items()]
+    menu += [(f"hybrid b10 dense_k {dk} {name}", hyb.replace(num_beams=10, dense_k=dk), EXACT_SCHEDULES[name])
+             for dk in (10, 40) for name in ("default", "every")]
     if best_w > 0:
-        menu.append(("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w)))
-    for name, search in menu:
-        rank = ranker(served, search, fusion)
-        rank(big)
-        times = []
-        for _ in range(3):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            rank(big)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        speed[name] = {"queries": len(big), "median_s": statistics.median(times),
-                       "queries_per_s": len(big) / statistics.median(times)}
-    # where a hybrid batch's time goes (profile=True syncs at each phase): the prefill, the dense candidates'
-    # teacher-forced tree pass, the beam steps
-    from adbatch.decoding import DenseCandidates, search_targets
-    from adbatch.serving.prompts import encode_targeting_prompts
-
-    q = dense.embed(big)
-    hits = dense.search(q, hyb.dense_k)
-    with torch.inference_mode():
-        res = search_targets(served, encode_targeting_prompts(tok, big), index.trie,
-                             hyb.replace(num_beams=10, profile=True), dense=DenseCandidates(hits.rows, hits.scores))
-    speed["hybrid b10 phases_ms"] = res.stats.phase_ms
+        menu.append(("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w), None))
+    speed = {name: time_hybrid(served, tok, index, dense, search, fusion, big, sched, device)
+             for name, search, sched in menu}
     results["speed"] = speed
     log.info("speed: %s", speed)
     save()
@@ -180,6 +160,13 @@ def channels(args: argparse.Namespace) -> None:
         eval_row("compressed hybrid b10", cm, hyb.replace(num_beams=10), cfus)
         if best_w > 0:
             eval_row("compressed hybrid+prior b10", cm, hyb.replace(num_beams=10, prior_weight=best_w), cfus)
+        results["candidates_compressed"] = dump_candidates(cm, tok, index, dense, hyb.replace(num_beams=10, dense_k=40),
+                                                           {"valid": data["valid"], "test": data["qrels"]},
+                                                           out / "candidates_compressed.npz")
+        for name, search in (("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
+                             ("hybrid b10", hyb.replace(num_beams=10))):
+            results["speed"][f"compressed {name}"] = time_hybrid(cm, tok, index, dense, search, cfus, big, None, device)
+        save()
     table = render_table(results)
     (out / "table.md").write_text(table)
     print(table)
@@ -194,6 +181,93 @@ def hybrid_rank(model: Any, tok: Any, index: Any, search: Any, dense: Any, fusio
 
     hr = HybridRanker(model, tok, index, search, dense=dense, fusion=fusion)
     return lambda qs: [[index.ad_ids[r] for r in row] for row in hr.rank(qs).lists()]
+
+
+#: exact-scoring schedules of the hybrid speed rows: (``EXACT_ROUND_SIZES``, ``EXACT_PREFIX_DEPTH``) of
+#: :mod:`adbatch.serving.hybrid` ("default": the module's own; "every": no bound, every candidate the beams did not
+#: find scored in one round). Every schedule gives the same top k (tests/test_hybrid.py); only the work differs.
+EXACT_SCHEDULES: dict[str, Any] = {
+    "default": "default", "every": "every",
+    "1 round": ((None,), None), "4+rest": ((4, None), None), "10+rest": ((10, None), None),
+    "5+5+rest": ((5, 5, None), None), "prefix 2": ((None,), 2), "prefix 4": ((None,), 4),
+    "prefix 4, 5+rest": ((5, None), 4), "prefix 8": ((None,), 8),
+}
+
+
+def time_hybrid(model: Any, tok: Any, index: Any, dense: Any, search: Any, fusion: Any, queries: list[str],
+                schedule: Any, device: str, repeats: int = 3) -> dict[str, Any]:
+    """One speed row: ``queries`` ranked in one call through :class:`adbatch.serving.hybrid.HybridRanker`,
+    median of ``repeats`` after a warm-up, under an exact-scoring ``schedule`` (:data:`EXACT_SCHEDULES`, None:
+    the module's), with the last call's counters of dense candidates scored (exact and prefix bound)."""
+    import dataclasses
+    import statistics
+    from unittest import mock
+
+    import torch
+
+    import adbatch.serving.hybrid as hybrid
+
+    patches = []
+    if schedule == "every":
+        patches = [mock.patch.object(hybrid.FusionParams, "upper_bound", lambda self, d: None)]
+    elif schedule not in (None, "default"):
+        patches = [mock.patch.object(hybrid, "EXACT_ROUND_SIZES", schedule[0]),
+                   mock.patch.object(hybrid, "EXACT_PREFIX_DEPTH", schedule[1])]
+    for p in patches:
+        p.start()
+    try:
+        hr = hybrid.HybridRanker(model, tok, index, search, dense=dense, fusion=fusion)
+        hr.rank(queries)
+        times = []
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            hr.rank(queries)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    finally:
+        for p in patches:
+            p.stop()
+    med = statistics.median(times)
+    row = {"queries": len(queries), "median_s": med, "queries_per_s": len(queries) / med, "times_s": times,
+           "exact": dataclasses.asdict(hr.last_exact), "prefix": dataclasses.asdict(hr.last_prefix)}
+    log.info("speed %s: %.1f q/s exact %s prefix %s", schedule, row["queries_per_s"], row["exact"], row["prefix"])
+    return row
+
+
+def dump_candidates(model: Any, tok: Any, index: Any, dense: Any, search: Any, splits: dict[str, dict],
+                    path: Path, batch: int = 256, depths: tuple[int, ...] = (1, 2, 3, 4, 6, 8)) -> dict[str, Any]:
+    """Every union candidate of each split's queries, unfused and unpruned (``HybridRanker.candidates`` with
+    ``k`` None), with the prefix scores of ``depths`` (``score_targets(depth=)``), into ``path`` (npz:
+    ``<split>_queries``, ``<split>_rows`` / ``_generative`` / ``_dense`` / ``_channel`` / ``_length`` ``[Q, M]``,
+    ``<split>_prefix [Q, M, len(depths)]``): what fusion and pruning studies need, without the GPU."""
+    import numpy as np
+    import torch
+
+    from adbatch.decoding import score_targets
+    from adbatch.serving.hybrid import HybridRanker
+    from adbatch.serving.prompts import encode_targeting_prompts
+
+    hr = HybridRanker(model, tok, index, search, dense=dense)
+    arrays: dict[str, Any] = {"depths": np.array(depths)}
+    for split, qrels in splits.items():
+        qs = sorted(qrels)
+        parts = []
+        for s0 in range(0, len(qs), batch):
+            chunk = qs[s0:s0 + batch]
+            c = hr._with_lengths(hr.candidates(chunk, k=None))
+            prompts = encode_targeting_prompts(tok, chunk)
+            with torch.inference_mode():
+                pre = torch.stack([score_targets(model, prompts, index.trie, search, c.rows, depth=d) for d in depths], -1)
+            parts.append((c, pre))
+        cat = lambda f: torch.cat([getattr(c, f) for c, _ in parts]).numpy()  # noqa: E731
+        arrays.update({f"{split}_queries": np.array(qs), f"{split}_rows": cat("rows"), f"{split}_generative": cat("generative"),
+                       f"{split}_dense": cat("dense"), f"{split}_channel": cat("channel"), f"{split}_length": cat("length"),
+                       f"{split}_prefix": torch.cat([p for _, p in parts]).numpy()})
+    np.savez_compressed(path, **arrays)
+    return {"file": path.name, "splits": {s: len(q) for s, q in splits.items()}, "depths": list(depths)}
 
 
 def compress_defaults(args: argparse.Namespace, bundle: Path, cat: str, model_dir: Path, comp_dir: Path,
@@ -1157,8 +1231,12 @@ def render_table(results: dict) -> str:
         if "queries" not in sp:
             lines.append(f"- {name}: {json.dumps(sp)}")
             continue
+        ex, pre = sp.get("exact") or {}, sp.get("prefix") or {}
+        work = (f"; exact {ex['rows']} rows / {ex['tree_tokens']} tree tokens ({ex['tree_tokens_padded']} padded) over "
+                f"{ex['queries_scored']} queries, prefix {pre.get('rows', 0)} rows / {pre.get('tree_tokens', 0)} tokens"
+                if ex.get("queries") else "")
         lines.append(f"- speed {name}: {sp['queries']} queries per call, median {sp['median_s']:.3f} s = "
-                     f"{sp['queries_per_s']:.1f} queries/s")
+                     f"{sp['queries_per_s']:.1f} queries/s{work}")
     if results.get("creatives"):
         lines += ["", "| creatives (slogan test, greedy, 16 tokens) | BLEU | METEOR | empty | ads | requests/s |",
                   "|---|---|---|---|---|---|"]

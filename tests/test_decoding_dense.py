@@ -1,5 +1,5 @@
-"""The dense channel inside the search: exact teacher-forced scores of given candidates (one tree pass
-after the prefill) and the planning-ahead prior (best candidate cosine below each trie node)."""
+"""The dense channel's decoding pieces: exact teacher-forced scores of given candidates (``score_targets``: a
+prefill, then one tree pass) and the planning-ahead prior (best candidate cosine below each trie node)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from adbatch.decoding import DenseCandidates, TargetSearchConfig, search_targets
+from adbatch.decoding import DenseCandidates, ScoreStats, TargetSearchConfig, score_targets, search_targets
 from adbatch.decoding.beam_search import dense_prior
 from adbatch.decoding.tree_verify import TrieAux, ancestors
 from adbatch.index.trie import Trie
@@ -43,30 +43,33 @@ def test_union_scoring_equals_a_plain_forward_of_each_candidate(case, length_pen
     monkeypatch.setattr(bs, "score_candidates", functools.partial(score_candidates, max_pass_tokens=pass_tokens))
     model, seqs, prompts, trie, exact = case
     dense = _candidates(len(seqs), len(prompts), 9, seed=0)
+    dense.rows[2] = -1  # a query with nothing to score is not prefilled
     cfg = TargetSearchConfig(num_beams=3, top_k=3, verify="off", length_penalty=length_penalty)
-    res = search_targets(model, prompts, trie, cfg, dense=dense)
-    assert res.dense_scores.shape == dense.rows.shape
+    stats = ScoreStats()
+    got = score_targets(model, prompts, trie, cfg, dense.rows, stats=stats)
+    assert got.shape == dense.rows.shape
+    assert (stats.queries, stats.queries_scored, stats.rows) == (4, 3, int((dense.rows >= 0).sum()))
+    assert 0 < stats.tree_tokens <= stats.tree_tokens_padded and stats.passes >= 1
     for q in range(len(prompts)):
         for k, r in enumerate(dense.rows[q].tolist()):
             if r < 0:
-                assert res.dense_scores[q, k] == float("-inf")
+                assert got[q, k] == float("-inf")
                 continue
             want = exact[q][r] / (len(seqs[r]) ** length_penalty)
-            np.testing.assert_allclose(res.dense_scores[q, k].item(), want, atol=2e-4)
+            np.testing.assert_allclose(got[q, k].item(), want, atol=2e-4)
 
 
 def test_candidate_scores_agree_with_the_beams_own_scores(case):
     """A row both channels return gets one score: the beam's exact score is the teacher-forced one."""
     model, seqs, prompts, trie, _ = case
     off = search_targets(model, prompts, trie, TargetSearchConfig(num_beams=6, top_k=6, verify="off"))
-    dense = DenseCandidates(off.rows, torch.zeros_like(off.scores))
-    res = search_targets(model, prompts, trie, TargetSearchConfig(num_beams=6, top_k=6, verify="off"), dense=dense)
+    cfg = TargetSearchConfig(num_beams=6, top_k=6, verify="off")
+    got = score_targets(model, prompts, trie, cfg, off.rows)
     ok = off.rows >= 0
-    torch.testing.assert_close(res.dense_scores[ok], off.scores[ok], atol=2e-4, rtol=0)
+    torch.testing.assert_close(got[ok], off.scores[ok], atol=2e-4, rtol=0)
     # batches split by batch_size keep each query's candidates with it
-    split = search_targets(model, prompts, trie, TargetSearchConfig(num_beams=6, top_k=6, verify="off"),
-                           dense=dense, batch_size=3)
-    torch.testing.assert_close(split.dense_scores, res.dense_scores, atol=2e-4, rtol=0)
+    split = score_targets(model, prompts, trie, cfg, off.rows, batch_size=3)
+    torch.testing.assert_close(split, got, atol=2e-4, rtol=0)
 
 
 def test_ancestors_are_the_root_paths(case):
@@ -128,3 +131,27 @@ def test_prior_weight_needs_candidates(case):
     model, _, prompts, trie, _ = case
     with pytest.raises(ValueError, match="dense"):
         search_targets(model, prompts, trie, TargetSearchConfig(prior_weight=1.0))
+
+
+@pytest.mark.parametrize("depth,length_penalty", [(1, 0.0), (2, 0.0), (3, 1.0)])
+def test_prefix_scores_sum_the_first_tokens(case, depth, length_penalty):
+    """``score_targets(depth=d)``: the log-probs of a row's first ``d`` tokens, divided by its full length **
+    length_penalty: an upper bound on its full score (equal where the row is no longer than ``d``)."""
+    model, seqs, prompts, trie, _ = case
+    dense = _candidates(len(seqs), len(prompts), 6, seed=2)
+    cfg = TargetSearchConfig(num_beams=3, top_k=3, verify="off", length_penalty=length_penalty)
+    got = score_targets(model, prompts, trie, cfg, dense.rows, depth=depth)
+    full = score_targets(model, prompts, trie, cfg, dense.rows)
+    for q, p in enumerate(prompts):
+        with torch.no_grad():
+            for k, r in enumerate(dense.rows[q].tolist()):
+                if r < 0:
+                    assert got[q, k] == float("-inf")
+                    continue
+                s = seqs[r]
+                lp = torch.log_softmax(model(torch.tensor([p + s])).logits.float(), -1)[0]
+                want = float(sum(lp[len(p) - 1 + j, t] for j, t in enumerate(s[:depth]))) / len(s) ** length_penalty
+                np.testing.assert_allclose(got[q, k].item(), want, atol=2e-4)
+                assert got[q, k] >= full[q, k] - 2e-4
+    with pytest.raises(ValueError, match="depth"):
+        score_targets(model, prompts, trie, cfg, dense.rows, depth=0)

@@ -17,19 +17,21 @@ from adbatch.lazy import lazy_members
 #: public name -> the submodule that defines it (imported at first access)
 _LAZY = {
     "SearchStats": "beam_search", "TargetSearchResult": "beam_search", "search_targets": "beam_search",
-    "DenseCandidates": "beam_search",
+    "DenseCandidates": "beam_search", "ScoreStats": "beam_search", "score_targets": "beam_search",
     "CostModel": "cost_model", "calibrate": "cost_model", "load_or_calibrate": "cost_model",
     "generate_creatives": "creative",
 }
 
 if TYPE_CHECKING:
-    from adbatch.decoding.beam_search import DenseCandidates, SearchStats, TargetSearchResult, search_targets
+    from adbatch.decoding.beam_search import (DenseCandidates, ScoreStats, SearchStats, TargetSearchResult, score_targets,
+                                              search_targets)
     from adbatch.decoding.cost_model import CostModel, calibrate, load_or_calibrate
     from adbatch.decoding.creative import generate_creatives
 
 __getattr__ = lazy_members(__name__, _LAZY)
 
 __all__ = [
-    "CostModel", "CreativeConfig", "DenseCandidates", "FusionMode", "CreativeStrategy", "LinearFormats", "SearchStats", "TargetSearchConfig", "TargetSearchResult",
-    "VerifyMode", "calibrate", "generate_creatives", "load_or_calibrate", "search_targets",
+    "CostModel", "CreativeConfig", "DenseCandidates", "FusionMode", "CreativeStrategy", "LinearFormats", "ScoreStats", "SearchStats",
+    "TargetSearchConfig", "TargetSearchResult", "VerifyMode", "calibrate", "generate_creatives", "load_or_calibrate",
+    "score_targets", "search_targets",
 ]

@@ -75,17 +75,14 @@ class TargetSearchResult:
     rows: torch.Tensor
     scores: torch.Tensor
     stats: "SearchStats"
-    dense_scores: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
 class DenseCandidates:
-    """A dense retriever's answer the search reads: per query its top-``K`` index rows by cosine,
-    ``rows Long[Q, K]`` (-1 = none) and ``scores Float32[Q, K]`` (cosine, descending).
-
-    :func:`search_targets` scores each of these rows exactly (teacher-forced, returned as
-    ``TargetSearchResult.dense_scores``) and, with ``TargetSearchConfig.prior_weight > 0``, steers its
-    beams by them (:func:`dense_prior`)."""
+    """A dense retriever's answer: per query its top-``K`` index rows by cosine, ``rows Long[Q, K]``
+    (-1 = none) and ``scores Float32[Q, K]`` (cosine, descending). With ``TargetSearchConfig.prior_weight
+    > 0``, :func:`search_targets` steers its beams by them (:func:`dense_prior`); their exact generative
+    scores come from :func:`score_targets`."""
 
     rows: torch.Tensor
     scores: torch.Tensor
@@ -374,7 +371,7 @@ def _expand_beams(*, trie: Any, aux: TrieAux, logits: torch.Tensor, lse: torch.T
 def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, trie: Any,
                   cfg: TargetSearchConfig, cost: CostModel | None, pad_id: int,
                   stats: SearchStats, dense: DenseCandidates | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query batch on the engine's static cache. Query rows ``Qb`` (a power-of-two bucket)
     hold ``B`` beam slots each; slot ``q * B + b`` is also the slot's cache row. A slot is REAL
     (its prefix decoded step by step) or VIRTUAL (inside a verified subtree: every descendant's
@@ -410,14 +407,9 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     has_virtual = False  # set once a verification pass turns slots virtual (then steps stay eager)
     stats.prefill_rows += Q
     clock.mark("prefill")
-    dense_scores, prior = None, None
-    if dense is not None:
-        rows_d = dense.rows.to(dev)
-        cand = torch.where(rows_d >= 0, aux.node_of_row[rows_d.clamp(min=0)], -1)
-        dense_scores = score_candidates(engine, aux, cand, logits, lse, lp_pen)
-        clock.mark("dense_scores")
-        if cfg.prior_weight > 0:
-            prior = dense_prior(aux, DenseCandidates(rows_d, dense.scores.to(dev)), Qb)
+    prior = None
+    if dense is not None and cfg.prior_weight > 0:
+        prior = dense_prior(aux, DenseCandidates(dense.rows.to(dev), dense.scores.to(dev)), Qb)
 
     def flush() -> None:  # the pools of real query rows into the batch's results
         real = qmap >= 0
@@ -533,7 +525,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     flush()
     rows, scores = _rows_from_pool(out_s, out_n, aux, cfg.top_k)
     clock.mark("finish")
-    return rows, scores, dense_scores
+    return rows, scores
 
 
 def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: TargetSearchConfig,
@@ -552,13 +544,11 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
             for this model/device/dtype, measured now if absent.
         batch_size: prompts searched together; None = all of them (the generators pass one batch, sized
             by the generate job's ``batch_size``).
-        dense: the dense channel's candidates (``Q`` rows): each is scored exactly (teacher-forced in one
-            tree pass after the prefill, the scoring rule applied) into ``dense_scores``; with
-            ``config.prior_weight > 0`` they also steer the beams (:class:`DensePrior`).
+        dense: the dense channel's candidates (``Q`` rows); with ``config.prior_weight > 0`` they steer
+            the beams (:class:`DensePrior`), else they are not read.
     Returns:
-        :class:`TargetSearchResult` with ``rows Long[Q, k]``, ``scores Float32[Q, k]`` (CPU),
-        ``stats`` (steps, decode rows, verify passes, beams verified, tree tokens, verified depths) and,
-        given ``dense``, ``dense_scores Float32[Q, K]`` (CPU).
+        :class:`TargetSearchResult` with ``rows Long[Q, k]``, ``scores Float32[Q, k]`` (CPU) and
+        ``stats`` (steps, decode rows, verify passes, beams verified, tree tokens, verified depths).
     """
     check_supported(model)
     if not isinstance(config, TargetSearchConfig):
@@ -580,7 +570,7 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     pad_id = 0 if pad_id is None else int(pad_id)
     stats = SearchStats(mode=config.verify.value)
     engine = engine_for(model, config.linear_formats)
-    rows, scores, dense_scores = [], [], []
+    rows, scores = [], []
     was_training = model.training
     model.eval()
     try:
@@ -588,18 +578,94 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
         for start in range(0, len(prompts), step):
             chunk = [list(map(int, p)) for p in prompts[start:start + step]]
             part = dense.slice(start, start + len(chunk)) if dense is not None else None
-            r, s, d = _search_batch(engine, chunk, aux, trie, config, cost_model, pad_id, stats, part)
+            r, s = _search_batch(engine, chunk, aux, trie, config, cost_model, pad_id, stats, part)
             rows.append(r.cpu())
             scores.append(s.cpu())
-            if d is not None:
-                dense_scores.append(d.cpu())
     finally:
         model.train(was_training)
     stats.queries = len(prompts)
     log.debug("search_targets stats: %s", stats.flat())
     if not rows:  # no prompts: empty [0, k] results, not an error
-        k_dense = dense.rows.shape[1] if dense is not None else 0
-        return TargetSearchResult(torch.empty(0, config.top_k, dtype=torch.long), torch.empty(0, config.top_k), stats,
-                                  torch.empty(0, k_dense) if dense is not None else None)
-    return TargetSearchResult(torch.cat(rows, 0), torch.cat(scores, 0), stats,
-                              torch.cat(dense_scores, 0) if dense is not None else None)
+        return TargetSearchResult(torch.empty(0, config.top_k, dtype=torch.long), torch.empty(0, config.top_k), stats)
+    return TargetSearchResult(torch.cat(rows, 0), torch.cat(scores, 0), stats)
+
+
+@dataclasses.dataclass
+class ScoreStats:
+    """Counters of :func:`score_targets` calls (accumulated): ``queries`` asked, ``queries_scored`` (those with a
+    row to score: only they are prefilled), ``rows`` scored, ``passes`` (tree passes), ``tree_tokens`` (internal
+    nodes fed) and ``tree_tokens_padded`` (fed with each pass's padding)."""
+
+    queries: int = 0
+    queries_scored: int = 0
+    rows: int = 0
+    passes: int = 0
+    tree_tokens: int = 0
+    tree_tokens_padded: int = 0
+
+
+@torch.no_grad()
+def score_targets(model: Any, prompts: list[list[int]], trie: Any, config: TargetSearchConfig, rows: torch.Tensor,
+                  batch_size: int | None = None, stats: ScoreStats | None = None, depth: int | None = None
+                  ) -> torch.Tensor:
+    """Exact scores of given ads per prompt: each row's target sequence teacher-forced after its prompt, the
+    scoring rule of :func:`search_targets` applied (the same number a beam that finds the row reports).
+
+    One prefill of the prompts that have a row to score (the others cost nothing), then one tree pass over
+    each query's candidates: their root paths share prefixes in the trie and are fed as one token tree
+    (:func:`adbatch.decoding.tree_verify.score_candidates`). The engine's cache is reserved as the search's
+    (``config.pool_size`` slots per query), so both reuse one cache and one set of captured graphs.
+
+    Args:
+        rows: ``Long[Q, K]`` index rows per prompt (-1 = none; any device).
+        stats: :class:`ScoreStats` to accumulate into (optional).
+        depth: score only each row's first ``depth`` target tokens (their log-probs summed, divided by the
+            row's full length ``** length_penalty``): an upper bound on the row's score, since every further
+            token adds a log-prob <= 0, at the cost of the prefixes' shorter trees. None: the full score.
+    Returns:
+        ``Float32[Q, K]`` (CPU), ``-inf`` where ``rows`` is -1.
+    """
+    check_supported(model)
+    if rows.shape[0] != len(prompts):
+        raise ValueError(f"rows for {rows.shape[0]} queries, {len(prompts)} prompts")
+    if depth is not None and depth < 1:
+        raise ValueError(f"depth must be >= 1 (or None: the full score), got {depth}")
+    dev = model_device(model)
+    trie, aux = _prepared_trie(trie, dev)
+    stats = stats if stats is not None else ScoreStats()
+    rows = rows.cpu()
+    out = torch.full(rows.shape, NEG_INF)
+    stats.queries += len(prompts)
+    wanted = np.flatnonzero((rows >= 0).any(1).numpy())
+    if not wanted.size:
+        return out
+    if int(rows.max()) >= aux.node_of_row.numel():
+        raise ValueError(f"row {int(rows.max())} is not in the trie ({aux.node_of_row.numel()} rows)")
+    pad_id = getattr(model.config, "pad_token_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)
+    engine = engine_for(model, config.linear_formats)
+    max_steps = min(config.max_steps or aux.max_depth, aux.max_depth)
+    was_training = model.training
+    model.eval()
+    try:
+        step = batch_size or wanted.size
+        for start in range(0, wanted.size, step):
+            q = wanted[start:start + step]
+            logits, lse, _ = engine.prefill([list(map(int, prompts[i])) for i in q], config.pool_size, max_steps, pad_id)
+            r = rows[q].to(dev)
+            cand = torch.where(r >= 0, aux.node_of_row[r.clamp(min=0)], -1)
+            if depth is None:
+                out[q] = score_candidates(engine, aux, cand, logits, lse, config.length_penalty, counts=stats).cpu()
+                continue
+            # each candidate's ancestor at `depth` (itself when shallower): its prefix's raw sum, then the rule
+            # with the full length
+            anc = ancestors(aux, cand)
+            d = aux.depth[cand.clamp(min=0)].clamp(max=depth)
+            head = torch.where(cand >= 0, anc.gather(-1, (d - 1).clamp(min=0)[..., None])[..., 0], -1)
+            raw = score_candidates(engine, aux, head, logits, lse, 0.0, counts=stats)
+            out[q] = final_scores(raw, aux.depth[cand.clamp(min=0)], config.length_penalty).cpu()
+    finally:
+        model.train(was_training)
+    stats.queries_scored += int(wanted.size)
+    stats.rows += int((rows >= 0).sum())
+    return out

@@ -98,7 +98,8 @@ def _sorted_unique(nodes: torch.Tensor, big: int) -> torch.Tensor:
 
 @torch.no_grad()
 def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tensor, logits0: torch.Tensor,
-                     lse0: torch.Tensor, length_penalty: float = 0.0, max_pass_tokens: int = 65536) -> torch.Tensor:
+                     lse0: torch.Tensor, length_penalty: float = 0.0, max_pass_tokens: int = 65536,
+                     counts: Any = None) -> torch.Tensor:
     """Exact scores of given complete candidates, teacher-forced right after the prefill, by the tree pass.
 
     Each query's candidates share prefixes in the trie: the union ``U`` of their root paths is one token
@@ -113,6 +114,8 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
         cand_nodes: ``Long[Q, K]`` terminal trie node of each candidate (-1 = none).
         logits0 / lse0: the prefill's ``[Qb, V]`` logits and ``Float32[Qb]`` log-sum-exp (first tokens).
         max_pass_tokens: cap on padded tree tokens per pass (queries are split into passes below it).
+        counts: an object whose ``passes``, ``tree_tokens`` and ``tree_tokens_padded`` are incremented
+            (:class:`adbatch.decoding.beam_search.ScoreStats`), or None.
     Returns:
         ``Float32[Q, K]``: the scoring rule applied to each candidate's summed log-probs (-inf at -1).
     """
@@ -133,6 +136,8 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
     # Queries in order of tree size, each pass padded to its own largest tree (a power of two where passes
     # are graph-captured): one padding for the whole batch made the average pass ~2x its real tokens (text
     # ids, 20 candidates: 420 internal nodes on average, 650 at most -> 1,024 for all).
+    if counts is not None:
+        counts.tree_tokens += int(f_host.sum())
     order = np.argsort(f_host, kind="stable")
     order_dev = torch.from_numpy(order).to(dev)
     s = 0
@@ -157,6 +162,9 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
         vis = (a <= b) & (b < a + aux.sub[a]) & valid[:, None, :] & valid[:, :, None]
         vis |= torch.eye(Fw, dtype=torch.bool, device=dev)[None]
         logits, lse = engine.tree_forward(q * engine.B, 0, tok, pos, vis)  # [V*Fw, vocab]
+        if counts is not None:
+            counts.passes += 1
+            counts.tree_tokens_padded += local.numel() * Fw
         # every union node's log-prob: at its parent's fed row, or the prefill row under the root
         un, up, uv = union[q], u_par[q], u_valid[q]
         utok = torch.where(uv, aux.token[u_safe[q]], 0)
