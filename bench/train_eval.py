@@ -136,18 +136,21 @@ def channels(args: argparse.Namespace) -> None:
     big = (qs * (args.speed_batch // len(qs) + 1))[:args.speed_batch]
     menu = [("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10), None),
             ("dense", base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k), None)]
-    menu += [(f"hybrid b10 {name}", hyb.replace(num_beams=10), sched) for name, sched in EXACT_SCHEDULES.items()]
-    menu += [(f"hybrid b10 dense_k {dk} {name}", hyb.replace(num_beams=10, dense_k=dk), EXACT_SCHEDULES[name])
-             for dk in (10, 40) for name in ("default", "every")]
+    menu += [("hybrid b10", hyb.replace(num_beams=10), None), ("hybrid b10 pow2 passes", hyb.replace(num_beams=10), POW2_PASSES)]
+    menu += [(f"hybrid b10 dense_k {dk}{tag}", hyb.replace(num_beams=10, dense_k=dk), passes)
+             for dk in (10, 20, 40) if dk != hyb.dense_k for tag, passes in (("", None), (" pow2 passes", POW2_PASSES))]
     if best_w > 0:
         menu.append(("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w), None))
-    speed = {name: time_hybrid(served, tok, index, dense, search, fusion, big, sched, device)
-             for name, search, sched in menu}
+    speed = {name: time_hybrid(served, tok, index, dense, search, fusion, big, passes, device)
+             for name, search, passes in menu}
     results["speed"] = speed
     log.info("speed: %s", speed)
     save()
     del served, model
     if device == "cuda":
+        import gc
+
+        gc.collect()  # the bf16 model's engine (its graphs) goes with it
         torch.cuda.empty_cache()
     if not args.skip_compress:
         comp_dir = Path(args.work) / f"compressed_{cat}_{args.scheme}"
@@ -183,36 +186,29 @@ def hybrid_rank(model: Any, tok: Any, index: Any, search: Any, dense: Any, fusio
     return lambda qs: [[index.ad_ids[r] for r in row] for row in hr.rank(qs).lists()]
 
 
-#: exact-scoring schedules of the hybrid speed rows: (``EXACT_ROUND_SIZES``, ``EXACT_PREFIX_DEPTH``) of
-#: :mod:`adbatch.serving.hybrid` ("default": the module's own; "every": no bound, every candidate the beams did not
-#: find scored in one round). Every schedule gives the same top k (tests/test_hybrid.py); only the work differs.
-EXACT_SCHEDULES: dict[str, Any] = {
-    "default": "default", "every": "every",
-    "1 round": ((None,), None), "4+rest": ((4, None), None), "10+rest": ((10, None), None),
-    "5+5+rest": ((5, 5, None), None), "prefix 2": ((None,), 2), "prefix 4": ((None,), 4),
-    "prefix 4, 5+rest": ((5, None), 4), "prefix 8": ((None,), 8),
-}
+#: the score passes of the dense candidates before issue 41's last change: power-of-two tree widths, 65,536 tokens
+#: a pass (``tree_verify.SCORE_WIDTH_STEPS`` / ``SCORE_PASS_TOKENS``), timed beside the current ones
+POW2_PASSES = (1, 65536)
 
 
 def time_hybrid(model: Any, tok: Any, index: Any, dense: Any, search: Any, fusion: Any, queries: list[str],
-                schedule: Any, device: str, repeats: int = 3) -> dict[str, Any]:
+                passes: tuple[int, int] | None, device: str, repeats: int = 3) -> dict[str, Any]:
     """One speed row: ``queries`` ranked in one call through :class:`adbatch.serving.hybrid.HybridRanker`,
-    median of ``repeats`` after a warm-up, under an exact-scoring ``schedule`` (:data:`EXACT_SCHEDULES`, None:
-    the module's), with the last call's counters of dense candidates scored (exact and prefix bound)."""
+    median of ``repeats`` after a warm-up, with the score passes' ``(widths per octave, tokens per pass)``
+    (None: the product's), and the last call's counters of dense candidates scored."""
     import dataclasses
     import statistics
     from unittest import mock
 
     import torch
 
+    import adbatch.decoding.tree_verify as tree_verify
     import adbatch.serving.hybrid as hybrid
 
     patches = []
-    if schedule == "every":
-        patches = [mock.patch.object(hybrid.FusionParams, "upper_bound", lambda self, d: None)]
-    elif schedule not in (None, "default"):
-        patches = [mock.patch.object(hybrid, "EXACT_ROUND_SIZES", schedule[0]),
-                   mock.patch.object(hybrid, "EXACT_PREFIX_DEPTH", schedule[1])]
+    if passes is not None:
+        patches = [mock.patch.object(tree_verify, "SCORE_WIDTH_STEPS", passes[0]),
+                   mock.patch.object(tree_verify, "SCORE_PASS_TOKENS", passes[1])]
     for p in patches:
         p.start()
     try:
@@ -232,42 +228,116 @@ def time_hybrid(model: Any, tok: Any, index: Any, dense: Any, search: Any, fusio
             p.stop()
     med = statistics.median(times)
     row = {"queries": len(queries), "median_s": med, "queries_per_s": len(queries) / med, "times_s": times,
-           "exact": dataclasses.asdict(hr.last_exact), "prefix": dataclasses.asdict(hr.last_prefix)}
-    log.info("speed %s: %.1f q/s exact %s prefix %s", schedule, row["queries_per_s"], row["exact"], row["prefix"])
+           "exact": dataclasses.asdict(hr.last_exact)}
+    log.info("speed %s: %.1f q/s exact %s", passes, row["queries_per_s"], row["exact"])
     return row
 
 
 def dump_candidates(model: Any, tok: Any, index: Any, dense: Any, search: Any, splits: dict[str, dict],
-                    path: Path, batch: int = 256, depths: tuple[int, ...] = (1, 2, 3, 4, 6, 8)) -> dict[str, Any]:
-    """Every union candidate of each split's queries, unfused and unpruned (``HybridRanker.candidates`` with
-    ``k`` None), with the prefix scores of ``depths`` (``score_targets(depth=)``), into ``path`` (npz:
-    ``<split>_queries``, ``<split>_rows`` / ``_generative`` / ``_dense`` / ``_channel`` / ``_length`` ``[Q, M]``,
-    ``<split>_prefix [Q, M, len(depths)]``): what fusion and pruning studies need, without the GPU."""
+                    path: Path, batch: int = 256) -> dict[str, Any]:
+    """Every union candidate of each split's queries, unfused (``HybridRanker.candidates``: every dense candidate
+    scored), into ``path`` (npz: ``<split>_queries``, ``<split>_rows`` / ``_generative`` / ``_dense`` /
+    ``_channel`` / ``_length`` ``[Q, M]``): what fusion studies need without the GPU (``fusion-study``)."""
     import numpy as np
     import torch
 
-    from adbatch.decoding import score_targets
     from adbatch.serving.hybrid import HybridRanker
-    from adbatch.serving.prompts import encode_targeting_prompts
 
     hr = HybridRanker(model, tok, index, search, dense=dense)
-    arrays: dict[str, Any] = {"depths": np.array(depths)}
+    arrays: dict[str, Any] = {}
     for split, qrels in splits.items():
         qs = sorted(qrels)
-        parts = []
-        for s0 in range(0, len(qs), batch):
-            chunk = qs[s0:s0 + batch]
-            c = hr._with_lengths(hr.candidates(chunk, k=None))
-            prompts = encode_targeting_prompts(tok, chunk)
-            with torch.inference_mode():
-                pre = torch.stack([score_targets(model, prompts, index.trie, search, c.rows, depth=d) for d in depths], -1)
-            parts.append((c, pre))
-        cat = lambda f: torch.cat([getattr(c, f) for c, _ in parts]).numpy()  # noqa: E731
-        arrays.update({f"{split}_queries": np.array(qs), f"{split}_rows": cat("rows"), f"{split}_generative": cat("generative"),
-                       f"{split}_dense": cat("dense"), f"{split}_channel": cat("channel"), f"{split}_length": cat("length"),
-                       f"{split}_prefix": torch.cat([p for _, p in parts]).numpy()})
+        parts = [hr._with_lengths(hr.candidates(qs[s0:s0 + batch])) for s0 in range(0, len(qs), batch)]
+        arrays[f"{split}_queries"] = np.array(qs)
+        for f in ("rows", "generative", "dense", "channel", "length"):
+            arrays[f"{split}_{f}"] = torch.cat([getattr(c, f) for c in parts]).numpy()
     np.savez_compressed(path, **arrays)
-    return {"file": path.name, "splits": {s: len(q) for s, q in splits.items()}, "depths": list(depths)}
+    return {"file": path.name, "splits": {s: len(q) for s, q in splits.items()}}
+
+
+def fusion_study(args: argparse.Namespace) -> None:
+    """``fusion-study``: from a ``channels`` run's ``candidates.npz`` (dense_k 40) and its bundle, on the CPU:
+    per dense_k, the fusion :func:`adbatch.serving.hybrid.fit_fusion` fits on the validation queries and its test
+    recall@10 / MRR@10, with the union's recall (what a perfect reranker of those candidates would reach); then
+    logistic regressions over richer candidate features (fitted on validation), beside it."""
+    import numpy as np
+    import torch
+
+    from adbatch.serving.hybrid import (CHANNEL_DENSE, CHANNEL_GENERATIVE, Candidates, fit_fusion, fused_scores,
+                                        rank_candidates, recall_mrr)
+
+    z = np.load(args.candidates)
+    data = load_bundle(Path(args.bundle), args.catalogue)
+    index = data["indexes"]["text"]
+    row_of = {str(a): i for i, a in enumerate(index.ad_ids)}
+    rel = {split: [{row_of[str(a)] for a, g in qr[q].items() if g >= 2.67 and str(a) in row_of}
+                   for q in z[f"{split}_queries"]] for split, qr in (("valid", data["valid"]), ("test", data["qrels"]))}
+
+    def cands(split: str, dk: int) -> Candidates:  # the union at dense_k dk: the dense channel's top dk by cosine
+        rows, ch = torch.from_numpy(z[f"{split}_rows"]), torch.from_numpy(z[f"{split}_channel"]).long()
+        g, d = torch.from_numpy(z[f"{split}_generative"]), torch.from_numpy(z[f"{split}_dense"])
+        is_d, is_g = (ch & CHANNEL_DENSE) > 0, (ch & CHANNEL_GENERATIVE) > 0
+        rank = torch.where(is_d, d, -9.0).argsort(1, descending=True).argsort(1)
+        keep_d = is_d & (rank < dk)
+        keep = (rows >= 0) & (is_g | keep_d)
+        chan = (torch.where(is_g, CHANNEL_GENERATIVE, 0) | torch.where(keep_d, CHANNEL_DENSE, 0)).to(torch.int8)
+        return Candidates(torch.where(keep, rows, -1), torch.where(keep, g, float("nan")),
+                          torch.where(keep, d, float("nan")), chan, torch.from_numpy(z[f"{split}_length"]))
+
+    def union_recall(c: Candidates, rels: list) -> float:
+        return float(np.mean([len(set(r) & s) / len(s) for r, s in zip(c.rows.tolist(), rels) if s]))
+
+    lines = ["| dense_k | fitted fusion | valid recall@10 | test recall@10 | test MRR@10 | union recall valid / test |",
+             "|---|---|---|---|---|---|"]
+    for dk in (5, 10, 15, 20, 30, 40):
+        cv, ct = cands("valid", dk), cands("test", dk)
+        f = fit_fusion(cv, rel["valid"], "validation")
+        r, m = recall_mrr(rank_candidates(ct, fused_scores(ct, f), 10).rows, rel["test"])
+        lines.append(f"| {dk} | {f.method.value} {f.weight_generative:g} {f.generative_norm} | "
+                     f"{f.fit_metrics['hybrid_recall@10']:.4f} | {r:.4f} | {m:.4f} | "
+                     f"{union_recall(cv, rel['valid']):.3f} / {union_recall(ct, rel['test']):.3f} |")
+
+    def features(c: Candidates, names: tuple[str, ...]) -> Any:
+        ok = c.rows >= 0
+        g = torch.nan_to_num(c.generative, nan=-80.0).clamp(min=-80)
+        d = torch.nan_to_num(c.dense, nan=0.0)
+        rank = lambda x: torch.where(ok, x, -1e9).argsort(1, descending=True).argsort(1).float()  # noqa: E731
+        f = {"cos": d, "logp": g, "logp_mean": g / c.length.float().clamp(min=1),
+             "beam": ((c.channel.long() & CHANNEL_GENERATIVE) > 0).float(),
+             "dense": ((c.channel.long() & CHANNEL_DENSE) > 0).float(),
+             "rr_gen": 1 / (5 + rank(g)), "rr_dense": 1 / (5 + rank(d))}
+        return torch.stack([f[n] for n in names], -1)
+
+    lines += ["", "| dense_k | logistic regression features (fitted on validation) | valid recall@10 | test recall@10 |",
+              "|---|---|---|---|"]
+    for dk in (10, 20):
+        cv, ct = cands("valid", dk), cands("test", dk)
+        for names in (("cos", "logp"), ("cos", "logp", "logp_mean"), ("cos", "logp", "logp_mean", "beam", "dense"),
+                      ("cos", "logp", "logp_mean", "beam", "dense", "rr_gen", "rr_dense")):
+            xv, xt = features(cv, names), features(ct, names)
+            y = torch.tensor([[float(r in s) for r in row] for row, s in zip(cv.rows.tolist(), rel["valid"])])
+            ok = cv.rows >= 0
+            mu, sd = xv[ok].mean(0), xv[ok].std(0) + 1e-6
+            w = torch.zeros(len(names), requires_grad=True)
+            b = torch.zeros(1, requires_grad=True)
+            opt = torch.optim.LBFGS([w, b], max_iter=200)
+
+            def closure() -> Any:
+                opt.zero_grad()
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(((xv[ok] - mu) / sd) @ w + b, y[ok])
+                loss = loss + 1e-3 * (w * w).sum()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            score = lambda c, x: torch.where(c.rows >= 0, ((x - mu) / sd) @ w.detach(), float("-inf"))  # noqa: E731
+            rv = recall_mrr(rank_candidates(cv, score(cv, xv), 10).rows, rel["valid"])[0]
+            rt = recall_mrr(rank_candidates(ct, score(ct, xt), 10).rows, rel["test"])[0]
+            lines.append(f"| {dk} | {', '.join(names)} | {rv:.4f} | {rt:.4f} |")
+    table = "\n".join(lines) + "\n"
+    if args.out:
+        Path(args.out).write_text(table)
+    print(table)
 
 
 def compress_defaults(args: argparse.Namespace, bundle: Path, cat: str, model_dir: Path, comp_dir: Path,
@@ -471,6 +541,8 @@ def smoke(out: Path) -> None:
     main(["channels", "--bundle", str(bundle), "--catalogue", "smoke", "--out", str(out / "channels"),
           "--work", str(out / "work"), "--smoke", "--batch", "4", "--speed-batch", "8", "--prior-weights", "1",
           "--beams-list", "10", "--skip-compress", "--train-json", '{"fusion_queries": 4}'])
+    main(["fusion-study", "--candidates", str(out / "channels" / "candidates.npz"), "--bundle", str(bundle),
+          "--catalogue", "smoke", "--out", str(out / "channels" / "fusion_study.md")])
 
 
 def _results_file(args: argparse.Namespace) -> tuple[Path, str, dict[str, Any], Any]:
@@ -1231,10 +1303,9 @@ def render_table(results: dict) -> str:
         if "queries" not in sp:
             lines.append(f"- {name}: {json.dumps(sp)}")
             continue
-        ex, pre = sp.get("exact") or {}, sp.get("prefix") or {}
+        ex = sp.get("exact") or {}
         work = (f"; exact {ex['rows']} rows / {ex['tree_tokens']} tree tokens ({ex['tree_tokens_padded']} padded) over "
-                f"{ex['queries_scored']} queries, prefix {pre.get('rows', 0)} rows / {pre.get('tree_tokens', 0)} tokens"
-                if ex.get("queries") else "")
+                f"{ex['queries_scored']} queries in {ex['passes']} passes" if ex.get("queries") else "")
         lines.append(f"- speed {name}: {sp['queries']} queries per call, median {sp['median_s']:.3f} s = "
                      f"{sp['queries_per_s']:.1f} queries/s{work}")
     if results.get("creatives"):
@@ -1358,6 +1429,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="ablation: also compress each arm (the compress stage's defaults) and evaluate its layers served "
                          "as the int4 plan, FP8 and 2:4 FP8 (issue 42)")
     ch.add_argument("--query-gen-json", default="{}", help="JSON QueryGenConfig overrides (the rank_gen arm)")
+    fs = sub.add_parser("fusion-study", help="issue 41: fusions over a channels run's candidates.npz (CPU)")
+    fs.add_argument("--candidates", required=True, help="candidates.npz of a channels run")
+    fs.add_argument("--bundle", required=True)
+    fs.add_argument("--catalogue", default="5000")
+    fs.add_argument("--out", default=None, help="markdown file for the tables")
     pr = sub.add_parser("run")
     pr.add_argument("--bundle", required=True)
     pr.add_argument("--out", required=True)
@@ -1386,7 +1462,7 @@ def main(argv: list[str] | None = None) -> None:
             smoke(Path(args.smoke_out or tmp))
         return
     {"prepare": prepare, "baseline": baseline, "run": run, "sweep": sweep, "check": check,
-     "channels": channels}[args.cmd](args)
+     "channels": channels, "fusion-study": fusion_study}[args.cmd](args)
 
 
 if __name__ == "__main__":

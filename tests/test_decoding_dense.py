@@ -133,25 +133,18 @@ def test_prior_weight_needs_candidates(case):
         search_targets(model, prompts, trie, TargetSearchConfig(prior_weight=1.0))
 
 
-@pytest.mark.parametrize("depth,length_penalty", [(1, 0.0), (2, 0.0), (3, 1.0)])
-def test_prefix_scores_sum_the_first_tokens(case, depth, length_penalty):
-    """``score_targets(depth=d)``: the log-probs of a row's first ``d`` tokens, divided by its full length **
-    length_penalty: an upper bound on its full score (equal where the row is no longer than ``d``)."""
-    model, seqs, prompts, trie, _ = case
-    dense = _candidates(len(seqs), len(prompts), 6, seed=2)
-    cfg = TargetSearchConfig(num_beams=3, top_k=3, verify="off", length_penalty=length_penalty)
-    got = score_targets(model, prompts, trie, cfg, dense.rows, depth=depth)
-    full = score_targets(model, prompts, trie, cfg, dense.rows)
-    for q, p in enumerate(prompts):
-        with torch.no_grad():
-            for k, r in enumerate(dense.rows[q].tolist()):
-                if r < 0:
-                    assert got[q, k] == float("-inf")
-                    continue
-                s = seqs[r]
-                lp = torch.log_softmax(model(torch.tensor([p + s])).logits.float(), -1)[0]
-                want = float(sum(lp[len(p) - 1 + j, t] for j, t in enumerate(s[:depth]))) / len(s) ** length_penalty
-                np.testing.assert_allclose(got[q, k].item(), want, atol=2e-4)
-                assert got[q, k] >= full[q, k] - 2e-4
-    with pytest.raises(ValueError, match="depth"):
-        score_targets(model, prompts, trie, cfg, dense.rows, depth=0)
+def test_tree_widths_per_octave():
+    """Graph-captured passes pad trees to few widths: powers of two (verification), or ``steps`` per octave
+    (score passes: <= 1 / steps padding); eager passes run the tree's own width."""
+    from adbatch.decoding.engine import DecodeEngine
+
+    class Captured:
+        graphs_enabled = True
+
+    tw = lambda fed, steps=1: DecodeEngine.tree_width(Captured(), fed, steps)  # noqa: E731
+    assert [tw(f) for f in (1, 4, 5, 9, 129, 300, 520)] == [4, 4, 8, 16, 256, 512, 1024]
+    assert [tw(f, 4) for f in (1, 5, 9, 129, 300, 520, 650)] == [4, 5, 10, 160, 320, 640, 768]
+    for f in range(5, 2000):
+        assert f <= tw(f, 4) <= 1.25 * f + 1
+    Captured.graphs_enabled = False
+    assert tw(300, 4) == 300

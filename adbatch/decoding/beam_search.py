@@ -606,8 +606,7 @@ class ScoreStats:
 
 @torch.no_grad()
 def score_targets(model: Any, prompts: list[list[int]], trie: Any, config: TargetSearchConfig, rows: torch.Tensor,
-                  batch_size: int | None = None, stats: ScoreStats | None = None, depth: int | None = None
-                  ) -> torch.Tensor:
+                  batch_size: int | None = None, stats: ScoreStats | None = None) -> torch.Tensor:
     """Exact scores of given ads per prompt: each row's target sequence teacher-forced after its prompt, the
     scoring rule of :func:`search_targets` applied (the same number a beam that finds the row reports).
 
@@ -619,17 +618,12 @@ def score_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targe
     Args:
         rows: ``Long[Q, K]`` index rows per prompt (-1 = none; any device).
         stats: :class:`ScoreStats` to accumulate into (optional).
-        depth: score only each row's first ``depth`` target tokens (their log-probs summed, divided by the
-            row's full length ``** length_penalty``): an upper bound on the row's score, since every further
-            token adds a log-prob <= 0, at the cost of the prefixes' shorter trees. None: the full score.
     Returns:
         ``Float32[Q, K]`` (CPU), ``-inf`` where ``rows`` is -1.
     """
     check_supported(model)
     if rows.shape[0] != len(prompts):
         raise ValueError(f"rows for {rows.shape[0]} queries, {len(prompts)} prompts")
-    if depth is not None and depth < 1:
-        raise ValueError(f"depth must be >= 1 (or None: the full score), got {depth}")
     dev = model_device(model)
     trie, aux = _prepared_trie(trie, dev)
     stats = stats if stats is not None else ScoreStats()
@@ -654,16 +648,7 @@ def score_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targe
             logits, lse, _ = engine.prefill([list(map(int, prompts[i])) for i in q], config.pool_size, max_steps, pad_id)
             r = rows[q].to(dev)
             cand = torch.where(r >= 0, aux.node_of_row[r.clamp(min=0)], -1)
-            if depth is None:
-                out[q] = score_candidates(engine, aux, cand, logits, lse, config.length_penalty, counts=stats).cpu()
-                continue
-            # each candidate's ancestor at `depth` (itself when shallower): its prefix's raw sum, then the rule
-            # with the full length
-            anc = ancestors(aux, cand)
-            d = aux.depth[cand.clamp(min=0)].clamp(max=depth)
-            head = torch.where(cand >= 0, anc.gather(-1, (d - 1).clamp(min=0)[..., None])[..., 0], -1)
-            raw = score_candidates(engine, aux, head, logits, lse, 0.0, counts=stats)
-            out[q] = final_scores(raw, aux.depth[cand.clamp(min=0)], config.length_penalty).cpu()
+            out[q] = score_candidates(engine, aux, cand, logits, lse, config.length_penalty, counts=stats).cpu()
     finally:
         model.train(was_training)
     stats.queries_scored += int(wanted.size)

@@ -925,10 +925,17 @@ class DecodeEngine:
         self._routed_rows = rows if planned else None
 
     # -------------------------------------------------------------- tree pass
-    def tree_width(self, fed: int) -> int:
-        """Tree tokens per beam a pass runs at: a power of two (>= 4) where passes are graph-captured
-        (few shapes), ``fed`` itself in eager mode. Callers pad their trees to it."""
-        return max(4, 1 << max(fed - 1, 0).bit_length()) if self.graphs_enabled else fed
+    def tree_width(self, fed: int, steps: int = 1) -> int:
+        """Tree tokens per beam a pass runs at: where passes are graph-captured (few shapes), ``fed`` rounded
+        up to one of ``steps`` widths per octave (1: a power of two; 4: 4, 5, 6, 7 x a power of two, <= 25 %
+        padding), at least 4; ``fed`` itself in eager mode. Callers pad their trees to it."""
+        if not self.graphs_enabled:
+            return fed
+        if fed <= 4:
+            return 4
+        octave = 1 << (fed - 1).bit_length() - 1  # the power of two below fed
+        step = max(octave // steps, 1)
+        return -(-fed // step) * step
 
     @torch.no_grad()
     def tree_forward(self, rows: torch.Tensor, t: int, tokens: torch.Tensor, pos: torch.Tensor,

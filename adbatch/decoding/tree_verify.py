@@ -66,6 +66,15 @@ class TrieAux:
         self.node_of_row[self.terminal_rows] = torch.repeat_interleave(ids, counts)
 
 
+#: score passes (:func:`score_candidates`): trees padded to one of this many widths per octave, and at most this
+#: many padded tree tokens per pass (a power of two of queries). Power-of-two widths and 65,536 tokens padded the
+#: trained 5k model's passes to 1.68x their real tokens (20 dense candidates per query; 2.06x at 10) and kept a
+#: 6 GiB logits buffer per captured shape; these settings pad the same queries to 1.11x (1.25x) in 7 (6) shapes of
+#: at most 16,384 tokens (replayed on the CPU from that run's candidates)
+SCORE_WIDTH_STEPS = 4
+SCORE_PASS_TOKENS = 16384
+
+
 def final_scores(raw: torch.Tensor, length: torch.Tensor, length_penalty: float) -> torch.Tensor:
     """The documented scoring rule: ``raw / length ** length_penalty`` (``raw`` itself when 0)."""
     if length_penalty == 0.0:
@@ -98,7 +107,7 @@ def _sorted_unique(nodes: torch.Tensor, big: int) -> torch.Tensor:
 
 @torch.no_grad()
 def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tensor, logits0: torch.Tensor,
-                     lse0: torch.Tensor, length_penalty: float = 0.0, max_pass_tokens: int = 65536,
+                     lse0: torch.Tensor, length_penalty: float = 0.0, max_pass_tokens: int | None = None,
                      counts: Any = None) -> torch.Tensor:
     """Exact scores of given complete candidates, teacher-forced right after the prefill, by the tree pass.
 
@@ -113,7 +122,8 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
         engine: holding the batch's prefill (query ``q`` at slot row ``q * engine.B``; not modified).
         cand_nodes: ``Long[Q, K]`` terminal trie node of each candidate (-1 = none).
         logits0 / lse0: the prefill's ``[Qb, V]`` logits and ``Float32[Qb]`` log-sum-exp (first tokens).
-        max_pass_tokens: cap on padded tree tokens per pass (queries are split into passes below it).
+        max_pass_tokens: cap on padded tree tokens per pass (queries are split into passes below it; default
+            :data:`SCORE_PASS_TOKENS`).
         counts: an object whose ``passes``, ``tree_tokens`` and ``tree_tokens_padded`` are incremented
             (:class:`adbatch.decoding.beam_search.ScoreStats`), or None.
     Returns:
@@ -140,12 +150,16 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
         counts.tree_tokens += int(f_host.sum())
     order = np.argsort(f_host, kind="stable")
     order_dev = torch.from_numpy(order).to(dev)
+    max_pass_tokens = max_pass_tokens or SCORE_PASS_TOKENS
+    width = lambda f: engine.tree_width(max(int(f), 1), SCORE_WIDTH_STEPS)  # noqa: E731
     s = 0
     while s < Q:
-        Fw = engine.tree_width(max(int(f_host[order[s]]), 1))
-        while True:  # the longest run from s whose padded tokens stay within the cap (sizes ascend)
-            e = min(Q, s + max(1, max_pass_tokens // Fw))
-            widest = engine.tree_width(max(int(f_host[order[e - 1]]), 1))
+        Fw = width(f_host[order[s]])
+        while True:  # the longest run from s whose padded tokens stay within the cap (sizes ascend), a power of
+            # two of queries: a captured pass runs its query count rounded up to one
+            per = max(1, max_pass_tokens // Fw)
+            e = min(Q, s + (1 << per.bit_length() - 1))
+            widest = width(f_host[order[e - 1]])
             if widest <= Fw:
                 break
             Fw = widest

@@ -4,9 +4,8 @@ dense channel (the ad embeddings it clustered, searched by cosine).
 Hybrid ranking (:attr:`FusionMode.HYBRID`) scores the *union* of both channels' candidates on both
 scales: every dense candidate gets its exact generative log-probability (teacher-forced in one tree pass per
 query, :func:`adbatch.decoding.score_targets`), every generative candidate its cosine; then one fused score
-ranks the union (:class:`FusionParams`). Serving computes a dense candidate's log-probability only where it
-can change the top k: not for rows the beams found, nor for rows whose fused score is bounded below the k-th
-best already known (:meth:`HybridRanker._exact_dense`); the fit scores them all.
+ranks the union (:class:`FusionParams`). The beam search runs first: the dense candidates it found already have
+their exact score, the others are scored in one tree pass (:meth:`HybridRanker._exact_dense`).
 
 - ``interpolation``: ``score = cosine + weight_generative * log-prob`` (the log-prob summed over the ad's
   target tokens, or their mean: ``generative_norm``); the weight and the norm are fitted at train time
@@ -38,11 +37,6 @@ CHANNEL_GENERATIVE = 1
 CHANNEL_DENSE = 2
 CHANNEL_NAMES = {CHANNEL_GENERATIVE: "generative", CHANNEL_DENSE: "dense",
                  CHANNEL_GENERATIVE | CHANNEL_DENSE: "both"}
-#: dense candidates whose exact generative score is computed per query in each round of
-#: :meth:`HybridRanker._exact_dense` (None: all that are left); the rounds between prune by the fused-score bound
-EXACT_ROUND_SIZES = (4, None)
-#: target tokens of the prefix bound :meth:`HybridRanker._exact_dense` computes first (None: no prefix round)
-EXACT_PREFIX_DEPTH: int | None = None
 #: interpolation weights :func:`fit_fusion` tries (0 = the dense order; large = the generative order)
 FUSION_WEIGHT_GRID = (0.0, *np.round(np.logspace(-3, 1, 25), 6).tolist())
 
@@ -75,14 +69,6 @@ class FusionParams(ConfigBase):
             raise ConfigError(f"FusionParams.generative_norm must be sum or mean, got {self.generative_norm!r}")
         if not np.isfinite(self.rrf_k) or self.rrf_k <= 0:
             raise ConfigError(f"FusionParams.rrf_k must be finite and > 0, got {self.rrf_k}")
-
-    def upper_bound(self, dense: Any) -> Any:
-        """An upper bound on the fused score of candidates of cosine ``dense`` (``Float32[...]``) whatever their
-        generative score, or None where the fusion has none (RRF: a rank depends on the other candidates).
-        Interpolation: the cosine itself, since a generative score is a log-probability (sum or mean), <= 0."""
-        if self.method is FusionMethod.INTERPOLATION:
-            return dense
-        return None
 
     @property
     def dense_order(self) -> bool:
@@ -272,17 +258,12 @@ class HybridRanker:
         self.last_beams_verified = 0  # beams the last call's search finished by tree verification
         from adbatch.decoding import ScoreStats
 
-        # the last hybrid call's scoring of dense candidates (counters): exact scores, prefix bounds
-        self.last_exact, self.last_prefix = ScoreStats(), ScoreStats()
+        self.last_exact = ScoreStats()  # the last hybrid call's exact scoring of dense candidates (counters)
 
-    def candidates(self, queries: list[str], q_emb: Any = None, k: int | None = None) -> Candidates:
-        """Both channels' union for ``queries`` (``q_emb``: their embeddings when already computed).
-
-        In hybrid mode a dense candidate's exact generative score is computed only where it can matter: not for
-        a row the beams found (the beam's score is that number), and, with ``k`` given and a fusion that bounds
-        (:meth:`FusionParams.upper_bound`), not for a row whose fused score cannot reach the query's ``k``-th
-        best known one (:meth:`_exact_dense`). Such rows keep a NaN generative score and rank last: the top
-        ``k`` is the one exhaustive scoring gives. ``k`` None scores every dense candidate (the fusion fit)."""
+    def candidates(self, queries: list[str], q_emb: Any = None) -> Candidates:
+        """Both channels' union for ``queries`` (``q_emb``: their embeddings when already computed). In hybrid
+        mode the beam search runs first; then the dense candidates it did not find are scored exactly
+        (:meth:`_exact_dense`)."""
         import torch
 
         from adbatch.decoding import DenseCandidates, search_targets
@@ -312,71 +293,36 @@ class HybridRanker:
             res = search_targets(self.model, prompts, self.trie, self.search, cost_model=self.cost_model, dense=prior)
         self.last_beams_verified = res.stats.beams_verified
         gen_cos = self.dense.score(q, res.rows).float().cpu()
-        gen = self._with_lengths(Candidates(res.rows, res.scores.float(), gen_cos, None, None))
         # a fusion that ignores the generative score (fitted weight 0: a barely trained model) needs no dense
         # candidate's; their score_generative stays null unless the beam found them too
         if self.fusion.dense_order and self.search.prior_weight == 0:
             dense_gen = torch.full(rows_d.shape, float("nan"))
         else:
-            dense_gen = self._exact_dense(prompts, gen, rows_d, cos_d, k)
+            dense_gen = self._exact_dense(prompts, res.rows, rows_d)
         assert dense_gen.shape[0] == Q
         return union_candidates(res.rows, res.scores.float(), gen_cos, rows_d, cos_d, dense_gen)
 
-    def _exact_dense(self, prompts: list[list[int]], gen: Candidates, rows_d: Any, cos_d: Any,
-                     k: int | None) -> Any:
-        """``Float32[Q, K]`` exact generative scores of the dense candidates ``rows_d`` that can enter the
-        top ``k`` (NaN elsewhere), in rounds (:data:`EXACT_ROUND_SIZES`, after an optional prefix bound:
-        :data:`EXACT_PREFIX_DEPTH`).
+    def _exact_dense(self, prompts: list[list[int]], gen_rows: Any, rows_d: Any) -> Any:
+        """``Float32[Q, K]`` exact generative scores of the dense candidates ``rows_d`` the beams did not find (NaN
+        where they did: the beam's score is that number), in one :func:`adbatch.decoding.score_targets` call.
 
-        Each round scores, per query, the next candidates in descending order of their fused-score bound
-        (:func:`adbatch.decoding.score_targets`: only queries with one are prefilled); then every candidate whose
-        bound is below the query's ``k``-th best fused score known so far (the beams' candidates', whose
-        cosines are known, and the scored ones') is dropped: its exact score could only place it below ``k``
-        rows already known. ``k`` None, or a fusion with no bound (RRF): every candidate the beams did not
-        find, in one round."""
+        Measured, and not kept: bounding the fused score (a log-prob is <= 0, so cosine bounds it) to skip
+        candidates that cannot reach the top k. On the trained 5k model (H100) it skipped 0.5 % of the rows in
+        one round, 3 % over several, and every multi-round schedule was slower than one pass: the generative term
+        of the fit (0.01 x a summed log-prob of -5 to -30) spans the top-20 cosines, so few candidates are
+        bounded out (bench/RESULTS.md, "Two channels")."""
         import torch
 
         from adbatch.decoding import ScoreStats, score_targets
 
-        self.last_exact, self.last_prefix = ScoreStats(), ScoreStats()
-        in_beam = (rows_d[:, :, None] == gen.rows[:, None, :]).any(-1)
-        todo = (rows_d >= 0) & ~in_beam
+        self.last_exact = ScoreStats()
+        todo = (rows_d >= 0) & ~(rows_d[:, :, None] == gen_rows[:, None, :]).any(-1)
         out = torch.full(rows_d.shape, float("nan"))
-        bound = self.fusion.upper_bound(cos_d) if k is not None else None
-        if bound is None:
-            if todo.any():
-                with torch.inference_mode():  # as the search: the engine's buffers are inference tensors
-                    scored = score_targets(self.model, prompts, self.trie, self.search, torch.where(todo, rows_d, -1),
-                                           stats=self.last_exact)
-                out = torch.where(todo, scored, out)
-            return out
-        length_d = torch.where(rows_d >= 0, self.row_length[rows_d.clamp(min=0)], 1)
-        fused = lambda g: fused_scores(Candidates(rows_d, g, cos_d, None, length_d), self.fusion)  # noqa: E731
-        known = fused_scores(gen, self.fusion)                              # [Q, k_gen] exact fused, -inf pad
-        todo &= bound >= _kth_best(known, k)[:, None]
-        if EXACT_PREFIX_DEPTH and todo.any():
-            # a cheap bound first: the log-probs of each id's first tokens (shared, short trees) bound its score
-            with torch.inference_mode():
-                pre = score_targets(self.model, prompts, self.trie, self.search, torch.where(todo, rows_d, -1),
-                                    stats=self.last_prefix, depth=EXACT_PREFIX_DEPTH)
-            bound = torch.where(todo, fused(pre), bound)
-            whole = todo & (length_d <= EXACT_PREFIX_DEPTH)  # the prefix is the whole id: exact already
-            out = torch.where(whole, pre, out)
-            known = torch.cat([known, torch.where(whole, bound, float("-inf"))], 1)
-            todo &= ~whole
-        for size in EXACT_ROUND_SIZES:
-            todo &= bound >= _kth_best(known, k)[:, None]
-            if not todo.any():
-                break
-            pick = todo
-            if size is not None:  # the `size` best bounds still to do, per query
-                pick = todo & (_ranks(bound, todo) <= size)
-            with torch.inference_mode():
-                scored = score_targets(self.model, prompts, self.trie, self.search, torch.where(pick, rows_d, -1),
+        if todo.any():
+            with torch.inference_mode():  # as the search: the engine's buffers are inference tensors
+                scored = score_targets(self.model, prompts, self.trie, self.search, torch.where(todo, rows_d, -1),
                                        stats=self.last_exact)
-            out = torch.where(pick, scored, out)
-            todo &= ~pick
-            known = torch.cat([known, torch.where(pick, fused(scored), float("-inf"))], 1)
+            out = torch.where(todo, scored, out)
         return out
 
     def _with_lengths(self, c: Candidates) -> Candidates:
@@ -388,7 +334,7 @@ class HybridRanker:
     def rank(self, queries: list[str], q_emb: Any = None, k: int | None = None) -> RankedTargets:
         """The best ``k`` (default ``search.top_k``) rows per query, fused as configured."""
         k = k or self.search.top_k
-        c = self._with_lengths(self.candidates(queries, q_emb, k))
+        c = self._with_lengths(self.candidates(queries, q_emb))
         if self.mode is FusionMode.GENERATIVE:
             score = _valid_scores(c, c.generative)
         elif self.mode is FusionMode.DENSE:
@@ -407,16 +353,6 @@ def _row_lengths(trie: Any) -> Any:
     out = torch.empty(trie.terminal_rows.numel(), dtype=torch.long)
     out[trie.terminal_rows.long()] = trie.depth.long()[nodes]
     return out
-
-
-def _kth_best(scores: Any, k: int) -> Any:
-    """``Float32[Q]``: the ``k``-th largest of each row of ``scores [Q, M]`` (-inf where fewer than ``k`` are
-    finite, or ``M < k``)."""
-    import torch
-
-    if scores.shape[1] < k:
-        return torch.full((scores.shape[0],), float("-inf"))
-    return scores.topk(k, dim=1).values[:, -1]
 
 
 def _valid_scores(c: Candidates, x: Any) -> Any:
