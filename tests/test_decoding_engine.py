@@ -104,6 +104,20 @@ def test_engine_is_rebuilt_when_weights_change():
     assert torch.allclose(logits[0].float() - lse[0], _ref_logprobs(model, prompt), atol=2e-5)
 
 
+def test_a_deleted_model_takes_its_engine_with_it():
+    """Engines are kept per model weakly: once the caller drops the model, its engine (cache, graphs, copies)
+    is freed too. An engine that held its model kept both alive (two trained models' engines filled an H100)."""
+    import gc
+    import weakref
+
+    model = make_tiny_llama()
+    eng = weakref.ref(engine_for(model))
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and eng() is None
+
+
 def test_unsupported_family_is_refused_by_name():
     from transformers import GPT2Config, GPT2LMHeadModel
 

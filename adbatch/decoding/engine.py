@@ -266,7 +266,8 @@ class DecodeEngine:
         #: serve every compressed layer in this one format at every bucket, unplanned (accuracy
         #: measurements of a format; None = the measured plan)
         self.forced: LinearChoice | None = None
-        self.model = model
+        # no reference to the model itself: _ENGINES keys engines by it weakly, and an engine holding it would keep
+        # a deleted model -- its weights, cache and captured graphs -- alive for the life of the process
         self.cfg = model.config
         self.dec = decoder_of(model)
         self.layers = list(self.dec.layers)[: self.cfg.num_hidden_layers]
