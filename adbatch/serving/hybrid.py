@@ -295,7 +295,7 @@ class HybridRanker:
         gen_cos = self.dense.score(q, res.rows).float().cpu()
         # a fusion that ignores the generative score (fitted weight 0: a barely trained model) needs no dense
         # candidate's; their score_generative stays null unless the beam found them too
-        if self.fusion.dense_order and self.search.prior_weight == 0:
+        if self.fusion.dense_order:
             dense_gen = torch.full(rows_d.shape, float("nan"))
         else:
             dense_gen = self._exact_dense(prompts, res.rows, rows_d)
