@@ -219,9 +219,10 @@ def test_a_time_budget_starts_qat_at_its_start_fraction(tok, monkeypatch):
         clock[0] += 10.0
 
     stats, _ = train_loop(model, ex, cfg, pad_id=tok.pad_token_id, progress=False, on_step=tick)
-    # step s starts at 10 s: 80 s (0.8 of the budget) at step 8; the budget stops the run after step 10
-    assert stats.steps == 11 and stats.stopped_early
-    assert stats.qat == {"group_size": 32, "start_step": 8, "steps": 3, "layers": len(prunable_linears(model))}
+    # step s starts at 10 s: 80 s (0.8 of the budget) at step 8; the budget is a ceiling: after step 9 (100 s spent,
+    # 10 s a step) a step 10 would end at 110 s, so the run stops there
+    assert stats.steps == 10 and stats.stopped_early
+    assert stats.qat == {"group_size": 32, "start_step": 8, "steps": 2, "layers": len(prunable_linears(model))}
     # without a budget the schedule decides: step floor(0.8 * 12) = 9 of 12
     clock[0] = 0.0
     stats, _ = train_loop(make_tiny_llama(vocab_size=len(tok), hidden=64, intermediate=128).float(), ex,
