@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                            "batch": len(batch), "rows": {}}
     for name, search in rows.items():
-        r = out["rows"][name] = time_hybrid(model, tok, index, dense, search, None, batch, None, device, args.repeats)
+        r = out["rows"][name] = time_hybrid(model, tok, index, dense, search, None, batch, None, args.repeats)
         print(f"{name}: {r['queries_per_s']:.1f} queries/s (median of {len(r['times_s'])}: {r['median_s']:.3f} s)",
               flush=True)
     gen = out["rows"]["generative"]["queries_per_s"]

@@ -141,7 +141,7 @@ def channels(args: argparse.Namespace) -> None:
              for dk in (10, 20, 40) if dk != hyb.dense_k for tag, passes in (("", None), (" pow2 passes", POW2_PASSES))]
     if best_w > 0:
         menu.append(("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w), None))
-    speed = {name: time_hybrid(served, tok, index, dense, search, fusion, big, passes, device)
+    speed = {name: time_hybrid(served, tok, index, dense, search, fusion, big, passes)
              for name, search, passes in menu}
     results["speed"] = speed
     log.info("speed: %s", speed)
@@ -168,7 +168,7 @@ def channels(args: argparse.Namespace) -> None:
                                                            out / "candidates_compressed.npz")
         for name, search in (("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
                              ("hybrid b10", hyb.replace(num_beams=10))):
-            results["speed"][f"compressed {name}"] = time_hybrid(cm, tok, index, dense, search, cfus, big, None, device)
+            results["speed"][f"compressed {name}"] = time_hybrid(cm, tok, index, dense, search, cfus, big, None)
         save()
     table = render_table(results)
     (out / "table.md").write_text(table)
@@ -192,40 +192,26 @@ POW2_PASSES = (1, 65536)
 
 
 def time_hybrid(model: Any, tok: Any, index: Any, dense: Any, search: Any, fusion: Any, queries: list[str],
-                passes: tuple[int, int] | None, device: str, repeats: int = 3) -> dict[str, Any]:
+                passes: tuple[int, int] | None, repeats: int = 3) -> dict[str, Any]:
     """One speed row: ``queries`` ranked in one call through :class:`adbatch.serving.hybrid.HybridRanker`,
-    median of ``repeats`` after a warm-up, with the score passes' ``(widths per octave, tokens per pass)``
-    (None: the product's), and the last call's counters of dense candidates scored."""
+    median of ``repeats`` timed passes (bench/decode.py's) after a warm-up, with the score passes' ``(widths per
+    octave, tokens per pass)`` (None: the product's), and the last call's counters of dense candidates scored."""
+    import contextlib
     import dataclasses
     import statistics
     from unittest import mock
 
-    import torch
-
     import adbatch.decoding.tree_verify as tree_verify
     import adbatch.serving.hybrid as hybrid
+    from bench.decode import device_of, time_pass
 
-    patches = []
-    if passes is not None:
-        patches = [mock.patch.object(tree_verify, "SCORE_WIDTH_STEPS", passes[0]),
-                   mock.patch.object(tree_verify, "SCORE_PASS_TOKENS", passes[1])]
-    for p in patches:
-        p.start()
-    try:
+    layout = (contextlib.nullcontext() if passes is None else
+              mock.patch.multiple(tree_verify, SCORE_WIDTH_STEPS=passes[0], SCORE_PASS_TOKENS=passes[1]))
+    with layout:
         hr = hybrid.HybridRanker(model, tok, index, search, dense=dense, fusion=fusion)
-        hr.rank(queries)
-        times = []
-        for _ in range(repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            hr.rank(queries)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-    finally:
-        for p in patches:
-            p.stop()
+        run = lambda qs: (hr.rank(qs).lists(), [], {})  # noqa: E731 - bench/decode.py's runner shape
+        run(queries)  # warm-up: graph captures
+        times = [time_pass(run, queries, len(queries), device_of(model))["time"] for _ in range(repeats)]
     med = statistics.median(times)
     row = {"queries": len(queries), "median_s": med, "queries_per_s": len(queries) / med, "times_s": times,
            "exact": dataclasses.asdict(hr.last_exact)}
@@ -263,8 +249,8 @@ def fusion_study(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
 
-    from adbatch.serving.hybrid import (CHANNEL_DENSE, CHANNEL_GENERATIVE, Candidates, fit_fusion, fused_scores,
-                                        rank_candidates, recall_mrr)
+    from adbatch.serving.hybrid import (CHANNEL_DENSE, CHANNEL_GENERATIVE, Candidates, _ranks, fit_fusion,
+                                        fused_scores, rank_candidates, recall_mrr)
 
     z = np.load(args.candidates)
     data = load_bundle(Path(args.bundle), args.catalogue)
@@ -277,8 +263,7 @@ def fusion_study(args: argparse.Namespace) -> None:
         rows, ch = torch.from_numpy(z[f"{split}_rows"]), torch.from_numpy(z[f"{split}_channel"]).long()
         g, d = torch.from_numpy(z[f"{split}_generative"]), torch.from_numpy(z[f"{split}_dense"])
         is_d, is_g = (ch & CHANNEL_DENSE) > 0, (ch & CHANNEL_GENERATIVE) > 0
-        rank = torch.where(is_d, d, -9.0).argsort(1, descending=True).argsort(1)
-        keep_d = is_d & (rank < dk)
+        keep_d = is_d & (_ranks(d, is_d) <= dk)
         keep = (rows >= 0) & (is_g | keep_d)
         chan = (torch.where(is_g, CHANNEL_GENERATIVE, 0) | torch.where(keep_d, CHANNEL_DENSE, 0)).to(torch.int8)
         return Candidates(torch.where(keep, rows, -1), torch.where(keep, g, float("nan")),
@@ -301,7 +286,7 @@ def fusion_study(args: argparse.Namespace) -> None:
         ok = c.rows >= 0
         g = torch.nan_to_num(c.generative, nan=-80.0).clamp(min=-80)
         d = torch.nan_to_num(c.dense, nan=0.0)
-        rank = lambda x: torch.where(ok, x, -1e9).argsort(1, descending=True).argsort(1).float()  # noqa: E731
+        rank = lambda x: (_ranks(x, ok) - 1).float()  # noqa: E731 - 0-based, invalid last
         f = {"cos": d, "logp": g, "logp_mean": g / c.length.float().clamp(min=1),
              "beam": ((c.channel.long() & CHANNEL_GENERATIVE) > 0).float(),
              "dense": ((c.channel.long() & CHANNEL_DENSE) > 0).float(),

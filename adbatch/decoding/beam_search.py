@@ -35,8 +35,8 @@ import torch
 
 from adbatch.decoding.config import TargetSearchConfig, VerifyMode
 from adbatch.decoding.cost_model import CostModel, load_or_calibrate
-from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, engine_for, exact_logprobs_of,
-                                     model_device)
+from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, engine_for, eval_mode,
+                                     exact_logprobs_of, model_device, pad_token_id)
 from adbatch.decoding.tree_verify import TrieAux, ancestors, final_scores, score_candidates, verify_trees
 
 log = logging.getLogger(__name__)
@@ -566,14 +566,11 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
     trie, aux = _prepared_trie(trie, dev)
     if config.verify is VerifyMode.AUTO and cost_model is None and prompts:
         cost_model = load_or_calibrate(model)
-    pad_id = getattr(model.config, "pad_token_id", None)
-    pad_id = 0 if pad_id is None else int(pad_id)
+    pad_id = pad_token_id(model)
     stats = SearchStats(mode=config.verify.value)
     engine = engine_for(model, config.linear_formats)
     rows, scores = [], []
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         step = batch_size or max(len(prompts), 1)
         for start in range(0, len(prompts), step):
             chunk = [list(map(int, p)) for p in prompts[start:start + step]]
@@ -581,8 +578,6 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
             r, s = _search_batch(engine, chunk, aux, trie, config, cost_model, pad_id, stats, part)
             rows.append(r.cpu())
             scores.append(s.cpu())
-    finally:
-        model.train(was_training)
     stats.queries = len(prompts)
     log.debug("search_targets stats: %s", stats.flat())
     if not rows:  # no prompts: empty [0, k] results, not an error
@@ -635,22 +630,17 @@ def score_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targe
         return out
     if int(rows.max()) >= aux.node_of_row.numel():
         raise ValueError(f"row {int(rows.max())} is not in the trie ({aux.node_of_row.numel()} rows)")
-    pad_id = getattr(model.config, "pad_token_id", None)
-    pad_id = 0 if pad_id is None else int(pad_id)
     engine = engine_for(model, config.linear_formats)
     max_steps = min(config.max_steps or aux.max_depth, aux.max_depth)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         step = batch_size or wanted.size
         for start in range(0, wanted.size, step):
             q = wanted[start:start + step]
-            logits, lse, _ = engine.prefill([list(map(int, prompts[i])) for i in q], config.pool_size, max_steps, pad_id)
+            logits, lse, _ = engine.prefill([list(map(int, prompts[i])) for i in q], config.pool_size, max_steps,
+                                            pad_token_id(model))
             r = rows[q].to(dev)
             cand = torch.where(r >= 0, aux.node_of_row[r.clamp(min=0)], -1)
             out[q] = score_candidates(engine, aux, cand, logits, lse, config.length_penalty, counts=stats).cpu()
-    finally:
-        model.train(was_training)
     stats.queries_scored += int(wanted.size)
     stats.rows += int((rows >= 0).sum())
     return out

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from adbatch.decoding.config import CreativeConfig, CreativeStrategy
-from adbatch.decoding.engine import DecodeEngine, check_supported, engine_for
+from adbatch.decoding.engine import DecodeEngine, check_supported, engine_for, eval_mode
 
 NEG_INF = float("-inf")
 SYNC_EVERY = 4  # steps between the host's "all rows done?" checks (one 1-byte sync each)
@@ -343,10 +343,8 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
         raise TypeError(f"config must be a CreativeConfig, got {type(config).__name__}")
     engine = engine_for(model, config.linear_formats)
     end_mask = end_token_mask(model, tokenizer, config.stop_strings, engine.vocab, engine.device)
-    was_training = model.training
-    model.eval()
     out: list[list[tuple[str, float]]] = []
-    try:
+    with eval_mode(model):
         step = batch_size or max(len(prompts), 1)
         for s in range(0, len(prompts), step):
             chunk = [list(map(int, p)) for p in prompts[s:s + step]]
@@ -354,6 +352,4 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
                 out.extend(_beam_batch(engine, tokenizer, chunk, config, end_mask))
             else:
                 out.extend(_sample_batch(engine, tokenizer, chunk, config, end_mask))
-    finally:
-        model.train(was_training)
     return out

@@ -143,9 +143,9 @@ def score_candidates(engine: DecodeEngine, aux: TrieAux, cand_nodes: torch.Tenso
     f_host = sizes[1:].numpy()
     union, u_valid, u_safe, u_par = union[:, :U], u_valid[:, :U], u_safe[:, :U], u_par[:, :U]
     out = torch.full((Q, K), float("-inf"), device=dev)
-    # Queries in order of tree size, each pass padded to its own largest tree (a power of two where passes
-    # are graph-captured): one padding for the whole batch made the average pass ~2x its real tokens (text
-    # ids, 20 candidates: 420 internal nodes on average, 650 at most -> 1,024 for all).
+    # Queries in order of tree size, each pass padded to its own largest tree (one of SCORE_WIDTH_STEPS widths
+    # per octave where passes are graph-captured): one padding for the whole batch made the average pass ~2x its
+    # real tokens (text ids, 20 candidates: 420 internal nodes on average, 650 at most -> 1,024 for all).
     if counts is not None:
         counts.tree_tokens += int(f_host.sum())
     order = np.argsort(f_host, kind="stable")

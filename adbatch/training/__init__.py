@@ -216,12 +216,10 @@ def _fit_fusion(model: Any, tokenizer: Any, index: Any, config: TrainConfig, ad_
         from adbatch.index.dense import DenseRetriever
 
         dense = DenseRetriever(index, device)
-    was_training = model.training
-    model.eval()
-    try:
+    from adbatch.decoding.engine import eval_mode
+
+    with eval_mode(model):
         return fit_fusion_on(model, tokenizer, index, queries, relevant, source, dense)
-    finally:
-        model.train(was_training)
 
 
 def _rank_queries(tokenizer: Any, index: Any, config: TrainConfig, ad_texts: Mapping[Hashable, str],
