@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
+    from adbatch.decoding import DenseScoring, FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.index.dense import DenseRetriever, PrecomputedQueryEmbedder
     from bench.train_eval import time_hybrid
 
@@ -104,10 +104,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = {"generative": base.replace(fusion=FusionMode.GENERATIVE)}
     for dk in (int(x) for x in args.dense_k.split(",")):
         rows[f"hybrid dense_k {dk}"] = base.replace(dense_k=dk)
+        rows[f"hybrid beam_floor dense_k {dk}"] = base.replace(dense_k=dk, dense_scoring=DenseScoring.BEAM_FLOOR)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                            "batch": len(batch), "rows": {}}
     for name, search in rows.items():
-        r = out["rows"][name] = time_hybrid(model, tok, index, dense, search, None, batch, None, args.repeats)
+        r = out["rows"][name] = time_hybrid(model, tok, index, dense, search, None, batch, args.repeats)
         print(f"{name}: {r['queries_per_s']:.1f} queries/s (median of {len(r['times_s'])}: {r['median_s']:.3f} s)",
               flush=True)
     gen = out["rows"]["generative"]["queries_per_s"]

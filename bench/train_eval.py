@@ -64,7 +64,7 @@ def channels(args: argparse.Namespace) -> None:
     """
     import torch
 
-    from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
+    from adbatch.decoding import DenseScoring, FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.eval.targeting import evaluate_targeting
     from adbatch.serving.generators import ModelSpec, load_model
     from adbatch.serving.hybrid import FusionMethod, FusionParams, fusion_of_record
@@ -112,6 +112,7 @@ def channels(args: argparse.Namespace) -> None:
     rrf = FusionParams(method=FusionMethod.RRF)
     # the prior's weight, chosen on validation queries (never the test split)
     hyb = base.replace(fusion=FusionMode.HYBRID)
+    floor = hyb.replace(dense_scoring=DenseScoring.BEAM_FLOOR)  # no exact pass (the fusion fitted for it)
     weights = [float(w) for w in args.prior_weights.split(",") if w]
     valid_rec = {w: eval_row(f"valid prior {w}", served, hyb.replace(prior_weight=w), fusion, data["valid"])["recall@10"]
                  for w in [0.0, *weights]}
@@ -122,6 +123,7 @@ def channels(args: argparse.Namespace) -> None:
     for beams in [int(b) for b in args.beams_list.split(",")]:
         eval_row(f"generative b{beams}", served, base.replace(fusion=FusionMode.GENERATIVE, num_beams=beams), fusion)
         eval_row(f"hybrid b{beams}", served, hyb.replace(num_beams=beams), fusion)
+        eval_row(f"hybrid beam_floor b{beams}", served, floor.replace(num_beams=beams), fusion)
         if best_w > 0:
             eval_row(f"hybrid+prior b{beams}", served, hyb.replace(num_beams=beams, prior_weight=best_w), fusion)
     eval_row("hybrid rrf b10", served, hyb.replace(num_beams=10), rrf)
@@ -134,15 +136,13 @@ def channels(args: argparse.Namespace) -> None:
     # speed at a large batch: the test queries repeated (each call one batch), median of 3 after a warm-up
     qs = sorted(data["qrels"])
     big = (qs * (args.speed_batch // len(qs) + 1))[:args.speed_batch]
-    menu = [("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10), None),
-            ("dense", base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k), None)]
-    menu += [("hybrid b10", hyb.replace(num_beams=10), None), ("hybrid b10 pow2 passes", hyb.replace(num_beams=10), POW2_PASSES)]
-    menu += [(f"hybrid b10 dense_k {dk}{tag}", hyb.replace(num_beams=10, dense_k=dk), passes)
-             for dk in (10, 20, 40) if dk != hyb.dense_k for tag, passes in (("", None), (" pow2 passes", POW2_PASSES))]
+    menu = [("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
+            ("dense", base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k)),
+            ("hybrid b10", hyb.replace(num_beams=10)), ("hybrid beam_floor b10", floor.replace(num_beams=10))]
+    menu += [(f"hybrid b10 dense_k {dk}", hyb.replace(num_beams=10, dense_k=dk)) for dk in (10, 40)]
     if best_w > 0:
-        menu.append(("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w), None))
-    speed = {name: time_hybrid(served, tok, index, dense, search, fusion, big, passes)
-             for name, search, passes in menu}
+        menu.append(("hybrid+prior b10", hyb.replace(num_beams=10, prior_weight=best_w)))
+    speed = {name: time_hybrid(served, tok, index, dense, search, fusion, big) for name, search in menu}
     results["speed"] = speed
     log.info("speed: %s", speed)
     save()
@@ -161,14 +161,16 @@ def channels(args: argparse.Namespace) -> None:
         cm, _ = load_model(spec, device)
         eval_row("compressed generative b10", cm, base.replace(fusion=FusionMode.GENERATIVE, num_beams=10), cfus)
         eval_row("compressed hybrid b10", cm, hyb.replace(num_beams=10), cfus)
+        eval_row("compressed hybrid beam_floor b10", cm, floor.replace(num_beams=10), cfus)
         if best_w > 0:
             eval_row("compressed hybrid+prior b10", cm, hyb.replace(num_beams=10, prior_weight=best_w), cfus)
         results["candidates_compressed"] = dump_candidates(cm, tok, index, dense, hyb.replace(num_beams=10, dense_k=40),
                                                            {"valid": data["valid"], "test": data["qrels"]},
                                                            out / "candidates_compressed.npz")
         for name, search in (("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
-                             ("hybrid b10", hyb.replace(num_beams=10))):
-            results["speed"][f"compressed {name}"] = time_hybrid(cm, tok, index, dense, search, cfus, big, None)
+                             ("hybrid b10", hyb.replace(num_beams=10)),
+                             ("hybrid beam_floor b10", floor.replace(num_beams=10))):
+            results["speed"][f"compressed {name}"] = time_hybrid(cm, tok, index, dense, search, cfus, big)
         save()
     table = render_table(results)
     (out / "table.md").write_text(table)
@@ -186,36 +188,25 @@ def hybrid_rank(model: Any, tok: Any, index: Any, search: Any, dense: Any, fusio
     return lambda qs: [[index.ad_ids[r] for r in row] for row in hr.rank(qs).lists()]
 
 
-#: the score passes of the dense candidates before issue 41's last change: power-of-two tree widths, 65,536 tokens
-#: a pass (``tree_verify.SCORE_WIDTH_STEPS`` / ``SCORE_PASS_TOKENS``), timed beside the current ones
-POW2_PASSES = (1, 65536)
-
-
 def time_hybrid(model: Any, tok: Any, index: Any, dense: Any, search: Any, fusion: Any, queries: list[str],
-                passes: tuple[int, int] | None, repeats: int = 3) -> dict[str, Any]:
+                repeats: int = 3) -> dict[str, Any]:
     """One speed row: ``queries`` ranked in one call through :class:`adbatch.serving.hybrid.HybridRanker`,
-    median of ``repeats`` timed passes (bench/decode.py's) after a warm-up, with the score passes' ``(widths per
-    octave, tokens per pass)`` (None: the product's), and the last call's counters of dense candidates scored."""
-    import contextlib
+    median of ``repeats`` timed passes (bench/decode.py's) after a warm-up, with the last call's counters of
+    dense candidates scored exactly."""
     import dataclasses
     import statistics
-    from unittest import mock
 
-    import adbatch.decoding.tree_verify as tree_verify
     import adbatch.serving.hybrid as hybrid
     from bench.decode import device_of, time_pass
 
-    layout = (contextlib.nullcontext() if passes is None else
-              mock.patch.multiple(tree_verify, SCORE_WIDTH_STEPS=passes[0], SCORE_PASS_TOKENS=passes[1]))
-    with layout:
-        hr = hybrid.HybridRanker(model, tok, index, search, dense=dense, fusion=fusion)
-        run = lambda qs: (hr.rank(qs).lists(), [], {})  # noqa: E731 - bench/decode.py's runner shape
-        run(queries)  # warm-up: graph captures
-        times = [time_pass(run, queries, len(queries), device_of(model))["time"] for _ in range(repeats)]
+    hr = hybrid.HybridRanker(model, tok, index, search, dense=dense, fusion=fusion)
+    run = lambda qs: (hr.rank(qs).lists(), [], {})  # noqa: E731 - bench/decode.py's runner shape
+    run(queries)  # warm-up: graph captures
+    times = [time_pass(run, queries, len(queries), device_of(model))["time"] for _ in range(repeats)]
     med = statistics.median(times)
     row = {"queries": len(queries), "median_s": med, "queries_per_s": len(queries) / med, "times_s": times,
            "exact": dataclasses.asdict(hr.last_exact)}
-    log.info("speed %s: %.1f q/s exact %s", passes, row["queries_per_s"], row["exact"])
+    log.info("speed: %.1f q/s exact %s", row["queries_per_s"], row["exact"])
     return row
 
 
@@ -423,7 +414,7 @@ def channels_ablation(args: argparse.Namespace) -> None:
     device call, one arm per call (the arms write ``results.json`` under ``--out`` as they finish)."""
     import torch
 
-    from adbatch.decoding import FusionMode, TargetSearchConfig, VerifyMode
+    from adbatch.decoding import DenseScoring, FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.eval.targeting import evaluate_targeting
     from adbatch.serving.hybrid import fusion_of_record
     from adbatch.training import TrainConfig, train_on_index
@@ -435,7 +426,8 @@ def channels_ablation(args: argparse.Namespace) -> None:
     base = TargetSearchConfig(verify=VerifyMode.OFF, num_beams=10)
     channels_menu = {"dense": base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k),
                      "generative": base.replace(fusion=FusionMode.GENERATIVE),
-                     "hybrid": base.replace(fusion=FusionMode.HYBRID)}
+                     "hybrid": base.replace(fusion=FusionMode.HYBRID),
+                     "hybrid beam_floor": base.replace(fusion=FusionMode.HYBRID, dense_scoring=DenseScoring.BEAM_FLOOR)}
     for arm in [a for a in args.arms.split(",") if a]:
         if arm not in ABLATION_ARMS:
             raise SystemExit(f"unknown ablation arm {arm!r} (arms: {', '.join(ABLATION_ARMS)})")
@@ -456,6 +448,13 @@ def channels_ablation(args: argparse.Namespace) -> None:
                                "train": {k: v for k, v in summary.train.items() if k not in ("evals",)},
                                "examples": {k: v for k, v in summary.data.items() if isinstance(v, int)},
                                "fusion": fusion.to_dict()}
+        if device == "cuda":  # the generative channel in fp32 first: is a ranking-trained model sensitive to bf16?
+            model = model.to(device).eval()
+            r = evaluate_targeting(hybrid_rank(model, tok, index, channels_menu["generative"], dense, fusion),
+                                   data["qrels"], batch_size=args.batch, max_queries=args.max_queries)
+            row["generative fp32"] = {k: r[k] for k in ("recall@10", "mrr@10", "recall@1", "queries") if k in r}
+            results["rows"][f"{arm} generative fp32"] = r
+            log.info("%s generative fp32: recall@10 %.4f mrr@10 %.4f", arm, r["recall@10"], r["mrr@10"])
         served = model.to(device, torch.bfloat16) if device == "cuda" else model
         served.eval()
         for name, search in channels_menu.items():
@@ -477,7 +476,9 @@ def channels_ablation(args: argparse.Namespace) -> None:
     lines = ["| arm | channel | recall@10 | MRR@10 | rank steps | rank mean loss |", "|---|---|---|---|---|---|"]
     for arm, row in results["ablation"].items():
         rk = row["train"].get("rank") or {}
-        for name in channels_menu:
+        for name in [*channels_menu, "generative fp32"]:
+            if name not in row:
+                continue
             lines.append(f"| {arm} | {name} | {row[name]['recall@10']:.4f} | {row[name]['mrr@10']:.4f} | "
                          f"{rk.get('steps', '-')} | {rk.get('mean_loss', '-')} |")
     for arm, row in results["ablation"].items():

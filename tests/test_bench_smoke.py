@@ -32,7 +32,8 @@ SMOKE = {
     "generate_gpu.py": (["--requests", "16", "--ads", "100", "--work", "{tmp}"], lambda out, tmp: "IDENTICAL" in out),
     "ids.py": (["--work", "{tmp}"], lambda out, tmp: all(f"| {d} |" in out for d in ("codes", "text", "rq 2x8"))),
     "hybrid_speed.py": (["--out", "{tmp}/h.json"], lambda out, tmp: set(json.loads((tmp / "h.json").read_text())["rows"])
-                        == {"generative", "hybrid dense_k 10", "hybrid dense_k 20"}),
+                        == {"generative", "hybrid dense_k 10", "hybrid dense_k 20", "hybrid beam_floor dense_k 10",
+                            "hybrid beam_floor dense_k 20"}),
     "index.py": ([], lambda out, tmp: "| 2,000 | 1 |" in out),
     "kernel_accuracy.py": ([], lambda out, tmp: out.count("| 64 |") == 6),
     "kernel_sass.py": ([], lambda out, tmp: "| tc | 2:4 | 16 |" in out),
@@ -44,7 +45,8 @@ SMOKE = {
     "scale_out.py": (["--phases", "generate", "--work", "{tmp}/work"], lambda out, tmp: "creatives: 1 vs N actors" in out
                      and (tmp / "scale_out.json").is_file()),
     "sparse_copy_check.py": ([], lambda out, tmp: "max |packed - dense|" in out),
-    "train_eval.py": (["--smoke-out", "{tmp}"], lambda out, tmp: {"dense", "generative b10", "hybrid b10"}
+    "train_eval.py": (["--smoke-out", "{tmp}"], lambda out, tmp: {"dense", "generative b10", "hybrid b10",
+                                                                   "hybrid beam_floor b10"}
                       <= set(json.loads((tmp / "channels" / "results.json").read_text())["rows"])),
     "stable_ids.py": (["--out", "{tmp}"], lambda out, tmp: all(
         r["incremental_same_sequence"] == 1.0 for r in json.loads((tmp / "stable_ids.json").read_text()))),

@@ -253,3 +253,68 @@ def test_hybrid_scores_only_the_dense_candidates_the_beams_did_not_find(assets):
     assert hr.last_exact.rows == not_found > 0
     ok = c.rows >= 0
     torch.testing.assert_close(c.generative[ok], want[ok], atol=1e-4, rtol=1e-6)
+
+
+def test_beam_floor_fuses_unscored_dense_candidates_at_the_lowest_beam_score():
+    """``dense_scoring = beam_floor``: a candidate only the dense channel found is fused as if its log-prob were
+    the query's lowest beam score; the ranking equals the interpolation over the union with that value filled in,
+    and a query the beams found nothing for keeps its dense order."""
+    from adbatch.serving.hybrid import beam_floor_view
+
+    c = beam_floor_view(_cands())
+    # query 0: beams 5 (-1.0) and 7 (-2.0); 9 only dense -> its exact -6.0 is dropped, the floor is -2.0
+    assert c.floor.tolist() == [-2.0, -0.5]
+    got = {r: g for r, g in zip(c.rows[0].tolist(), c.generative[0].tolist()) if r >= 0}
+    assert got[5] == -1.0 and got[7] == -2.0 and math.isnan(got[9])
+    p = FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=0.1)
+    ranked = rank_candidates(c, fused_scores(c, p), 3)
+    # 5: 0.5 - 0.1 = 0.4; 7: 0.1 - 0.2 = -0.1; 9: 0.9 - 0.2 = 0.7 (the floor, not its exact -6.0)
+    assert ranked.rows[0].tolist() == [9, 5, 7]
+    np.testing.assert_allclose(ranked.score[0].numpy(), [0.7, 0.4, -0.1], atol=1e-6)
+    assert math.isnan(float(ranked.generative[0, 0]))  # not computed: null in the Parquet
+    # a query the beams found nothing for: every row gets the same stand-in (0), so cosine decides
+    none = torch.tensor([[-1, -1]])
+    e = beam_floor_view(union_candidates(none, torch.full((1, 2), float("-inf")), torch.full((1, 2), float("-inf")),
+                                         torch.tensor([[4, 8]]), torch.tensor([[0.3, 0.6]]),
+                                         torch.tensor([[-9.0, -1.0]])))
+    assert e.floor.tolist() == [0.0]
+    assert rank_candidates(e, fused_scores(e, p), 2).rows[0].tolist() == [8, 4]
+
+
+def test_fusion_params_serve_the_fit_of_their_scoring():
+    from adbatch.decoding.config import DenseScoring
+
+    floor = FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=0.05, fitted_on="validation")
+    exact = FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=0.01, fitted_on="validation",
+                         beam_floor=floor.to_dict())
+    back = FusionParams.from_dict(json.loads(json.dumps(exact.to_dict())))
+    assert back.for_scoring(DenseScoring.EXACT) == back and back.for_scoring(DenseScoring.EXACT).weight_generative == 0.01
+    assert back.for_scoring(DenseScoring.BEAM_FLOOR) == floor
+    old = FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=0.01)  # a record from before the floor
+    assert old.for_scoring(DenseScoring.BEAM_FLOOR) is old
+
+
+def test_hybrid_beam_floor_runs_no_score_pass_and_fits_its_own_fusion(assets):
+    """The ranker with ``beam_floor`` never calls the exact pass; its candidates equal the exact ones with the
+    dense-only scores replaced by the floor, and ``fit_fusion_on`` stores a fit for each scoring."""
+    from adbatch.models import load_causal_lm
+    from adbatch.serving.hybrid import HybridRanker, beam_floor_view, fit_fusion_on
+
+    index = load_index(assets["index"])
+    model, tok = load_causal_lm(str(assets["model"]), dtype=torch.float32, device="cpu")
+    dense = DenseRetriever(index, "cpu")
+    search = TargetSearchConfig(num_beams=3, top_k=5, verify="off", dense_k=12)
+    queries = ["drill saw", "lamp bulb", "pipe valve", "paint brush"]
+    fus = FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=0.05)
+    exact = HybridRanker(model, tok, index, search, dense=dense, fusion=fus)
+    floor = HybridRanker(model, tok, index, search.replace(dense_scoring="beam_floor"), dense=dense, fusion=fus)
+    ce, cf = exact.candidates(queries), floor.candidates(queries)
+    assert exact.last_exact.rows > 0 and floor.last_exact.rows == 0 and floor.last_exact.passes == 0
+    want = beam_floor_view(ce)
+    assert cf.rows.tolist() == ce.rows.tolist()
+    torch.testing.assert_close(cf.floor, want.floor)
+    torch.testing.assert_close(cf.generative, want.generative, equal_nan=True)
+    rel = [{int(ce.rows[q, 0])} for q in range(len(queries))]
+    fitted = fit_fusion_on(model, tok, index, queries, rel, "validation", dense, search=search)
+    assert fitted.beam_floor is not None
+    assert fitted.for_scoring(search.replace(dense_scoring="beam_floor").dense_scoring).fit_metrics

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from adbatch.decoding.config import (CreativeConfig, CreativeStrategy, FusionMode, LinearFormats, TargetSearchConfig,
-                                     VerifyMode)
+from adbatch.decoding.config import (CreativeConfig, CreativeStrategy, DenseScoring, FusionMode, LinearFormats,
+                                     TargetSearchConfig, VerifyMode)
 from adbatch.lazy import lazy_members
 
 #: public name -> the submodule that defines it (imported at first access)
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __getattr__ = lazy_members(__name__, _LAZY)
 
 __all__ = [
-    "CostModel", "CreativeConfig", "DenseCandidates", "FusionMode", "CreativeStrategy", "LinearFormats", "ScoreStats", "SearchStats",
+    "CostModel", "CreativeConfig", "DenseCandidates", "DenseScoring", "FusionMode", "CreativeStrategy", "LinearFormats", "ScoreStats", "SearchStats",
     "TargetSearchConfig", "TargetSearchResult", "VerifyMode", "calibrate", "generate_creatives", "load_or_calibrate",
     "score_targets", "search_targets",
 ]

@@ -5,7 +5,10 @@ Hybrid ranking (:attr:`FusionMode.HYBRID`) scores the *union* of both channels' 
 scales: every dense candidate gets its exact generative log-probability (teacher-forced in one tree pass per
 query, :func:`adbatch.decoding.score_targets`), every generative candidate its cosine; then one fused score
 ranks the union (:class:`FusionParams`). The beam search runs first: the dense candidates it found already have
-their exact score, the others are scored in one tree pass (:meth:`HybridRanker._exact_dense`).
+their exact score, the others are scored in one tree pass (:meth:`HybridRanker._exact_dense`). With
+``TargetSearchConfig.dense_scoring = beam_floor`` there is no pass: a dense candidate the beams did not find gets the
+query's lowest beam score in the fused score (``Candidates.floor``; the search stopped above it), and the fusion
+fitted for that scoring (``FusionParams.beam_floor``) ranks.
 
 - ``interpolation``: ``score = cosine + weight_generative * log-prob`` (the log-prob summed over the ad's
   target tokens, or their mean: ``generative_norm``); the weight and the norm are fitted at train time
@@ -28,7 +31,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from adbatch.config import ConfigBase, ConfigError
-from adbatch.decoding.config import FusionMode
+from adbatch.decoding.config import DenseScoring, FusionMode
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,9 @@ class FusionParams(ConfigBase):
     #: recall@10 / MRR@10 on the fit's queries: dense alone, generative alone (the union ranked by
     #: log-prob), hybrid at the chosen parameters
     fit_metrics: dict = dataclasses.field(default_factory=dict)
+    #: the fusion fitted for ``dense_scoring = beam_floor`` on the same queries (these fields, as a dict), or None:
+    #: :meth:`for_scoring` then serves this one's parameters with either scoring
+    beam_floor: dict | None = None
 
     def validate(self) -> None:
         if not np.isfinite(self.weight_generative) or self.weight_generative < 0:
@@ -69,6 +75,12 @@ class FusionParams(ConfigBase):
             raise ConfigError(f"FusionParams.generative_norm must be sum or mean, got {self.generative_norm!r}")
         if not np.isfinite(self.rrf_k) or self.rrf_k <= 0:
             raise ConfigError(f"FusionParams.rrf_k must be finite and > 0, got {self.rrf_k}")
+
+    def for_scoring(self, scoring: DenseScoring) -> "FusionParams":
+        """The parameters to fuse with when dense candidates are scored by ``scoring``."""
+        if scoring is DenseScoring.BEAM_FLOOR and self.beam_floor:
+            return FusionParams.from_dict({**self.beam_floor, "beam_floor": None})
+        return self
 
     @property
     def dense_order(self) -> bool:
@@ -93,13 +105,28 @@ class Candidates:
     """Both channels' candidates per query, unfused: ``rows Long[Q, M]`` (-1 pad, distinct per query),
     ``generative`` / ``dense`` ``Float32[Q, M]`` (exact log-prob with the search's scoring rule; cosine;
     NaN where that channel was not computed), ``channel Int8[Q, M]`` (bit flags: who proposed it),
-    ``length Long[Q, M]`` (target tokens of each row's id; 1 at padding)."""
+    ``length Long[Q, M]`` (target tokens of each row's id; 1 at padding), ``floor Float32[Q]`` (``beam_floor``
+    scoring: the generative score :func:`fused_scores` gives a dense candidate without one; else None)."""
 
     rows: Any
     generative: Any
     dense: Any
     channel: Any
     length: Any = None
+    floor: Any = None
+
+
+def beam_floor_view(c: Candidates) -> Candidates:
+    """``c`` as ``dense_scoring = beam_floor`` would have produced it: the generative scores of candidates only
+    the dense channel found are dropped (NaN) and each query's ``floor`` is its lowest beam score (0 for a query
+    the beams found nothing for: its dense candidates then keep their cosine order)."""
+    import torch
+
+    found = (c.rows >= 0) & ((c.channel.long() & CHANNEL_GENERATIVE) > 0) & torch.isfinite(c.generative)
+    floor = torch.where(found, c.generative, float("inf")).amin(1)
+    floor = torch.where(torch.isfinite(floor), floor, 0.0)
+    gen = torch.where(found, c.generative, float("nan"))
+    return Candidates(c.rows, gen, c.dense, c.channel, c.length, floor)
 
 
 @dataclasses.dataclass
@@ -159,13 +186,16 @@ def fused_scores(c: Candidates, params: FusionParams) -> Any:
     import torch
 
     valid = c.rows >= 0
+    gen = c.generative
+    if c.floor is not None:  # beam_floor scoring: a dense candidate without a generative score gets the floor
+        gen = torch.where(torch.isnan(gen) & valid, c.floor[:, None].to(gen.dtype), gen)
     if params.dense_order:
         s = c.dense  # the dense order over the union (generative scores may be absent: not computed)
     elif params.method is FusionMethod.INTERPOLATION:
-        g = c.generative / c.length.clamp(min=1) if params.generative_norm == "mean" else c.generative
+        g = gen / c.length.clamp(min=1) if params.generative_norm == "mean" else gen
         s = c.dense + params.weight_generative * g
     else:
-        rg = _ranks(c.generative, valid & torch.isfinite(c.generative))
+        rg = _ranks(gen, valid & torch.isfinite(gen))
         rd = _ranks(c.dense, valid & torch.isfinite(c.dense))
         s = 1.0 / (params.rrf_k + rg) + 1.0 / (params.rrf_k + rd)
     return torch.where(valid & torch.isfinite(s), s, float("-inf"))
@@ -250,7 +280,8 @@ class HybridRanker:
         if self.mode is FusionMode.GENERATIVE and search.prior_weight > 0:
             raise ConfigError("TargetSearchConfig.prior_weight > 0 needs the dense channel: use fusion hybrid")
         self.dense, self.dense_k = dense, search.dense_k
-        self.fusion = fusion or FusionParams()
+        # the parameters fitted for this scoring of the dense candidates (exact, or the beam floor)
+        self.fusion = (fusion or FusionParams()).for_scoring(search.dense_scoring)
         self.max_query_tokens = max_query_tokens
         self.cost_model = cost_model
         self.trie = index.trie
@@ -263,10 +294,11 @@ class HybridRanker:
     def candidates(self, queries: list[str], q_emb: Any = None) -> Candidates:
         """Both channels' union for ``queries`` (``q_emb``: their embeddings when already computed). In hybrid
         mode the beam search runs first; then the dense candidates it did not find are scored exactly
-        (:meth:`_exact_dense`)."""
+        (:meth:`_exact_dense`), or, with ``dense_scoring = beam_floor``, left unscored with the beams' floor
+        (:func:`beam_floor_view`)."""
         import torch
 
-        from adbatch.decoding import DenseCandidates, search_targets
+        from adbatch.decoding import DenseCandidates, ScoreStats, search_targets
         from adbatch.serving.prompts import encode_targeting_prompts
 
         Q = len(queries)
@@ -294,13 +326,16 @@ class HybridRanker:
         self.last_beams_verified = res.stats.beams_verified
         gen_cos = self.dense.score(q, res.rows).float().cpu()
         # a fusion that ignores the generative score (fitted weight 0: a barely trained model) needs no dense
-        # candidate's; their score_generative stays null unless the beam found them too
-        if self.fusion.dense_order:
+        # candidate's; nor does the beam floor. Their score_generative stays null unless the beam found them too
+        floor = self.search.dense_scoring is DenseScoring.BEAM_FLOOR
+        if self.fusion.dense_order or floor:
+            self.last_exact = ScoreStats()
             dense_gen = torch.full(rows_d.shape, float("nan"))
         else:
             dense_gen = self._exact_dense(prompts, res.rows, rows_d)
         assert dense_gen.shape[0] == Q
-        return union_candidates(res.rows, res.scores.float(), gen_cos, rows_d, cos_d, dense_gen)
+        c = union_candidates(res.rows, res.scores.float(), gen_cos, rows_d, cos_d, dense_gen)
+        return beam_floor_view(c) if floor and not self.fusion.dense_order else c
 
     def _exact_dense(self, prompts: list[list[int]], gen_rows: Any, rows_d: Any) -> Any:
         """``Float32[Q, K]`` exact generative scores of the dense candidates ``rows_d`` the beams did not find (NaN
@@ -390,7 +425,9 @@ def fit_queries(index: Any, ad_texts: Mapping[Any, str], qrels: Mapping[str, Map
 def fit_fusion_on(model: Any, tokenizer: Any, index: Any, queries: list[str], relevant: Sequence[set[int]],
                   fitted_on: str, dense: Any, search: Any = None, batch_size: int = 256,
                   q_emb: Any = None) -> FusionParams:
-    """Rank ``queries`` through both channels (the union, unfused) and :func:`fit_fusion` on ``relevant``.
+    """Rank ``queries`` through both channels (the union, every dense candidate scored exactly) and
+    :func:`fit_fusion` on ``relevant``; the fit for ``dense_scoring = beam_floor`` (:func:`beam_floor_view` of the
+    same union) goes in the result's ``beam_floor``.
 
     ``search``: the decoding config of the candidates (default: the generate stage's ``TargetSearchConfig``
     with ``verify = off``, hybrid); ``q_emb``: the queries' embeddings when already computed."""
@@ -398,11 +435,17 @@ def fit_fusion_on(model: Any, tokenizer: Any, index: Any, queries: list[str], re
 
     from adbatch.decoding import TargetSearchConfig, VerifyMode
 
-    search = (search or TargetSearchConfig(verify=VerifyMode.OFF)).replace(fusion=FusionMode.HYBRID)
+    search = (search or TargetSearchConfig(verify=VerifyMode.OFF)).replace(fusion=FusionMode.HYBRID,
+                                                                          dense_scoring=DenseScoring.EXACT)
     ranker = HybridRanker(model, tokenizer, index, search, dense=dense)
     parts = [ranker._with_lengths(ranker.candidates(queries[s:s + batch_size],
                                                     None if q_emb is None else q_emb[s:s + batch_size]))
              for s in range(0, len(queries), batch_size)]
     cat = lambda name: torch.cat([getattr(p, name) for p in parts], 0)  # noqa: E731
     union = Candidates(cat("rows"), cat("generative"), cat("dense"), cat("channel"), cat("length"))
-    return fit_fusion(union, relevant, fitted_on, k=search.top_k)
+    fitted = fit_fusion(union, relevant, fitted_on, k=search.top_k)
+    # the same queries as dense_scoring = beam_floor sees them: its own weight (the floor is coarser than an exact
+    # score, so the fit leans on it differently: 0.046 vs 0.01 on the trained 5k model)
+    fitted.beam_floor = fit_fusion(beam_floor_view(union), relevant, fitted_on, k=search.top_k).to_dict()
+    fitted.beam_floor.pop("beam_floor", None)
+    return fitted
