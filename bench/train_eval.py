@@ -465,6 +465,12 @@ def channels_ablation(args: argparse.Namespace) -> None:
             log.info("%s %s: recall@10 %.4f mrr@10 %.4f", arm, name, r["recall@10"], r["mrr@10"])
         results["ablation"][arm] = row
         save()
+        if args.speed_batch:  # queries/s of each model-backed channel at one large call (the test queries repeated)
+            qs = sorted(data["qrels"])
+            big = (qs * (args.speed_batch // len(qs) + 1))[:args.speed_batch]
+            row["speed"] = {name: time_hybrid(served, tok, index, dense, channels_menu[name], fusion, big)
+                            for name in ("generative", "hybrid", "hybrid beam_floor")}
+            save()
         del served, model
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -484,6 +490,10 @@ def channels_ablation(args: argparse.Namespace) -> None:
     for arm, row in results["ablation"].items():
         for name, r in (row.get("formats") or {}).items():
             lines.append(f"| {arm} | {name} | {r['recall@10']:.4f} | {r['mrr@10']:.4f} | | |")
+    for arm, row in results["ablation"].items():
+        for name, sp in (row.get("speed") or {}).items():
+            lines.append(f"- {arm} {name}: {sp['queries_per_s']:.1f} queries/s at {sp['queries']} queries per call "
+                         f"(median of {len(sp['times_s'])}), exact pass {sp['exact'].get('rows', 0)} rows")
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print(table)
