@@ -235,13 +235,14 @@ def dump_candidates(model: Any, tok: Any, index: Any, dense: Any, search: Any, s
 def fusion_study(args: argparse.Namespace) -> None:
     """``fusion-study``: from a ``channels`` run's ``candidates.npz`` (dense_k 40) and its bundle, on the CPU:
     per dense_k, the fusion :func:`adbatch.serving.hybrid.fit_fusion` fits on the validation queries and its test
-    recall@10 / MRR@10, with the union's recall (what a perfect reranker of those candidates would reach); then
-    logistic regressions over richer candidate features (fitted on validation), beside it."""
+    recall@10 / MRR@10, with the union's recall (what a perfect reranker of those candidates would reach); the same
+    with ``dense_scoring = beam_floor`` (:func:`adbatch.serving.hybrid.beam_floor_view`); then logistic regressions
+    over richer candidate features (fitted on validation), beside it."""
     import numpy as np
     import torch
 
-    from adbatch.serving.hybrid import (CHANNEL_DENSE, CHANNEL_GENERATIVE, Candidates, _ranks, fit_fusion,
-                                        fused_scores, rank_candidates, recall_mrr)
+    from adbatch.serving.hybrid import (CHANNEL_DENSE, CHANNEL_GENERATIVE, Candidates, _ranks, beam_floor_view,
+                                        fit_fusion, fused_scores, rank_candidates, recall_mrr)
 
     z = np.load(args.candidates)
     data = load_bundle(Path(args.bundle), args.catalogue)
@@ -272,6 +273,17 @@ def fusion_study(args: argparse.Namespace) -> None:
         lines.append(f"| {dk} | {f.method.value} {f.weight_generative:g} {f.generative_norm} | "
                      f"{f.fit_metrics['hybrid_recall@10']:.4f} | {r:.4f} | {m:.4f} | "
                      f"{union_recall(cv, rel['valid']):.3f} / {union_recall(ct, rel['test']):.3f} |")
+
+    # dense_scoring = beam_floor on the same candidates: the dense-only scores replaced by each query's lowest beam
+    # score, its own fit (what the product stores as FusionParams.beam_floor)
+    lines += ["", "| dense_k | beam_floor: fitted fusion | valid recall@10 | test recall@10 | test MRR@10 |",
+              "|---|---|---|---|---|"]
+    for dk in (10, 20, 40):
+        cv, ct = beam_floor_view(cands("valid", dk)), beam_floor_view(cands("test", dk))
+        f = fit_fusion(cv, rel["valid"], "validation")
+        r, m = recall_mrr(rank_candidates(ct, fused_scores(ct, f), 10).rows, rel["test"])
+        lines.append(f"| {dk} | {f.method.value} {f.weight_generative:g} {f.generative_norm} | "
+                     f"{f.fit_metrics['hybrid_recall@10']:.4f} | {r:.4f} | {m:.4f} |")
 
     def features(c: Candidates, names: tuple[str, ...]) -> Any:
         ok = c.rows >= 0
