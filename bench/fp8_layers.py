@@ -8,7 +8,8 @@ own timer, :func:`kernels.int4_tuner.time_graphed_ms`) for every format a compre
   int4_2:4    the packed 2:4 INT4 kernel (kernels.packed_linear), the product's compressed format
   sp24_bf16   2:4 semi-structured bf16 copy (cuSPARSELt / CUTLASS through torch.sparse)
   fp8         FP8 copy, per-channel weight / per-row activation scales (kernels.fp8_linear: the Triton row
-              quantization + torch._scaled_mm), activation quantization included in the time
+              quantization + torch._scaled_mm with fast accumulation), activation quantization included in the time
+  fp8_full_acc  the same with the tensor cores' partial sums promoted to float32 (the default before 2026-12-06)
   sp24_fp8    2:4 FP8 copy on the sparse tensor cores (kernels.fp8_linear: torchao's 2:4 FP8 CUTLASS layout)
   ao_fp8      public reference for fp8: torchao Float8DynamicActivationFloat8WeightConfig(PerRow), when importable
 
@@ -41,7 +42,7 @@ from kernels.fp8_linear import Fp8Layout, fp8_linear, fp8_supported, quantize_we
 
 #: N x K of one Llama-3-8B layer's GEMMs as the engine runs them (q/k/v and gate/up fused)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-FORMATS = ["bf16", "int4_2:4", "sp24_bf16", "fp8", "sp24_fp8", "ao_fp8"]
+FORMATS = ["bf16", "int4_2:4", "sp24_bf16", "fp8", "fp8_full_acc", "sp24_fp8", "ao_fp8"]
 
 
 def torchao_fp8(wb: torch.Tensor):
@@ -103,6 +104,8 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], dev: torch.device) -
             fns["sp24_bf16"] = (lambda: F.linear(x, sp).contiguous(), ref_24)
         if w8 is not None:
             fns["fp8"] = (lambda: fp8_linear(x, w8), ref_dense)
+            if dev.type == "cuda":
+                fns["fp8_full_acc"] = (lambda: fp8_linear(x, w8, fast_accum=False), ref_dense)
         if s8 is not None:
             fns["sp24_fp8"] = (lambda: fp8_linear(x, s8), ref_24)
         if ao is not None:
