@@ -163,9 +163,11 @@ class _Ops:
 SPARSE_MIN_ROWS = 512
 #: layer patterns a semi-structured (2:4) copy can hold: 1:4 is 2:4 with one more zero per group of four
 SPARSE_PATTERNS = ("2:4", "1:4")
-#: buckets from which FP8 copies are also timed (LinearFormats.FP8). Below, a step reads weights more than it
-#: multiplies, and the packed INT4 kernels read 4x fewer bytes than FP8's
-FP8_MIN_ROWS = 64
+#: buckets from which FP8 copies are also timed (LinearFormats.FP8). With fast accumulation FP8 already beat the packed
+#: 2:4 INT4 kernel at 16 rows on two of the 8B shape's four units (q/k/v 1.42x vs 1.17x bf16, gate/up 1.70x vs 1.52x;
+#: H100, bench/RESULTS.md "FP8 fast accumulation"); below that a step reads weights more than it multiplies, and the
+#: packed INT4 kernels read 2-2.5x fewer bytes than FP8's
+FP8_MIN_ROWS = 16
 #: largest relative error (Frobenius, vs the layer's bf16 copy on the timing input) an FP8 copy may have to
 #: be served; e4m3 with per-channel / per-row scales lands near 0.03-0.04 on Gaussian inputs (the public
 #: 2:4 FP8 kernel: 0.038), a broken scale or an outlier-ridden layer far above
