@@ -221,3 +221,19 @@ def test_captured_prefill_equals_eager_on_cuda():
     assert torch.equal(graphed.prompt_bias[:3], eager.prompt_bias[:3])
     for li in range(len(graphed.kp)):
         torch.testing.assert_close(graphed.kp[li][:3], eager.kp[li][:3])
+
+
+def test_an_engine_built_in_inference_mode_serves_a_later_no_grad_caller():
+    """The ranker decodes under ``torch.inference_mode`` (its buffers are inference tensors); a later caller of the
+    same, unchanged model under plain ``no_grad`` (e.g. the rank loss's mining) gets an engine it may write into,
+    with the same answers, instead of "Inplace update to inference tensor outside InferenceMode"."""
+    model = make_tiny_llama()
+    with torch.inference_mode():
+        want = _two_steps(engine_for(model)).clone()
+    got = _two_steps(engine_for(model))
+    torch.testing.assert_close(got, want)
+    assert not engine_for(model).inference_tensors
+    with torch.inference_mode():  # and back: an engine of normal tensors serves inference mode as it is
+        same = engine_for(model)
+        torch.testing.assert_close(_two_steps(same), want)
+    assert engine_for(model) is same

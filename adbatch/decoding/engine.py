@@ -337,6 +337,7 @@ class DecodeEngine:
         self._unit_of = {id(u.mods[0]): u for u in self._units}
         self.capture_seconds = 0.0
         self.signature: tuple = ()
+        self.inference_tensors = False  # built under torch.inference_mode (engine_for sets it)
         # buffers (allocated by reserve)
         self.Qmax = self.Lp = self.S = self.B = 0
         self.kp: list[torch.Tensor] = []
@@ -1056,7 +1057,10 @@ def weights_signature(model: Any) -> tuple:
 def engine_for(model: Any, formats: LinearFormats | None = None) -> DecodeEngine:
     """The model's engine for ``formats`` (buffers, captured graphs and linear plan are kept across calls
     while the weights are unchanged; a changed model gets new engines). ``formats`` None: the engine used
-    last for this model, else one with :data:`DEFAULT_LINEAR_FORMATS`."""
+    last for this model, else one with :data:`DEFAULT_LINEAR_FORMATS`.
+
+    An engine built under ``torch.inference_mode`` holds inference tensors, which nothing may write outside that
+    mode: a caller outside it gets a new engine (built in its own mode; it then serves both modes)."""
     engines = _ENGINES.get(model)
     sig = weights_signature(model)
     if engines is None or any(e.signature != sig for e in engines.values()):
@@ -1067,9 +1071,13 @@ def engine_for(model: Any, formats: LinearFormats | None = None) -> DecodeEngine
         formats = next(iter(engines), DEFAULT_LINEAR_FORMATS)
     formats = LinearFormats(formats)
     eng = engines.pop(formats, None)
+    inference = torch.is_inference_mode_enabled()
+    if eng is not None and eng.inference_tensors and not inference:
+        eng = None  # its weight copies are only read: the new engine keeps them
     if eng is None:
         eng = DecodeEngine(model, formats=formats)
         eng.signature = sig
+        eng.inference_tensors = inference
     _ENGINES[model] = {formats: eng, **engines}
     return eng
 
