@@ -162,9 +162,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, fast_accum: bool = True) -> torch.
 
     ``x``: bf16 / fp16 ``[..., K]``; returns ``[..., N]`` in ``x``'s dtype. ``fast_accum``: cuBLASLt's fast FP8
     accumulation (the tensor cores' partial sums are not periodically promoted to float32), as torchao's FP8 forward
-    asks for. On by default: at the 8B shapes it ran at 0.97-1.39x the promoted accumulation's speed (faster at 19 of 20 points) (qkv at 16 rows
-    1.42x vs 1.02x cuBLAS bf16) with the same relative error to the float32 product, 0.037-0.038 up to K = 14,336
-    (H100, 2026-12-06; bench/fp8_layers.py's ``fp8`` and ``fp8_full_acc`` columns)."""
+    asks for. On by default: at the 8B shapes it ran at 0.97-1.39x the promoted accumulation's speed, faster at 19
+    of 20 points (q/k/v at 16 rows 1.42x vs 1.02x cuBLAS bf16), with the same relative error to the float32 product,
+    0.037-0.038 up to K = 14,336 (H100, 2026-12-06; bench/fp8_layers.py's ``fp8`` and ``fp8_full_acc`` columns)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.layout is Fp8Layout.SPARSE_24:
