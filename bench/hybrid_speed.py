@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from adbatch.decoding import DenseScoring, FusionMode, TargetSearchConfig, VerifyMode
     from adbatch.index.dense import DenseRetriever, PrecomputedQueryEmbedder
-    from bench.train_eval import time_hybrid
+    from bench.train_eval import repeated, time_hybrid
 
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     tmp = tempfile.TemporaryDirectory()
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                      trust_remote_code=False)
     model = model.to(device, torch.bfloat16 if device == "cuda" else torch.float32).eval()
     dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder(queries, qemb))
-    batch = (queries * (args.batch // len(queries) + 1))[:args.batch]
+    batch = repeated(queries, args.batch)
     base = TargetSearchConfig(verify=VerifyMode.OFF)
     rows = {"generative": base.replace(fusion=FusionMode.GENERATIVE)}
     for dk in (int(x) for x in args.dense_k.split(",")):

@@ -134,8 +134,7 @@ def channels(args: argparse.Namespace) -> None:
                                             {"valid": data["valid"], "test": data["qrels"]}, out / "candidates.npz")
     save()
     # speed at a large batch: the test queries repeated (each call one batch), median of 3 after a warm-up
-    qs = sorted(data["qrels"])
-    big = (qs * (args.speed_batch // len(qs) + 1))[:args.speed_batch]
+    big = repeated(sorted(data["qrels"]), args.speed_batch)
     menu = [("generative b10", base.replace(fusion=FusionMode.GENERATIVE, num_beams=10)),
             ("dense", base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k)),
             ("hybrid b10", hyb.replace(num_beams=10)), ("hybrid beam_floor b10", floor.replace(num_beams=10))]
@@ -186,6 +185,11 @@ def hybrid_rank(model: Any, tok: Any, index: Any, search: Any, dense: Any, fusio
 
     hr = HybridRanker(model, tok, index, search, dense=dense, fusion=fusion)
     return lambda qs: [[index.ad_ids[r] for r in row] for row in hr.rank(qs).lists()]
+
+
+def repeated(queries: list[str], n: int) -> list[str]:
+    """``n`` queries for one speed call: ``queries`` repeated in order (a test split is smaller than the batch)."""
+    return (queries * (n // len(queries) + 1))[:n]
 
 
 def time_hybrid(model: Any, tok: Any, index: Any, dense: Any, search: Any, fusion: Any, queries: list[str],
@@ -478,8 +482,7 @@ def channels_ablation(args: argparse.Namespace) -> None:
         results["ablation"][arm] = row
         save()
         if args.speed_batch:  # queries/s of each model-backed channel at one large call (the test queries repeated)
-            qs = sorted(data["qrels"])
-            big = (qs * (args.speed_batch // len(qs) + 1))[:args.speed_batch]
+            big = repeated(sorted(data["qrels"]), args.speed_batch)
             row["speed"] = {name: time_hybrid(served, tok, index, dense, channels_menu[name], fusion, big)
                             for name in ("generative", "hybrid", "hybrid beam_floor")}
             save()

@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from adbatch.compress.recipe import CalibrationConfig, CalibrationMode
 from adbatch.config import ConfigError
+from adbatch.models import eval_mode
 
 log = logging.getLogger(__name__)
 
@@ -470,20 +471,18 @@ def calibrate(model: torch.nn.Module, blocks: torch.Tensor, config: CalibrationC
         for m in linears.values():
             m.weight.requires_grad_(True)
     collector = _StatsCollector(linears, use_grad)
-    was_training = model.training
-    model.eval()
     batches = list(torch.split(blocks, config.batch_size))
     try:
-        if mode is CalibrationMode.FULL:
-            _calibrate_full(model, batches, collector, device, model_device)
-        else:
-            _calibrate_layerwise(model, batches, collector, device)
+        with eval_mode(model):
+            if mode is CalibrationMode.FULL:
+                _calibrate_full(model, batches, collector, device, model_device)
+            else:
+                _calibrate_layerwise(model, batches, collector, device)
     finally:
         collector.remove()
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
             p.grad = None
-        model.train(was_training)
     info = {
         "path": f"{mode.value}_forward_backward" if use_grad else f"{mode.value}_forward",
         "mode": mode.value,

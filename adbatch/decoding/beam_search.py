@@ -35,8 +35,9 @@ import torch
 
 from adbatch.decoding.config import TargetSearchConfig, VerifyMode
 from adbatch.decoding.cost_model import CostModel, load_or_calibrate
-from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, engine_for, eval_mode,
-                                     exact_logprobs_of, model_device, pad_token_id)
+from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, engine_for, exact_logprobs_of,
+                                     model_device, pad_token_id)
+from adbatch.models import eval_mode
 from adbatch.decoding.tree_verify import TrieAux, ancestors, final_scores, score_candidates, verify_trees
 
 log = logging.getLogger(__name__)
@@ -632,12 +633,12 @@ def score_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targe
         raise ValueError(f"row {int(rows.max())} is not in the trie ({aux.node_of_row.numel()} rows)")
     engine = engine_for(model, config.linear_formats)
     max_steps = min(config.max_steps or aux.max_depth, aux.max_depth)
+    pad_id = pad_token_id(model)
     with eval_mode(model):
         step = batch_size or wanted.size
         for start in range(0, wanted.size, step):
             q = wanted[start:start + step]
-            logits, lse, _ = engine.prefill([list(map(int, prompts[i])) for i in q], config.pool_size, max_steps,
-                                            pad_token_id(model))
+            logits, lse, _ = engine.prefill([list(map(int, prompts[i])) for i in q], config.pool_size, max_steps, pad_id)
             r = rows[q].to(dev)
             cand = torch.where(r >= 0, aux.node_of_row[r.clamp(min=0)], -1)
             out[q] = score_candidates(engine, aux, cand, logits, lse, config.length_penalty, counts=stats).cpu()

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from adbatch.decoding.config import CreativeConfig, CreativeStrategy
-from adbatch.decoding.engine import DecodeEngine, check_supported, engine_for, eval_mode
+from adbatch.decoding.engine import DecodeEngine, check_supported, engine_for
+from adbatch.models import eval_mode
 
 NEG_INF = float("-inf")
 SYNC_EVERY = 4  # steps between the host's "all rows done?" checks (one 1-byte sync each)

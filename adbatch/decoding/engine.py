@@ -44,13 +44,12 @@ tensors and the same captured-graph table, so splitting it would spread one stat
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,17 +77,6 @@ def bucket_queries(n: int) -> int:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-@contextlib.contextmanager
-def eval_mode(model: Any) -> Iterator[None]:
-    """``model`` in eval mode inside the block, back in its own mode after (decoding never trains)."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def pad_token_id(model: Any) -> int:

@@ -303,6 +303,7 @@ class HybridRanker:
 
         Q = len(queries)
         self.last_beams_verified = 0
+        self.last_exact = ScoreStats()
         if self.mode is FusionMode.DENSE:
             q = self.dense.embed(queries) if q_emb is None else q_emb.to(self.dense.device)
             hits = self.dense.search(q, self.dense_k)
@@ -329,7 +330,6 @@ class HybridRanker:
         # candidate's; nor does the beam floor. Their score_generative stays null unless the beam found them too
         floor = self.search.dense_scoring is DenseScoring.BEAM_FLOOR
         if self.fusion.dense_order or floor:
-            self.last_exact = ScoreStats()
             dense_gen = torch.full(rows_d.shape, float("nan"))
         else:
             dense_gen = self._exact_dense(prompts, res.rows, rows_d)
@@ -348,13 +348,12 @@ class HybridRanker:
         bounded out (bench/RESULTS.md, "Two channels")."""
         import torch
 
-        from adbatch.decoding import ScoreStats, score_targets
+        from adbatch.decoding import score_targets
 
-        self.last_exact = ScoreStats()
         todo = (rows_d >= 0) & ~(rows_d[:, :, None] == gen_rows[:, None, :]).any(-1)
         out = torch.full(rows_d.shape, float("nan"))
         if todo.any():
-            with torch.inference_mode():  # as the search: the engine's buffers are inference tensors
+            with torch.inference_mode():  # as the search
                 scored = score_targets(self.model, prompts, self.trie, self.search, torch.where(todo, rows_d, -1),
                                        stats=self.last_exact)
             out = torch.where(todo, scored, out)
@@ -447,5 +446,4 @@ def fit_fusion_on(model: Any, tokenizer: Any, index: Any, queries: list[str], re
     # the same queries as dense_scoring = beam_floor sees them: its own weight (the floor is coarser than an exact
     # score, so the fit leans on it differently: 0.046 vs 0.01 on the trained 5k model)
     fitted.beam_floor = fit_fusion(beam_floor_view(union), relevant, fitted_on, k=search.top_k).to_dict()
-    fitted.beam_floor.pop("beam_floor", None)
     return fitted

@@ -216,10 +216,8 @@ def _fit_fusion(model: Any, tokenizer: Any, index: Any, config: TrainConfig, ad_
         from adbatch.index.dense import DenseRetriever
 
         dense = DenseRetriever(index, device)
-    from adbatch.decoding.engine import eval_mode
-
-    with eval_mode(model):
-        return fit_fusion_on(model, tokenizer, index, queries, relevant, source, dense)
+    # search_targets / score_targets run the model in eval mode themselves
+    return fit_fusion_on(model, tokenizer, index, queries, relevant, source, dense)
 
 
 def _rank_queries(tokenizer: Any, index: Any, config: TrainConfig, ad_texts: Mapping[Hashable, str],

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.models import eval_mode
 from adbatch.training.data import (Batch, ExampleKind, TrainingExamples, collate, collate_packed, packed_attention_mask,
                                    packed_batches, plan_examples, repeat_kinds, split_for_ranks, token_budget_batches)
 from adbatch.training.distill import DistillConfig, distill_loss
@@ -275,10 +276,8 @@ def check_packing(model: nn.Module, probe_len: int = 24) -> str | None:
     pos = torch.cat([torch.arange(lens[0]), torch.arange(lens[1]), torch.arange(probe_len - sum(lens))])[None]
     seq = torch.cat([torch.zeros(lens[0]), torch.ones(lens[1]), torch.full((probe_len - sum(lens),), 2.0)])
     seq = seq.to(torch.int32)[None]
-    was_training = core.training
-    core.eval()
     try:
-        with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):
+        with eval_mode(core), torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):
             mask = packed_masks(core, seq.to(device))
             packed = decoder(input_ids=ids.to(device), attention_mask=mask, position_ids=pos.to(device),
                              use_cache=False).last_hidden_state[0]
@@ -288,8 +287,6 @@ def check_packing(model: nn.Module, probe_len: int = 24) -> str | None:
         return str(exc)
     except (TypeError, ValueError, RuntimeError, AttributeError) as exc:  # a forward that refuses the mask
         return f"the packed forward failed: {type(exc).__name__}: {exc}"
-    finally:
-        core.train(was_training)
     diff = float((packed[: sum(lens)] - alone).abs().max())
     scale = float(alone.abs().max())
     if not diff <= 1e-4 * max(1.0, scale):
