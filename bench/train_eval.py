@@ -50,8 +50,9 @@ def channels(args: argparse.Namespace) -> None:
 
     1. ``train_on_index`` with ``TrainConfig()`` (the ``adbatch train`` defaults; ``--train-budget-s`` caps
        it) on the catalogue's index, validation qrels given: it fits the fusion of the two channels at the
-       end (the record's ``fusion``), with the dense channel reading the bundle's precomputed MiniLM query
-       vectors (``PrecomputedQueryEmbedder``; the device has no MiniLM);
+       end (the record's ``fusion``), with the dense channel reading the bundle's precomputed query vectors
+       (``PrecomputedQueryEmbedder``; the device has no MiniLM): the tuned query embedder's when ``tune-queries``
+       wrote them (the product's default), MiniLM's as shipped otherwise (and in the ``dense untuned`` row);
     2. the dense prior's weight chosen on the validation queries (hybrid, default beams) from
        ``--prior-weights``;
     3. test queries, bf16, through :class:`adbatch.serving.hybrid.HybridRanker` (what ``adbatch generate``
@@ -73,7 +74,7 @@ def channels(args: argparse.Namespace) -> None:
 
     if args.ablation:
         return channels_ablation(args)
-    out, device, results, save, bundle, cat, data, index, dense, cfg = _channels_setup(args)
+    out, device, results, save, bundle, cat, data, index, dense, untuned, cfg = _channels_setup(args)
     results["train_config"] = cfg.to_dict()
     model_dir = Path(args.work) / f"trained_{cat}_{args.scheme}"
     t0 = time.perf_counter()
@@ -95,11 +96,9 @@ def channels(args: argparse.Namespace) -> None:
     served.eval()
     base = TargetSearchConfig(verify=VerifyMode.OFF)
 
-    def ranker(m: Any, search: Any, fus: FusionParams) -> Any:
-        return hybrid_rank(m, tok, index, search, dense, fus)
-
-    def eval_row(name: str, m: Any, search: Any, fus: FusionParams, qrels: dict | None = None) -> dict:
-        rank = ranker(m, search, fus)
+    def eval_row(name: str, m: Any, search: Any, fus: FusionParams, qrels: dict | None = None,
+                 channel: Any = None) -> dict:
+        rank = hybrid_rank(m, tok, index, search, channel or dense, fus)
         qr = qrels if qrels is not None else data["qrels"]
         rank(sorted(qr)[:args.batch])  # warm-up: graphs, kernels
         r = evaluate_targeting(rank, qr, batch_size=args.batch, max_queries=args.max_queries)
@@ -120,6 +119,9 @@ def channels(args: argparse.Namespace) -> None:
     results["prior_validation_recall@10"] = valid_rec
     results["prior_weight"] = best_w
     eval_row("dense", served, base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k), fusion)
+    if dense is not untuned:  # the shipped MiniLM's answers: the retrieval a user already has
+        eval_row("dense untuned", served, base.replace(fusion=FusionMode.DENSE, dense_k=base.top_k), fusion,
+                 channel=untuned)
     for beams in [int(b) for b in args.beams_list.split(",")]:
         eval_row(f"generative b{beams}", served, base.replace(fusion=FusionMode.GENERATIVE, num_beams=beams), fusion)
         eval_row(f"hybrid b{beams}", served, hyb.replace(num_beams=beams), fusion)
@@ -359,12 +361,17 @@ def _channels_setup(args: argparse.Namespace) -> tuple:
         results["prepare"] = json.loads((bundle / "prepare.json").read_text())
     data = load_bundle(bundle, cat)
     index = data["indexes"][args.scheme]
-    dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(bundle / f"query_emb_{cat}.npz"))
+    untuned = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(bundle / f"query_emb_{cat}.npz"))
     cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048, compile=False)
     cfg = TrainConfig.from_dict(_merged(cfg.to_dict(), json.loads(args.train_json)))
     if args.train_budget_s:
         cfg = cfg.replace(time_budget_s=args.train_budget_s)
-    return out, device, results, save, bundle, cat, data, index, dense, cfg
+    # the product's dense channel: the query embedder the train stage tunes (tune-queries ran it on the CPU)
+    dense, tuned = untuned, bundle / f"query_tuned_{cat}.npz"
+    if cfg.query_tuning.enabled and tuned.is_file():
+        dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(tuned))
+        results["query_tuning"] = json.loads((bundle / f"query_tuning_{cat}.json").read_text())
+    return out, device, results, save, bundle, cat, data, index, dense, untuned, cfg
 
 
 #: the arms of ``channels --ablation`` (issue 41 item 4): TrainConfig overrides merged over the run's config;
@@ -436,7 +443,7 @@ def channels_ablation(args: argparse.Namespace) -> None:
     from adbatch.training import TrainConfig, train_on_index
     from adbatch.training.checkpoint import read_training_record
 
-    out, device, results, save, bundle, cat, data, index, dense, base_cfg = _channels_setup(args)
+    out, device, results, save, bundle, cat, data, index, dense, untuned, base_cfg = _channels_setup(args)
     rank_over = json.loads(args.rank_json)
     results["ablation"] = {}
     base = TargetSearchConfig(verify=VerifyMode.OFF, num_beams=10)
@@ -545,6 +552,10 @@ def smoke(out: Path) -> None:
     all_q = queries["valid"] + queries["test"]
     np.savez(bundle / "query_emb_smoke.npz", queries=np.asarray(all_q),
              emb=rng.normal(size=(len(all_q), d)).astype(np.float16))
+    # what tune-queries writes (the tuned embedder's query vectors): the channels run serves them, "dense untuned" not
+    np.savez(bundle / "query_tuned_smoke.npz", queries=np.asarray(all_q),
+             emb=rng.normal(size=(len(all_q), d)).astype(np.float16))
+    (bundle / "query_tuning_smoke.json").write_text(json.dumps({"record": None, "smoke": True}))
     build_index(out / "corpus.parquet", bundle / "index_smoke_text",
                 IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
                             embedding=EmbeddingConfig(query_embedder="default"),
@@ -635,6 +646,46 @@ def prepare(args: argparse.Namespace) -> None:
         summary[f.stem] = json.loads(f.read_text())
     (out / "prepare.json").write_text(json.dumps(summary, indent=1))
     log.info("bundle written to %s: %s", out, summary)
+
+
+def tune_queries(args: argparse.Namespace) -> None:
+    """Issue 41: the train stage's query-embedder tuning (:func:`adbatch.training.query_tuning.tune_query_embedder`
+    with the ``adbatch train`` defaults, ``TrainConfig().query_tuning``) on a bundle's catalogue: its training
+    queries, the validation gate on its validation queries. Runs where MiniLM is (the CPU; the device has none) and
+    writes what ``channels`` reads there: ``query_tuned_<cat>.npz`` (the tuned embedder's vectors of the validation
+    and test queries) and ``query_tuning_<cat>.json`` (the record, with both embedders' test recall@10 / MRR@10)."""
+    import numpy as np
+
+    from adbatch.eval.metrics import HOME_DEPOT_RELEVANT, mrr_at_k, recall_at_k, relevant_set
+    from adbatch.index.dense import DenseRetriever, embedder_identity
+    from adbatch.training import TrainConfig
+    from adbatch.training.query_tuning import tune_query_embedder
+
+    bundle, cat = Path(args.bundle), args.catalogue
+    data = load_bundle(bundle, cat)
+    index = data["indexes"][args.scheme]
+    base = DenseRetriever(index, "cpu")
+    valid = [(q, a) for q, grades in data["valid"].items() for a, g in grades.items() if g >= HOME_DEPOT_RELEVANT]
+    folder = Path(args.work) / f"query_embedder_{cat}"
+    t0 = time.perf_counter()
+    record = tune_query_embedder(base, data["labelled"], TrainConfig().query_tuning, folder, valid=valid, progress=True)
+    wall = round(time.perf_counter() - t0, 1)
+    tuned = DenseRetriever(index, "cpu", query_embedder=embedder_identity(str(folder))) if record else base
+
+    def test_metrics(dense: Any) -> dict[str, float]:
+        queries = sorted(data["qrels"])
+        rows = dense.search(dense.embed(queries), 10).rows.tolist()
+        ranked = [[index.ad_ids[r] for r in row] for row in rows]
+        rel = [relevant_set(data["qrels"][q]) for q in queries]
+        return {"recall@10": round(float(np.mean([recall_at_k(r, s, 10) for r, s in zip(ranked, rel)])), 4),
+                "mrr@10": round(float(np.mean([mrr_at_k(r, s, 10) for r, s in zip(ranked, rel)])), 4)}
+
+    summary = {"record": record, "wall_s": wall, "test": {"base": test_metrics(base), "tuned": test_metrics(tuned)}}
+    queries = sorted(set(data["qrels"]) | set(data["valid"]))
+    np.savez(bundle / f"query_tuned_{cat}.npz", queries=np.asarray(queries),
+             emb=tuned.embed(queries).numpy().astype(np.float16))
+    (bundle / f"query_tuning_{cat}.json").write_text(json.dumps(summary, indent=1))
+    log.info("query tuning on %s: %s", cat, json.dumps({k: v for k, v in summary.items() if k != "record"}))
 
 
 def _write_query_embeddings(path: Path, data: Any) -> None:
@@ -1440,6 +1491,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="ablation: also compress each arm (the compress stage's defaults) and evaluate its layers served "
                          "as the int4 plan, FP8 and 2:4 FP8 (issue 42)")
     ch.add_argument("--query-gen-json", default="{}", help="JSON QueryGenConfig overrides (the rank_gen arm)")
+    tq = sub.add_parser("tune-queries", help="issue 41: the train stage's query-embedder tuning on a bundle (CPU)")
+    tq.add_argument("--bundle", required=True)
+    tq.add_argument("--catalogue", default="5000")
+    tq.add_argument("--scheme", default="text", choices=SCHEMES)
+    tq.add_argument("--work", default="/tmp/adbatch_channels", help="where the tuned folder is written")
     fs = sub.add_parser("fusion-study", help="issue 41: fusions over a channels run's candidates.npz (CPU)")
     fs.add_argument("--candidates", required=True, help="candidates.npz of a channels run")
     fs.add_argument("--bundle", required=True)
@@ -1473,7 +1529,7 @@ def main(argv: list[str] | None = None) -> None:
             smoke(Path(args.smoke_out or tmp))
         return
     {"prepare": prepare, "baseline": baseline, "run": run, "sweep": sweep, "check": check,
-     "channels": channels, "fusion-study": fusion_study}[args.cmd](args)
+     "channels": channels, "fusion-study": fusion_study, "tune-queries": tune_queries}[args.cmd](args)
 
 
 if __name__ == "__main__":

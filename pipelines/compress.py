@@ -226,10 +226,14 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
         inputs["calibration_corpus"] = sha256_file(calib_cfg.path)
     with timer.phase("save"):
         extra = {"job_config": config.to_dict(), "source_inputs": inputs, "quality": quality, "sizes": sizes}
-        # a model trained on an index stays bound to it after compression (generation checks this)
+        # a model trained on an index stays bound to it after compression (generation checks this), with its
+        # tuned query embedder
+        folders = {}
         if record is not None:
             extra.update(model_binding(record))
-        manifest = save_compressed(model, tok, recipe, out, extra_manifest=extra)
+            if record.get("query_embedder"):
+                folders[record["query_embedder"]["dir"]] = src / record["query_embedder"]["dir"]
+        manifest = save_compressed(model, tok, recipe, out, extra_manifest=extra, folders=folders)
     with timer.phase("report"):
         plots = plot_layers(recipe, out)
         info = {"model": config.model or "default (SmolLM2-135M-Instruct)", "eval_tokens": sets.info()}

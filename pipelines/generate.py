@@ -454,10 +454,14 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
             # a model trained on another index: refused here, not inside each Ray actor after start-up
             check_model_index(config.spec, config.index, manifest)
             if config.targets.fusion is not FusionMode.GENERATIVE:  # the dense channel, checked the same way
-                from adbatch.index.dense import check_query_embedder, dense_identity
+                from adbatch.index.dense import check_query_embedder, dense_identity, tuned_query_embedder
 
-                check_query_embedder(config.index, manifest)
                 dense_id = dense_identity(config.index, manifest)
+                tuned = tuned_query_embedder(config.spec.folder(), config.spec.training_record(), config.index, manifest)
+                if tuned is None:
+                    check_query_embedder(config.index, manifest)
+                else:  # the model's own query embedder answers: a re-tuned one redoes the partitions
+                    dense_id["query_embedder"] = tuned["sha256"]
     log.info("requests: %d rows in, %d accepted, %d rejected", validated.rows_in,
              validated.accepted.num_rows, validated.rejected.num_rows)
     identity = {

@@ -45,8 +45,8 @@ SMOKE = {
     "scale_out.py": (["--phases", "generate", "--work", "{tmp}/work"], lambda out, tmp: "creatives: 1 vs N actors" in out
                      and (tmp / "scale_out.json").is_file()),
     "sparse_copy_check.py": ([], lambda out, tmp: "max |packed - dense|" in out),
-    "train_eval.py": (["--smoke-out", "{tmp}"], lambda out, tmp: {"dense", "generative b10", "hybrid b10",
-                                                                   "hybrid beam_floor b10"}
+    "train_eval.py": (["--smoke-out", "{tmp}"], lambda out, tmp: {"dense", "dense untuned", "generative b10",
+                                                                   "hybrid b10", "hybrid beam_floor b10"}
                       <= set(json.loads((tmp / "channels" / "results.json").read_text())["rows"])),
     "stable_ids.py": (["--out", "{tmp}"], lambda out, tmp: all(
         r["incremental_same_sequence"] == 1.0 for r in json.loads((tmp / "stable_ids.json").read_text()))),

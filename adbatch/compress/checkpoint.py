@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -67,8 +68,12 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
 
 
 def save_compressed(model: nn.Module, tokenizer: Any, recipe: CompressionRecipe, directory: str | Path,
-                    extra_manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra_manifest: dict[str, Any] | None = None, folders: Mapping[str, Path] | None = None
+                    ) -> dict[str, Any]:
     """Write a compressed model (after :func:`compress_`) to ``directory``; returns the manifest.
+
+    ``folders``: name -> a folder of the source model copied in under that name (the tuned query embedder),
+    every file hashed in the manifest like the side files.
 
     The manifest is written last, so a directory without one is an unfinished checkpoint.
     """
@@ -130,6 +135,10 @@ def save_compressed(model: nn.Module, tokenizer: Any, recipe: CompressionRecipe,
         side_files.append("generation_config.json")
     # the tokenizer decides what every token id means: an edited tokenizer.json must not load silently
     side_files += [Path(f).name for f in tokenizer.save_pretrained(out) if Path(f).parent == out]
+    for name, folder in (folders or {}).items():
+        shutil.rmtree(out / name, ignore_errors=True)
+        shutil.copytree(folder, out / name)
+        side_files += sorted(str(p.relative_to(out)) for p in (out / name).rglob("*") if p.is_file())
     write_json_atomic(out / RECIPE_NAME, recipe.to_dict())
     hashed = {RECIPE_NAME: sha256_file(out / RECIPE_NAME)}
     for name in side_files:

@@ -85,6 +85,23 @@ def embedder_identity(name: str) -> dict[str, str]:
     return {"name": name, "sha256": _folder_digest(str(folder), stamp)}
 
 
+def refuse_custom_modules(folder: Path) -> None:
+    """Refuse a sentence-transformers folder whose ``modules.json`` names a module class outside
+    ``sentence_transformers`` (the library imports whatever class a folder names: a model folder from elsewhere
+    must not choose code to run)."""
+    import json
+
+    try:
+        modules = json.loads((Path(folder) / "modules.json").read_text())
+    except (OSError, ValueError):
+        return
+    bad = [m.get("type") for m in modules if isinstance(m, dict)
+           and not str(m.get("type", "")).startswith("sentence_transformers.")] if isinstance(modules, list) else ["?"]
+    if bad:
+        raise DenseChannelError(f"{folder}/modules.json names modules outside sentence_transformers ({bad[:3]}): "
+                                "adbatch does not load them")
+
+
 def normalized_fp16(emb: np.ndarray) -> np.ndarray:
     """``float16 [N, D]``: rows of ``emb`` (``float [N, D]``) scaled to unit L2 norm (zero rows stay zero)."""
     emb = np.asarray(emb, dtype=np.float32)
@@ -169,15 +186,20 @@ class DenseRetriever:
     Loads the index's embeddings and its query embedder once (the embedder's identity is checked);
     ``device``: where queries are embedded and, for :attr:`DenseBackend.EXACT`, searched (fp16 on CUDA,
     fp32 on the CPU). ``embedder``: an already loaded ``SentenceTransformer`` of the same identity
-    (the caller vouches), e.g. the one the index stage used.
+    (the caller vouches), e.g. the one the index stage used. ``query_embedder``: the identity of a trained
+    model's tuned query embedder (:func:`tuned_query_embedder`), which then embeds the queries instead.
     """
 
     def __init__(self, index: Any, device: str = "cpu", backend: DenseBackend = DenseBackend.EXACT,
-                 embedder: Any = None, batch_size: int = 256) -> None:
+                 embedder: Any = None, batch_size: int = 256, query_embedder: Mapping[str, str] | None = None) -> None:
         import torch
 
-        self.identity = (check_query_embedder(index.directory, index.manifest) if embedder is None
-                         else dense_info(index.directory, index.manifest)["query_embedder"])
+        if query_embedder is not None:  # a trained model's tuned embedder (tuned_query_embedder checked it)
+            self.identity = dict(query_embedder)
+        else:
+            self.identity = (check_query_embedder(index.directory, index.manifest) if embedder is None
+                             else dense_info(index.directory, index.manifest)["query_embedder"])
+        self.ad_ids = index.ad_ids  # row -> ad id
         self.device = torch.device(device)
         self.backend = DenseBackend(backend)
         self.batch_size = batch_size
@@ -199,6 +221,7 @@ class DenseRetriever:
 
             folder = embedder_folder(self.identity["name"])
             refuse_custom_code(folder)
+            refuse_custom_modules(folder)
             self._embedder = SentenceTransformer(str(folder), device=str(self.device), local_files_only=True,
                                                  trust_remote_code=False)
         return self._embedder
@@ -288,3 +311,26 @@ def dense_identity(directory: str | Path, manifest: Mapping[str, Any]) -> dict[s
     info = dense_info(directory, manifest)
     return {"embeddings": (manifest.get("outputs") or {}).get(info["file"], ""),
             "query_embedder": info["query_embedder"]["sha256"]}
+
+
+def tuned_query_embedder(model_folder: str | Path, record: Mapping[str, Any] | None, directory: str | Path,
+                         manifest: Mapping[str, Any]) -> dict[str, str] | None:
+    """The query embedder a trained model carries for this index's dense channel (its training record's
+    ``query_embedder`` entry, :mod:`adbatch.training.query_tuning`), as ``{"name": its folder, "sha256"}``;
+    None when the model has none. Refused in one line when it was tuned from another base embedder than the
+    one that embedded this index's ads, or when its files no longer hash to the record's sha256."""
+    entry = (record or {}).get("query_embedder")
+    if not entry:
+        return None
+    want = dense_info(directory, manifest)["query_embedder"]
+    if entry["base"]["sha256"] != want["sha256"]:
+        raise DenseChannelError(
+            f"model {model_folder} tuned its query embedder from {entry['base']['name']!r} "
+            f"({entry['base']['sha256'][:12]}), but index {directory} was embedded by {want['name']!r} "
+            f"({want['sha256'][:12]}): retrain the model on this index, or generate with --targets.fusion generative")
+    folder = Path(model_folder) / entry["dir"]
+    have = embedder_identity(str(folder))
+    if have["sha256"] != entry["sha256"]:
+        raise DenseChannelError(f"{folder}: sha256 {have['sha256'][:12]} differs from the training record's "
+                                f"{entry['sha256'][:12]} (the tuned query embedder was modified)")
+    return have

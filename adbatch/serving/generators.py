@@ -409,7 +409,8 @@ class TargetGenerator(_GeneratorBase):
     """Query -> ranked ads over an index: trie-constrained beam search (+ verification), the index's dense
     channel, or both fused (``search.fusion``; :mod:`adbatch.serving.hybrid`).
 
-    Loads the model, the index and (unless generative) the ad embeddings and query embedder once; each call
+    Loads the model, the index and (unless generative) the ad embeddings and query embedder (the model's tuned
+    one when its training record names one) once; each call
     maps a ``pa.Table`` of ``request_id, query`` (validated, see
     :func:`adbatch.serving.requests.validate_requests`) to a table of :data:`TARGET_ANSWER_SCHEMA`.
     The fusion's parameters come from the model's training record (:func:`adbatch.serving.hybrid.fusion_of_record`:
@@ -441,9 +442,10 @@ class TargetGenerator(_GeneratorBase):
 
         dense = None
         if search.fusion is not FusionMode.GENERATIVE:
-            from adbatch.index.dense import DenseRetriever
+            from adbatch.index.dense import DenseRetriever, tuned_query_embedder
 
-            dense = DenseRetriever(self.index, self.device, backend=self.config.dense_backend)
+            tuned = tuned_query_embedder(spec.folder(), self.training_record, self.index.directory, self.index.manifest)
+            dense = DenseRetriever(self.index, self.device, backend=self.config.dense_backend, query_embedder=tuned)
         self.fusion = fusion_of_record(self.training_record)
         self.ranker = HybridRanker(self.model, self.tokenizer, self.index, search, dense=dense, fusion=self.fusion,
                                    max_query_tokens=self.config.max_query_tokens, cost_model=self.cost_model)

@@ -220,6 +220,37 @@ def _fit_fusion(model: Any, tokenizer: Any, index: Any, config: TrainConfig, ad_
     return fit_fusion_on(model, tokenizer, index, queries, relevant, source, dense)
 
 
+def _query_embedder_staging(out_dir: str | Path) -> Path:
+    """Where the tuned query embedder waits beside ``out_dir`` until the model folder's save moves it in."""
+    return Path(out_dir).with_name(f".{Path(out_dir).name}.query_embedder")
+
+
+def _tune_query_embedder(index: Any, config: TrainConfig, labelled: list[tuple[str, Hashable]],
+                         valid_qrels: Mapping[str, Mapping[Hashable, float]] | None, out_dir: str | Path, device: str,
+                         dense: Any, progress: bool) -> tuple[dict[str, Any] | None, Any]:
+    """Tune the dense channel's query embedder (:mod:`adbatch.training.query_tuning`) when the config asks, the
+    index has a dense channel and the caller did not bring its own retriever (``dense``: it owns the channel then).
+    Returns the record entry (None: not tuned or not kept) and the retriever the fusion is fitted with."""
+    from adbatch.index.dense import stored_dense
+
+    if not config.query_tuning.enabled or dense is not None or not stored_dense(index.manifest) or not config.retrieval:
+        return None, dense
+    import shutil
+
+    from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
+    from adbatch.index.dense import DenseRetriever
+    from adbatch.training.query_tuning import tune_query_embedder
+
+    staging = _query_embedder_staging(out_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    base = DenseRetriever(index, device)
+    valid = [(q, a) for q, grades in (valid_qrels or {}).items() for a, g in grades.items() if g >= HOME_DEPOT_RELEVANT]
+    tuned = tune_query_embedder(base, labelled, config.query_tuning, staging, valid=valid, progress=progress)
+    if tuned is None:
+        return None, base
+    return tuned, DenseRetriever(index, device, query_embedder={"name": str(staging), "sha256": tuned["sha256"]})
+
+
 def _rank_queries(tokenizer: Any, index: Any, config: TrainConfig, ad_texts: Mapping[Hashable, str],
                   labelled: list[tuple[str, Hashable]], generated: Any, dense: Any, device: str) -> Any:
     """The ranking queries of the rank phase (:func:`adbatch.training.rank_loss.rank_queries`) from this run's
@@ -394,8 +425,13 @@ def train_on_index(
                            train=stats.summary(model, torch.device(device)), prepare_seconds=round(prep_s, 3),
                            warm_started_from_index=warm_from, losses=stats.losses, density=stats.density,
                            qat=stats.qat, sparsity=stats.sparsity or None, embedding_init=info.get("embedding_init"))
-    fusion = None
+    fusion, tuned, folders = None, None, {}
     if out_dir is not None and rank == 0:
+        tuned, dense = _tune_query_embedder(index, config, labelled, valid_qrels, out_dir, device, dense, progress)
+        if tuned is not None:
+            from adbatch.training.query_tuning import QUERY_EMBEDDER_DIR
+
+            folders[QUERY_EMBEDDER_DIR] = _query_embedder_staging(out_dir)
         fusion = _fit_fusion(model, tokenizer, index, config, ad_texts, valid_qrels, device, dense)
     if out_dir is not None and rank == 0:
         from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
@@ -407,7 +443,8 @@ def train_on_index(
                   "train": summary.train, "losses": summary.losses, "data": data_stats,
                   "sparsity": {k: v for k, v in (stats.sparsity or {}).items() if k != "patterns"},
                   "layer_patterns": (stats.sparsity or {}).get("patterns", {}),
-                  "qat": stats.qat, "fusion": fusion.to_dict() if fusion is not None else None}
+                  "qat": stats.qat, "fusion": fusion.to_dict() if fusion is not None else None,
+                  "query_embedder": tuned}
         if creative_pairs is not None:
             from adbatch.training.creatives import creative_record
 
@@ -415,7 +452,8 @@ def train_on_index(
         if gen_info is not None:
             record["query_gen"] = {"config": query_gen.to_dict(), "generator_model": gen_info["generator_model"],
                                    "key": gen_info.get("key"), "status": gen_info["status"]}
-        save_trained(model, tokenizer, out_dir, record, masks=sparsity.masks if sparsity is not None else None)
+        save_trained(model, tokenizer, out_dir, record, masks=sparsity.masks if sparsity is not None else None,
+                     folders=folders)
         if generated is not None and query_cache is None:
             # the cache lives in the model folder the save just replaced: the next run with the same inputs reads it
             from adbatch.training.query_generation import GENERATED_QUERIES_FILE, write_generated_queries

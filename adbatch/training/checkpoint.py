@@ -33,11 +33,12 @@ class IndexMismatchError(ValueError):
 
 
 def save_trained(model: Any, tokenizer: Any, out_dir: str | Path, record: Mapping[str, Any],
-                 masks: Mapping[str, torch.Tensor] | None = None) -> Path:
+                 masks: Mapping[str, torch.Tensor] | None = None, folders: Mapping[str, Path] | None = None) -> Path:
     """Write the model folder atomically: a sibling temp folder renamed over ``out_dir``.
 
     ``record`` must hold ``trained_on_index``; ``code_version`` is added. ``masks``: layer name ->
-    bool ``[N, K]``.
+    bool ``[N, K]``. ``folders``: name -> a finished folder moved into the model folder under that name
+    (the tuned query embedder).
     """
     if "trained_on_index" not in record:
         raise ValueError("training record needs 'trained_on_index'")
@@ -54,6 +55,8 @@ def save_trained(model: Any, tokenizer: Any, out_dir: str | Path, record: Mappin
         from safetensors.torch import save_file
 
         save_file({k: v.to(torch.uint8).cpu().contiguous() for k, v in masks.items()}, str(tmp / MASKS_FILE))
+    for name, folder in (folders or {}).items():
+        shutil.move(str(folder), str(tmp / name))
     write_json_atomic(tmp / TRAINING_RECORD, {**record, "code_version": code_version()})
     if out_dir.exists():
         old = _previous_dir(out_dir)
@@ -105,11 +108,12 @@ def load_masks(model_dir: str | Path) -> dict[str, torch.Tensor]:
 def model_binding(record: Mapping[str, Any]) -> dict[str, Any]:
     """What binds a trained model to its decoding setup: the index it learned and the targeting-prompt
     rendering it learned it with (records written before the version existed were trained on
-    rendering 1), and the fusion of its two channels fitted for it (None: not fitted). A compressed
+    rendering 1), the fusion of its two channels fitted for it (None: not fitted) and its tuned query embedder
+    (None: the index's serves). A compressed
     checkpoint's manifest carries these same keys."""
     return {"trained_on_index": record.get("trained_on_index"),
             "targeting_prompt_version": int(record.get("targeting_prompt_version", 1)),
-            "fusion": record.get("fusion")}
+            "fusion": record.get("fusion"), "query_embedder": record.get("query_embedder")}
 
 
 def check_binding(record: Mapping[str, Any], index_hash: str, model: str) -> None:

@@ -57,6 +57,7 @@ from adbatch.training.data import (Batch, ExampleKind, TrainingExamples, collate
 from adbatch.training.distill import DistillConfig, distill_loss
 from adbatch.training.head_loss import linear_cross_entropy
 from adbatch.training.pseudo_queries import PseudoQueryConfig
+from adbatch.training.query_tuning import QueryTuneConfig
 from adbatch.training.rank_loss import RankLossConfig
 from adbatch.training.rehearsal import CreativeRehearsalConfig
 from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
@@ -138,6 +139,8 @@ class TrainConfig(ConfigBase):
         "help": "mix creative examples (the starting model's own headlines) into training"})
     eval_every: float = field(default=0.0, metadata={
         "help": "epochs between validation evaluations (0 = none; needs an evaluate callback)"})
+    query_tuning: QueryTuneConfig = field(default_factory=QueryTuneConfig, metadata={
+        "help": "fine-tune the dense channel's query embedder on the labelled queries after training"})
     fusion_queries: int = field(default=256, metadata={
         "help": "validation queries (or, without labels, held-out pseudo-queries) the fusion of the generative "
                 "and dense channels is fitted on after training (0 = none: generate falls back to RRF)"})
