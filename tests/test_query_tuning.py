@@ -15,7 +15,8 @@ from adbatch.index.build import IndexConfig, build_index, load_index
 from adbatch.index.clustering import ClusterConfig
 from adbatch.index.dense import (DenseChannelError, DenseRetriever, embedder_identity, refuse_custom_modules,
                                  tuned_query_embedder)
-from adbatch.training.query_tuning import QUERY_EMBEDDER_DIR, QueryTuneConfig, query_targets, tune_query_embedder
+from adbatch.training.query_tuning import (QUERY_EMBEDDER_DIR, QueryTuneConfig, query_targets, tune_query_embedder,
+                                           tuning_pairs)
 from test_generate_support import target_requests, tiny_corpus, tiny_model_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -46,6 +47,20 @@ def _top1(dense, pairs):
 def test_query_targets_group_rows_per_query_and_drop_unknown_ads():
     queries, rows = query_targets(["a", "b", "c"], [("x", "b"), ("x", "a"), ("y", "c"), ("y", "zz"), ("z", "zz")])
     assert queries == ["x", "y"] and rows == [[0, 1], [2]]
+
+
+def test_tuning_pairs_fall_back_to_spans_without_labels():
+    ids, texts = ["a", "b", "c"], ["red cordless drill kit", "white ceiling lamp", "garden hose 50 ft"]
+    labelled, valid = [("drill", "a"), ("lamp", "b")], [("hose", "c")]
+    cfg = QueryTuneConfig(min_queries=2, spans_per_ad=2)
+    assert tuning_pairs(ids, texts, labelled, valid, cfg) == (labelled, valid, "labelled")
+    pairs, held, source = tuning_pairs(ids, texts, labelled[:1], valid, cfg)
+    assert source == "spans" and held == valid and len(pairs) == 6
+    assert all(set(q.split()) <= set(texts[ids.index(a)].split()) for q, a in pairs)
+    # no validation queries: one held-out span per ad, of another seed
+    _, held, _ = tuning_pairs(ids, texts, [], [], cfg)
+    assert len(held) == 3 and {a for _, a in held} == set(ids)
+    assert tuning_pairs(ids, texts, [], [], cfg.replace(no_labels="skip")) == ([], [], "none")
 
 
 def test_tuning_learns_the_labelled_queries_and_saves_a_loadable_folder(assets, tmp_path):

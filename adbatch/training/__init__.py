@@ -226,6 +226,7 @@ def _query_embedder_staging(out_dir: str | Path) -> Path:
 
 
 def _tune_query_embedder(index: Any, config: TrainConfig, labelled: list[tuple[str, Hashable]],
+                         ad_texts: Mapping[Hashable, str],
                          valid_qrels: Mapping[str, Mapping[Hashable, float]] | None, out_dir: str | Path, device: str,
                          dense: Any, progress: bool) -> tuple[dict[str, Any] | None, Any]:
     """Tune the dense channel's query embedder (:mod:`adbatch.training.query_tuning`) when the config asks, the
@@ -233,19 +234,24 @@ def _tune_query_embedder(index: Any, config: TrainConfig, labelled: list[tuple[s
     Returns the record entry (None: not tuned or not kept) and the retriever the fusion is fitted with."""
     from adbatch.index.dense import stored_dense
 
-    if not config.query_tuning.enabled or dense is not None or not stored_dense(index.manifest) or not config.retrieval:
+    if not config.query_tuning.enabled or dense is not None or not stored_dense(index.manifest):
         return None, dense
     import shutil
 
     from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
     from adbatch.index.dense import DenseRetriever
-    from adbatch.training.query_tuning import tune_query_embedder
+    from adbatch.training.query_tuning import tune_query_embedder, tuning_pairs
 
     staging = _query_embedder_staging(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
     base = DenseRetriever(index, device)
     valid = [(q, a) for q, grades in (valid_qrels or {}).items() for a, g in grades.items() if g >= HOME_DEPOT_RELEVANT]
-    tuned = tune_query_embedder(base, labelled, config.query_tuning, staging, valid=valid, progress=progress)
+    texts = [str(ad_texts.get(a) or "") for a in index.ad_ids]
+    pairs, valid, source = tuning_pairs(index.ad_ids, texts, labelled, valid, config.query_tuning)
+    if not pairs:
+        return None, base
+    tuned = tune_query_embedder(base, pairs, config.query_tuning, staging, valid=valid, progress=progress,
+                                source=source)
     if tuned is None:
         return None, base
     return tuned, DenseRetriever(index, device, query_embedder={"name": str(staging), "sha256": tuned["sha256"]})
@@ -427,7 +433,8 @@ def train_on_index(
                            qat=stats.qat, sparsity=stats.sparsity or None, embedding_init=info.get("embedding_init"))
     fusion, tuned, folders = None, None, {}
     if out_dir is not None and rank == 0:
-        tuned, dense = _tune_query_embedder(index, config, labelled, valid_qrels, out_dir, device, dense, progress)
+        tuned, dense = _tune_query_embedder(index, config, labelled, ad_texts, valid_qrels, out_dir, device, dense,
+                                            progress)
         if tuned is not None:
             from adbatch.training.query_tuning import QUERY_EMBEDDER_DIR
 
