@@ -121,6 +121,18 @@ def test_train_stage_saves_the_tuned_embedder_and_generate_answers_with_it(asset
     want = dense.search(dense.embed([query["query"]]), 4)
     assert [r["ad_id"] for r in rows] == [str(index.ad_ids[i]) for i in want.rows[0].tolist()]
     assert [r["score_dense"] for r in rows] == pytest.approx(want.scores[0].tolist(), abs=1e-5)
+    # compressed: the checkpoint carries the tuned embedder, and generate answers with it the same way
+    from adbatch.compress import CalibrationConfig
+    from pipelines.compress import CompressJobConfig, run_compress
+
+    run_compress(CompressJobConfig(model=str(tmp_path / "m"), out=tmp_path / "c", use_ray=False, eval_texts=2,
+                                   eval_seq_len=16, calibration=CalibrationConfig(num_texts=4, seq_len=16, batch_size=4)))
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["query_embedder"]["sha256"] == entry["sha256"]
+    assert f"{QUERY_EMBEDDER_DIR}/modules.json" in manifest["outputs"]
+    pg.run_generate(job.replace(model=None, compressed=str(tmp_path / "c"), out=tmp_path / "outc"))
+    outc = pq.read_table(tmp_path / "outc" / "targets").to_pylist()
+    assert [r["ad_id"] for r in outc if r["request_id"] == query["request_id"]] == [r["ad_id"] for r in rows]
     # a modified tuned embedder is refused before any actor starts
     cfg_path = tmp_path / "m" / QUERY_EMBEDDER_DIR / "config_sentence_transformers.json"
     cfg_path.write_text(cfg_path.read_text() + " ")
