@@ -670,7 +670,7 @@ def tune_queries(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     record = tune_query_embedder(base, data["labelled"], TrainConfig().query_tuning, folder, valid=valid, progress=True)
     wall = round(time.perf_counter() - t0, 1)
-    tuned = DenseRetriever(index, "cpu", query_embedder=embedder_identity(str(folder))) if record else base
+    tuned = base.with_query_embedder(embedder_identity(str(folder))) if record else base
 
     def test_metrics(dense: Any) -> dict[str, float]:
         queries = sorted(data["qrels"])

@@ -107,12 +107,9 @@ class SearchBackend(str, enum.Enum):
 
 
 def load_minilm(model_path: str | Path | None = None, device: str = "cpu") -> Any:
-    from sentence_transformers import SentenceTransformer
+    from adbatch.index.embeddings import default_embedding_model_dir, open_sentence_encoder
 
-    from adbatch.index.embeddings import default_embedding_model_dir
-
-    return SentenceTransformer(str(model_path or default_embedding_model_dir()), device=device,
-                               local_files_only=True, trust_remote_code=False)
+    return open_sentence_encoder(model_path or default_embedding_model_dir(), device)
 
 
 def embed_texts(encoder: Any, texts: list[str], batch_size: int = 256) -> Any:

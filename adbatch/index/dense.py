@@ -18,6 +18,7 @@ Files (beside the trie, written by :func:`adbatch.index.build.write_index`):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -215,16 +216,17 @@ class DenseRetriever:
     @property
     def embedder(self) -> Any:
         if self._embedder is None:
-            from sentence_transformers import SentenceTransformer
+            from adbatch.index.embeddings import open_sentence_encoder
 
-            from adbatch.models import refuse_custom_code
-
-            folder = embedder_folder(self.identity["name"])
-            refuse_custom_code(folder)
-            refuse_custom_modules(folder)
-            self._embedder = SentenceTransformer(str(folder), device=str(self.device), local_files_only=True,
-                                                 trust_remote_code=False)
+            self._embedder = open_sentence_encoder(embedder_folder(self.identity["name"]), self.device)
         return self._embedder
+
+    def with_query_embedder(self, query_embedder: Mapping[str, str]) -> "DenseRetriever":
+        """The same ad vectors (shared, not reloaded) answered with another query embedder of that space
+        (``{"name", "sha256"}``, e.g. a freshly tuned one): loaded on first use."""
+        other = copy.copy(self)
+        other.identity, other._embedder = dict(query_embedder), None
+        return other
 
     def embed(self, queries: list[str]) -> Any:
         """``Float32 [Q, D]`` L2-normalised query embeddings on the retriever's device."""

@@ -59,16 +59,23 @@ def default_embedding_model_dir() -> Path:
     return folder
 
 
-def load_embedder(config: EmbeddingConfig | None = None) -> Any:
-    """A ``SentenceTransformer`` on CPU for ``config.model`` (default: packaged MiniLM)."""
+def open_sentence_encoder(folder: str | Path, device: str = "cpu") -> Any:
+    """A ``SentenceTransformer`` from a local ``folder`` on ``device``: never the hub, and refused in one line when
+    the folder declares its own code (config ``auto_map``, or ``modules.json`` classes outside sentence_transformers)."""
     from sentence_transformers import SentenceTransformer
 
+    from adbatch.index.dense import refuse_custom_modules
     from adbatch.models import refuse_custom_code
 
+    refuse_custom_code(Path(folder))
+    refuse_custom_modules(Path(folder))
+    return SentenceTransformer(str(folder), device=str(device), local_files_only=True, trust_remote_code=False)
+
+
+def load_embedder(config: EmbeddingConfig | None = None) -> Any:
+    """A ``SentenceTransformer`` on CPU for ``config.model`` (default: packaged MiniLM)."""
     cfg = config or EmbeddingConfig()
-    folder = Path(cfg.model) if cfg.model else default_embedding_model_dir()
-    refuse_custom_code(folder)
-    model = SentenceTransformer(str(folder), device="cpu", local_files_only=True, trust_remote_code=False)
+    model = open_sentence_encoder(Path(cfg.model) if cfg.model else default_embedding_model_dir())
     model.max_seq_length = cfg.max_seq_length
     return model
 

@@ -250,11 +250,10 @@ def _tune_query_embedder(index: Any, config: TrainConfig, labelled: list[tuple[s
     pairs, valid, source = tuning_pairs(index.ad_ids, texts, labelled, valid, config.query_tuning)
     if not pairs:
         return None, base
-    tuned = tune_query_embedder(base, pairs, config.query_tuning, staging, valid=valid, progress=progress,
-                                source=source)
+    tuned = tune_query_embedder(base, pairs, config.query_tuning, staging, valid=valid, progress=progress)
     if tuned is None:
         return None, base
-    return tuned, DenseRetriever(index, device, query_embedder={"name": str(staging), "sha256": tuned["sha256"]})
+    return {**tuned, "source": source}, base.with_query_embedder({"name": str(staging), "sha256": tuned["sha256"]})
 
 
 def _rank_queries(tokenizer: Any, index: Any, config: TrainConfig, ad_texts: Mapping[Hashable, str],

@@ -126,30 +126,29 @@ def tuning_pairs(index_ad_ids: Sequence[Hashable], texts: Sequence[str], labelle
 def _recall_at_10(embedder: Any, queries: list[str], rows: list[list[int]], ads: Any, batch_size: int) -> float:
     import torch
 
+    from adbatch.eval.metrics import recall_at_k
+
     if not queries:
         return float("nan")
     with torch.inference_mode():
         q = embedder.encode(queries, batch_size=batch_size, convert_to_tensor=True, normalize_embeddings=True,
                             show_progress_bar=False).to(ads.device, ads.dtype)
         top = (q @ ads.T).topk(min(10, ads.shape[0]), dim=1).indices.tolist()
-    return sum(len(set(t) & set(r)) / len(r) for t, r in zip(top, rows)) / len(queries)
+    return sum(recall_at_k(t, set(r), 10) for t, r in zip(top, rows)) / len(queries)
 
 
 def tune_query_embedder(dense: Any, labelled: Sequence[tuple[str, Hashable]], config: QueryTuneConfig, out_dir: Path,
-                        valid: Sequence[tuple[str, Hashable]] = (), progress: bool = False,
-                        source: str = "labelled") -> dict[str, Any] | None:
+                        valid: Sequence[tuple[str, Hashable]] = (), progress: bool = False) -> dict[str, Any] | None:
     """Fine-tune a copy of ``dense``'s query embedder on ``labelled`` (query, ad_id) pairs against the index's
     ad vectors; save it to ``out_dir`` (a sentence-transformers folder) and return the record entry, or None
     when there is nothing to tune on, or the tuned embedder does not beat the base on ``valid`` (validation
     (query, ad_id) pairs). ``dense``: a :class:`adbatch.index.dense.DenseRetriever` whose query embedder is a
-    real model (its ``identity`` names the folder); the tuning runs on its device. ``source`` names where the
-    pairs came from in the record (:func:`tuning_pairs`).
+    real model (its ``identity`` names the folder); the tuning runs on its device.
     """
     import torch
-    from sentence_transformers import SentenceTransformer
 
-    from adbatch.index.dense import embedder_folder, refuse_custom_modules
-    from adbatch.models import refuse_custom_code
+    from adbatch.index.dense import embedder_folder
+    from adbatch.index.embeddings import open_sentence_encoder
 
     config.validate()
     t0 = time.perf_counter()
@@ -158,18 +157,14 @@ def tune_query_embedder(dense: Any, labelled: Sequence[tuple[str, Hashable]], co
         log.info("query embedder not tuned: %d labelled queries (< min_queries %d)", len(queries), config.min_queries)
         return None
     v_queries, v_rows = query_targets(dense.ad_ids, valid)
-    folder = embedder_folder(dense.identity["name"])
-    refuse_custom_code(folder)
-    refuse_custom_modules(folder)
-    model = SentenceTransformer(str(folder), device=str(dense.device), local_files_only=True, trust_remote_code=False)
+    model = open_sentence_encoder(embedder_folder(dense.identity["name"]), dense.device)
     with torch.random.fork_rng(devices=[dense.device] if dense.device.type == "cuda" else []):
         torch.manual_seed(config.seed)  # dropout: the same run tunes the same embedder, the caller's RNG untouched
-        return _tune(model, queries, rows, v_queries, v_rows, dense, config, out_dir, progress, t0, source)
+        return _tune(model, queries, rows, v_queries, v_rows, dense, config, out_dir, progress, t0)
 
 
 def _tune(model: Any, queries: list[str], rows: list[list[int]], v_queries: list[str], v_rows: list[list[int]],
-          dense: Any, config: QueryTuneConfig, out_dir: Path, progress: bool, t0: float,
-          source: str) -> dict[str, Any] | None:
+          dense: Any, config: QueryTuneConfig, out_dir: Path, progress: bool, t0: float) -> dict[str, Any] | None:
     import torch
     import torch.nn.functional as F
     from sentence_transformers.util import batch_to_device
@@ -236,7 +231,7 @@ def _tune(model: Any, queries: list[str], rows: list[list[int]], v_queries: list
     model.eval()
     tuned_valid = _recall_at_10(model, v_queries, v_rows, ads, config.batch_size)
     loss_curve = [round(float(x), 4) for x in torch.stack(losses).cpu()[:: max(1, len(losses) // 20)]]
-    record = {"dir": QUERY_EMBEDDER_DIR, "base": dict(dense.identity), "source": source, "queries": len(queries),
+    record = {"dir": QUERY_EMBEDDER_DIR, "base": dict(dense.identity), "queries": len(queries),
               "valid_queries": len(v_queries), "steps": total, "config": config.to_dict(),
               "valid_recall@10": {"base": round(base_valid, 4), "tuned": round(tuned_valid, 4)},
               "loss_curve": loss_curve, "seconds": round(time.perf_counter() - t0, 2)}
