@@ -249,6 +249,30 @@ def time_pass(run: Runner, qs: list[list[int]], qbatch: int, dev) -> dict:
     return {"rows": rows, "scores": scores, "time": total, "stats": stats}
 
 
+def trace_batch(run: Runner, batch: list[list[int]], dev, top: int = 14) -> str:
+    """One more (untimed) batch under ``torch.profiler``: its wall time next to the summed device time
+    of the kernels it ran (graph replays included), and the kernels with the most device time, as a
+    markdown table. The gap between the two is host time the GPU waited through."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run(batch)
+        sync(dev)
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.device_time_total > 0]
+    busy = sum(e.device_time_total for e in kernels)
+    lines = [f"wall {1e3 * wall:.2f} ms (profiled), kernels {busy / 1e3:.2f} ms of device time "
+             f"({len(kernels)} distinct, {sum(e.count for e in kernels)} launches)", "",
+             "| kernel | calls | device ms | share |", "|---|---:|---:|---:|"]
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
+        lines.append(f"| {e.key[:90]} | {e.count} | {e.device_time_total / 1e3:.3f} | "
+                     f"{e.device_time_total / max(busy, 1e-9):.1%} |")
+    return "\n".join(lines)
+
+
 def same_sets(a: list[list[int]], b: list[list[int]]) -> float:
     return float(np.mean([set(x) == set(y) for x, y in zip(a, b)]))
 
@@ -279,6 +303,9 @@ def bench_point(section: str, scheme: str, names: list[str], ctx: dict, beams: i
             times[name].append(r["time"])
     med = {n: float(np.median(t)) for n, t in times.items()}
     qps = {n: n_q / med[n] for n in runners}
+    if ctx.get("trace"):
+        for name, run in runners.items():
+            ctx["trace"](f"{section} {scheme} {name} {beams}x{qbatch}", trace_batch(run, qs[:qbatch], dev))
     out = []
     for name, r in res.items():
         base, _, variant = name.partition("+")[0].partition("@")
@@ -744,7 +771,8 @@ def run_gpu(args, report: Report, budget: Budget) -> None:
             n_q = max(n_q, *(max(b, args.q1_queries) for _, b in comp_points))
             queries = random_prompts(n_q, w["prompt_len"], w["lo"], w["hi"], seed=0)
             ctx = {"model": model, "cost": cost, "eos": eos, "pad": pad, "old": old, "profile": args.profile,
-                   "hf_max_batch": hf_max, "old_max_batch": args.old_max_batch, "variants": {}}
+                   "hf_max_batch": hf_max, "old_max_batch": args.old_max_batch, "variants": {},
+                   "trace": (lambda title, text: report.note("trace", f"{title}: {text}")) if args.trace else None}
             report.note(shape, f"random-init LlamaForCausalLM {json.dumps(cfg)}"
                                f", bf16 on {dev}; {n_ads} synthetic ads; queries: {w['prompt_len']} random tokens; "
                                f"top_k = min(beams, 10); hf only at query batch <= {hf_max}; "
@@ -824,6 +852,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None,
                     help="timed runs per point, median reported (default 3, smoke 1)")
     ap.add_argument("--profile", action="store_true", help="phase timings of ours (syncs per phase)")
+    ap.add_argument("--trace", action="store_true",
+                    help="after each point, one more batch per method under torch.profiler: wall vs kernel time, "
+                         "top kernels (section 'trace')")
     ap.add_argument("--smoke", action="store_true", help="gpu sections with tiny models on the CPU")
     ap.add_argument("--q1-queries", type=int, default=None,
                     help="queries timed one at a time at batch 1 (default 4, smoke 2)")

@@ -345,6 +345,39 @@ def pack_nm_int4(
     )
 
 
+def concat_packed(parts: "list[PackedNMInt4] | tuple[PackedNMInt4, ...]") -> PackedNMInt4:
+    """The packed weights ``parts`` stacked along out_features (``[sum N_i, K]``, rows of ``parts[0]``
+    first): what one launch needs to compute a group of projections reading the same input (q/k/v,
+    gate/up). Exact: the layout is row-local (each output row's words, positions and groups only), so
+    stacking concatenates ``qweight`` / ``qpos`` along their row axis, ``scale_zero`` and
+    ``group_shift`` in row order, and shifts each part's ``group_ptr`` by the groups before it. Needs
+    one pattern and one in_features; builds new tensors (the parts stay valid)."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("concat_packed needs at least one packed weight")
+    first = parts[0]
+    for q in parts[1:]:
+        if q.pattern is not first.pattern or q.in_features != first.in_features or q.device != first.device:
+            raise ValueError(f"concat_packed needs one pattern, in_features and device: {first.pattern.value} "
+                             f"K={first.in_features} on {first.device} vs {q.pattern.value} K={q.in_features} on {q.device}")
+    if len(parts) == 1:
+        return first
+    offsets = torch.tensor([0] + [q.num_groups for q in parts[:-1]], device=first.device).cumsum(0)
+    group_ptr = torch.cat([q.group_ptr[:-1].to(torch.int64) + o for q, o in zip(parts, offsets)]
+                          + [offsets[-1:] + parts[-1].num_groups])
+    return PackedNMInt4(
+        qweight=torch.cat([q.qweight for q in parts], 1),
+        qpos=torch.cat([q.qpos for q in parts], 1),
+        scale_zero=torch.cat([q.scale_zero for q in parts], 0),
+        group_ptr=group_ptr.to(torch.int32),
+        group_shift=torch.cat([q.group_shift for q in parts], 0),
+        pattern=first.pattern,
+        in_features=first.in_features,
+        out_features=sum(q.out_features for q in parts),
+        kept=first.kept,
+    )
+
+
 def unpack_nm_int4(p: PackedNMInt4):
     """Exact inverse of :func:`pack_nm_int4`.
 

@@ -162,6 +162,34 @@ def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results()
     torch.testing.assert_close(_two_steps(routed), want, atol=1e-4, rtol=1e-4)
 
 
+def test_packed_plan_runs_each_qkv_and_gate_up_unit_as_one_stacked_launch(monkeypatch):
+    """A plan that serves every unit packed: q/k/v and gate/up each run one launch over their members' packed
+    weights stacked (not one per member), o/down their own; the step's log-probs equal the members' path."""
+    from adbatch.compress import CompressConfig, compress_
+    from adbatch.decoding.engine import LinearChoice
+    from kernels.nm_int4 import PackedNMInt4
+
+    model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
+    compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", uniform_pattern="2:4",
+                                    group_policy="uniform", dense_dtype="float32"))
+    want = _two_steps(DecodeEngine(model))  # CPU, no plan: every member's own forward
+    routed = DecodeEngine(model)
+    for key in routed.plan_keys(4):
+        routed.plan.choice[key] = "packed"
+    routed._plan_linears(4)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    choice, qkv = routed._route[id(attn.q_proj)]
+    assert choice is LinearChoice.PACKED and isinstance(qkv, PackedNMInt4)
+    assert qkv.out_features == attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+    assert routed._route[id(mlp.gate_proj)][1].out_features == 2 * mlp.gate_proj.out_features
+    assert routed._route[id(attn.o_proj)] == (LinearChoice.PACKED, None)  # a unit of one: its own weight
+    member_calls = []
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        monkeypatch.setattr(m, "forward", lambda *a, **k: member_calls.append(1))
+    torch.testing.assert_close(_two_steps(routed), want, atol=1e-5, rtol=1e-5)
+    assert not member_calls
+
+
 def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(monkeypatch):
     """A plan that serves the 2:4 units from semi-structured copies (the large-bucket path) runs
     ``F.linear`` on the copy, not the packed kernel or the dense copy, with the packed path's results.

@@ -10,6 +10,7 @@ from kernels.nm_int4 import (
     KK_ALIGN,
     PackedNMInt4,
     SparsityPattern,
+    concat_packed,
     dequantize_nm_int4,
     kept_per_row,
     nm_int4_linear_reference,
@@ -192,3 +193,25 @@ def test_validate_rejects_inconsistent_group_index():
     gptr[0] = 1  # row 0 would start one group late
     with pytest.raises(ValueError, match="group_ptr\\[0\\] == 0"):
         PackedNMInt4(**{**p.__dict__, "group_ptr": gptr})
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_concat_packed_stacks_rows_exactly(pattern):
+    """q/k/v (or gate/up) stacked along out_features: the stacked weight dequantizes to the members' rows in
+    order (groups re-indexed), its product is the members' products side by side, and it validates."""
+    g = torch.Generator().manual_seed(7)
+    parts = [random_packed(n, 200, pattern, generator=g) for n in (24, 8, 13)]  # Kk not 32-aligned at 1:4
+    stacked = concat_packed(parts)
+    assert stacked.out_features == 45 and stacked.num_groups == sum(q.num_groups for q in parts)
+    stacked.validate()
+    assert torch.equal(dequantize_nm_int4(stacked), torch.cat([dequantize_nm_int4(q) for q in parts], 0))
+    x = torch.randn(3, 200, dtype=torch.float64, generator=g)
+    assert torch.equal(nm_int4_linear_reference(x, stacked),
+                       torch.cat([nm_int4_linear_reference(x, q) for q in parts], -1))
+    assert concat_packed(parts[:1]) is parts[0]
+    other = random_packed(8, 200, SparsityPattern.TWO_FOUR if pattern is not SparsityPattern.TWO_FOUR
+                          else SparsityPattern.ONE_FOUR, generator=g)
+    with pytest.raises(ValueError, match="one pattern"):
+        concat_packed([parts[0], other])
+    with pytest.raises(ValueError, match="at least one"):
+        concat_packed([])

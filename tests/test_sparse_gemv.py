@@ -70,6 +70,21 @@ def test_gemv_path(pattern, dtype, batch):
         _check(p, batch, dtype, cfg, seed=batch)
 
 
+@pytest.mark.parametrize("pattern", [SparsityPattern.TWO_FOUR, SparsityPattern.ONE_FOUR])
+def test_stacked_weight_runs_as_its_members(pattern):
+    """The engine stacks q/k/v into one packed weight (kernels.nm_int4.concat_packed): one launch over it
+    equals the members' launches side by side (the format is row-local)."""
+    from kernels.nm_int4 import concat_packed
+
+    g = torch.Generator().manual_seed(5)
+    parts = [random_packed(n, 264, pattern, generator=g) for n in (32, 16, 16)]
+    x = (torch.randn(3, 264, generator=g) + 0.1).to(torch.float16).to(DEVICE)
+    cfg = tuner.KernelConfig(4, 16, 64, 2, False)
+    got = launcher.nm_int4_linear_triton(x, concat_packed(parts).to(DEVICE), config=cfg)
+    want = torch.cat([launcher.nm_int4_linear_triton(x, q.to(DEVICE), config=cfg) for q in parts], -1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("pattern", list(SparsityPattern))
 def test_gemv_even_path(pattern):
     """Shapes with N % BLOCK_N == 0 and no padding take the mask-free (EVEN) loads and the clamped
