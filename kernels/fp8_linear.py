@@ -11,10 +11,13 @@ Formats (both: weights per output channel, activations per row, dynamically):
 - :attr:`Fp8Layout.DENSE`: ``data`` float8_e4m3fn ``[N, K]`` row-major, ``scale`` float32 ``[N]`` with
   ``W ~= data * scale[:, None]``; the product is ``torch._scaled_mm`` (cuBLASLt FP8, row-wise scales,
   bf16 / fp16 out; sm_89+).
-- :attr:`Fp8Layout.SPARSE_24`: the same values with at most 2 nonzeros in every 4 consecutive columns, held
-  by torchao's 2:4 FP8 layout (``Float8DynamicActivationFloat8WeightConfig(PerRow, "sparse_2d_data_2d_metadata")``:
-  values + metadata, row-wise scales fused into its CUTLASS sm_90a kernel; ``module`` is the quantized
-  ``nn.Linear``). torchao is an optional GPU dependency, imported only here. Why not torch's own cuSPARSELt
+- :attr:`Fp8Layout.SPARSE_24`: the same values with at most 2 nonzeros in every 4 consecutive columns, in
+  torchao's 2:4 FP8 layout (``Float8DynamicActivationFloat8WeightConfig(PerRow, "sparse_2d_data_2d_metadata")``
+  packs it: ``data`` the kept values, ``meta`` its metadata, ``scale`` per channel) for its CUTLASS sm_90a kernel
+  ``torchao.ops.rowwise_scaled_linear_sparse_cutlass_f8f8``, which takes the activations already quantized per
+  row: they are quantized by :func:`quantize_rows_fp8`, as for the dense layout, not by torchao's linear
+  (whose quantization kernel took 5.4 us per call on average in an 8B search at 16 queries, 10 % of its GPU
+  time; H100, ``bench/decode.py --trace``). torchao is an optional GPU dependency, imported only here. Why not torch's own cuSPARSELt
   (``torch._cslt_sparse_mm`` takes FP8): on the H100 with torch 2.11 it refused the per-channel ``alpha``
   vector ("operation not supported"), and scaling its output afterwards is two more passes over ``[M, N]``.
 
@@ -55,30 +58,21 @@ class Fp8Weight:
     """An FP8 weight with per-output-channel scales.
 
     :attr:`Fp8Layout.DENSE`: ``data`` float8_e4m3fn ``[N, K]``, ``scale`` float32 ``[N]``, ``bias`` ``[N]`` in the
-    activations' dtype or None. :attr:`Fp8Layout.SPARSE_24`: ``module``, torchao's quantized ``nn.Linear``
-    (values, metadata, scales and bias inside); ``data`` / ``scale`` None.
+    activations' dtype or None. :attr:`Fp8Layout.SPARSE_24`: ``data`` the kept values float8_e4m3fn ``[N, K / 2]``
+    and ``meta`` the metadata, both in torchao's CUTLASS layout, ``scale`` float32 ``[N]``.
     """
 
-    data: torch.Tensor | None
-    scale: torch.Tensor | None
+    data: torch.Tensor
+    scale: torch.Tensor
     layout: Fp8Layout
     out_features: int
     in_features: int
     bias: torch.Tensor | None = None
-    module: torch.nn.Module | None = None
+    meta: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        tensors = [self.data, self.scale, self.bias] if self.module is None else [
-            *_inner_tensors(self.module.weight), self.module.bias]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors of a tensor subclass (torchao's quantized weights), or ``[t]``."""
-    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.nn.Parameter:
-        names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _inner_tensors(getattr(t, n))]
-    return [t]
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.bias, self.meta)
+                   if isinstance(t, torch.Tensor))
 
 
 def fp8_supported(device: torch.device, layout: Fp8Layout) -> str | None:
@@ -117,29 +111,30 @@ def quantize_weight_fp8(w: torch.Tensor, layout: Fp8Layout = Fp8Layout.DENSE,
         nnz = (w.reshape(n, k // 4, 4) != 0).sum(-1)
         if int(nnz.max()) > 2:
             raise ValueError("2:4 FP8: the weight has more than 2 nonzeros in some group of 4 columns")
-        return Fp8Weight(data=None, scale=None, layout=layout, out_features=int(n), in_features=int(k), bias=bias,
-                         module=_torchao_sparse_fp8(w, bias))
+        data, meta, scale = _torchao_sparse_fp8(w)
+        return Fp8Weight(data=data, scale=scale, layout=layout, out_features=int(n), in_features=int(k), bias=bias,
+                         meta=meta)
     data, scale = quantize_rows_fp8_reference(w)
     return Fp8Weight(data=data, scale=scale[:, 0].contiguous(), layout=layout, out_features=int(n),
                      in_features=int(k), bias=bias)
 
 
-def _torchao_sparse_fp8(w: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
-    """An ``nn.Linear`` of ``w`` (bf16, CUDA, 2:4) quantized by torchao to its 2:4 FP8 layout."""
+def _torchao_sparse_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` (bf16, CUDA, 2:4) packed by torchao into its 2:4 FP8 layout: (kept values, metadata, per-channel
+    scales float32 ``[N]``), the operands of its CUTLASS kernel."""
     from torchao import quantization as aoq  # optional GPU dependency: imported only here
 
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=w.device, dtype=torch.bfloat16)
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(w)
-        if bias is not None:
-            lin.bias.copy_(bias)
     cfg = aoq.Float8DynamicActivationFloat8WeightConfig(granularity=aoq.PerRow(),
                                                         packing_format="sparse_2d_data_2d_metadata",
                                                         set_inductor_config=False)
     aoq.quantize_(lin, cfg)
-    if type(lin.weight) in (torch.nn.Parameter, torch.Tensor):
-        raise RuntimeError("torchao left the 2:4 FP8 weight unquantized")
-    return lin
+    q = lin.weight
+    if not all(hasattr(q, a) for a in ("qdata", "sparse_metadata", "scale")):
+        raise RuntimeError(f"torchao left the 2:4 FP8 weight as {type(q).__name__}, not its 2:4 FP8 layout")
+    return q.qdata, q.sparse_metadata, q.scale.reshape(-1).float().contiguous()
 
 
 def quantize_rows_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,10 +162,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, fast_accum: bool = True) -> torch.
     0.037-0.038 up to K = 14,336 (H100, 2026-12-06; bench/fp8_layers.py's ``fp8`` and ``fp8_full_acc`` columns)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if w.layout is Fp8Layout.SPARSE_24:
-        y = w.module(x2)
-    elif not x.is_cuda:
+    if w.layout is Fp8Layout.DENSE and not x.is_cuda:
         y = fp8_linear_reference(x2, w.data, w.scale, w.bias).to(x.dtype)
+    elif w.layout is Fp8Layout.SPARSE_24:
+        from torchao.ops import rowwise_scaled_linear_sparse_cutlass_f8f8  # optional GPU dependency
+
+        xq, sx = quantize_rows_fp8(x2)
+        y = rowwise_scaled_linear_sparse_cutlass_f8f8(xq, sx[:, 0], w.data, w.meta, w.scale, w.bias, x.dtype)
     else:
         xq, sx = quantize_rows_fp8(x2)
         y = torch._scaled_mm(xq, w.data.t(), scale_a=sx, scale_b=w.scale[None, :], bias=w.bias,
