@@ -389,8 +389,10 @@ ABLATION_ARMS = {
 
 
 #: issue 42 item 2: the compressed model's layers served in one format at every bucket (forced: the worst case of
-#: what a per-bucket plan may choose), next to the measured plan of the default formats
-FORMAT_ROWS = {"int4 plan": None, "fp8 every layer": "fp8", "2:4 fp8 + fp8 every layer": "sparse_fp8"}
+#: what a per-bucket plan may choose; "int4" = the packed kernels everywhere, the served INT4 model's numerics),
+#: next to the measured plan of the default formats (TargetSearchConfig.linear_formats)
+FORMAT_ROWS = {"int4 every layer": "packed", "default plan": None, "fp8 every layer": "fp8",
+               "2:4 fp8 + fp8 every layer": "sparse_fp8"}
 
 
 def compressed_formats(args: argparse.Namespace, bundle: Path, cat: str, model_dir: Path, index: Any, dense: Any,
