@@ -1491,7 +1491,7 @@ def main(argv: list[str] | None = None) -> None:
     ch.add_argument("--rank-json", default="{}", help="JSON RankLossConfig overrides of the rank arms")
     ch.add_argument("--formats", action="store_true",
                     help="ablation: also compress each arm (the compress stage's defaults) and evaluate its layers served "
-                         "as the int4 plan, FP8 and 2:4 FP8 (issue 42)")
+                         "with every layer INT4, the default plan, every layer FP8 and 2:4 FP8 (issue 42)")
     ch.add_argument("--query-gen-json", default="{}", help="JSON QueryGenConfig overrides (the rank_gen arm)")
     tq = sub.add_parser("tune-queries", help="issue 41: the train stage's query-embedder tuning on a bundle (CPU)")
     tq.add_argument("--bundle", required=True)
