@@ -66,6 +66,34 @@ def test_prefill_steps_and_reorder_match_hf(family, fused):
 
 
 @pytest.mark.parametrize("fused", FUSED)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_short_prefill_after_a_long_one_runs_at_its_own_width(family, fused):
+    """The reserved prompt region grows to the widest prompt seen (40 tokens -> 48 columns); a later batch of
+    short prompts is prefilled over its own 16 columns, the stale columns left of them masked: its prefill, steps
+    and tree pass still match HF (Gemma 3: through a sliding window)."""
+    model = _tiny(family)
+    engine = DecodeEngine(model, fused=fused)
+    short = [[3, 4, 5, 6, 7], [9, 10]]
+    with torch.no_grad():
+        engine.prefill([list(range(3, 43))], 2, 8)  # the long prompt leaves finite K/V in every column
+        widths = []
+        real_body = engine._prefill_body
+        engine._prefill_body = lambda Qb, Lw, pad_id: widths.append(Lw) or real_body(Qb, Lw, pad_id)
+        logits, lse, Qb = engine.prefill(short, 2, 8)
+        assert engine.Lp == 48 and widths == [16]
+        for q, p in enumerate(short):
+            assert torch.allclose(logits[q].float() - lse[q], _ref_logprobs(model, p), atol=2e-5)
+        logits, lse = engine.step(torch.tensor([20, 21] * Qb), 0, Qb, torch.arange(Qb * 2) // 2 * 2)
+        tree_l, tree_lse = engine.tree_forward(torch.tensor([0]), 1, torch.tensor([[30]]), torch.tensor([[6]]),
+                                               torch.ones(1, 1, 1, dtype=torch.bool))
+    for q, p in enumerate(short):
+        for b, tok in enumerate((20, 21)):
+            row = q * 2 + b
+            assert torch.allclose(logits[row].float() - lse[row], _ref_logprobs(model, p + [tok]), atol=2e-5)
+    assert torch.allclose(tree_l[0].float() - tree_lse[0], _ref_logprobs(model, short[0] + [20, 30]), atol=2e-5)
+
+
+@pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_tree_forward_sees_prompt_suffix_and_ancestors_only(family, fused):
     model = _tiny(family)  # Gemma 3: the sliding window applies inside the tree pass too

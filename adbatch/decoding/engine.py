@@ -568,12 +568,19 @@ class DecodeEngine:
         the steps run at. On CUDA the pass is captured at a bucket's first use and replayed after: an
         eager prefill of the default model at 256 x 48 tokens is host-bound (~400 launches; 22 ms
         wall for ~8 ms of GPU work, H200).
+
+        The pass runs at these prompts' own width (the longest, rounded up to ``PROMPT_BUCKET``), the last
+        columns of the reserved region, not at the widest prompt the engine has reserved for: the columns
+        left of it are masked (bias -inf), so one long prompt (or the cost model's calibration) does not make
+        every later prefill pay for its width. (It did: an 8B search at 1,024 queries of 32 tokens prefilled
+        64 columns after the calibration, 62 % of its time; H100, 2026-12-06.)
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
         Q = len(prompts)
         self.reserve(Q, beams, max(len(p) for p in prompts), suffix)
         Qb, Lp = self.bucket(Q), self.Lp
+        Lw = min(Lp, _round_up(max(len(p) for p in prompts), PROMPT_BUCKET))  # this batch's width
         # left-padded ids in one host array and one copy (-1 = padding); padding queries get one
         # visible (pad) key, which keeps their rows finite
         ids = np.full((Qb, Lp), -1, dtype=np.int64)
@@ -582,48 +589,53 @@ class DecodeEngine:
         ids[Q:, -1] = pad_id
         self.in_prompt[:Qb].copy_(torch.from_numpy(ids))
         if not self.graphs_enabled:
-            return (*self._prefill_body(Qb, pad_id), Qb)
-        self._plan_linears(bucket_queries(Qb * Lp))  # eager passes choose packed vs dense at their own row count too
-        key = ("prefill", Qb, pad_id)
+            return (*self._prefill_body(Qb, Lw, pad_id), Qb)
+        self._plan_linears(bucket_queries(Qb * Lw))  # eager passes choose packed vs dense at their own row count too
+        key = ("prefill", Qb, Lw, pad_id)
         g = self._graphs.get(key)
         if g is not None:
             g.graph.replay()
             return g.logits, g.lse, Qb
-        logits, lse = self._prefill_body(Qb, pad_id)  # this IS the prefill; captured for the next ones
-        self._capture_into(key, lambda: self._prefill_body(Qb, pad_id), "_prefill_pool")
+        logits, lse = self._prefill_body(Qb, Lw, pad_id)  # this IS the prefill; captured for the next ones
+        self._capture_into(key, lambda: self._prefill_body(Qb, Lw, pad_id), "_prefill_pool")
         return logits, lse, Qb
 
-    def _prefill_body(self, Qb: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt pass over ``in_prompt[:Qb]`` (graph-safe: fixed shapes, no host syncs)."""
+    def _prefill_body(self, Qb: int, Lw: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt pass over the last ``Lw`` columns of ``in_prompt[:Qb]`` (the prompts are left-padded:
+        every token is there); the columns left of them are masked for the steps and tree passes.
+        Graph-safe: fixed shapes, no host syncs."""
         Lp, dev = self.Lp, self.device
-        raw = self.in_prompt[:Qb]
+        c0 = Lp - Lw
+        raw = self.in_prompt[:Qb, c0:]
         valid = raw >= 0
         ids = torch.where(valid, raw, pad_id)
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         self.prompt_len[:Qb] = valid.sum(1)
-        self.prompt_pos[:Qb] = pos
-        self.prompt_bias[:Qb] = torch.where(valid, 0.0, NEG_INF)
+        self.prompt_pos[:Qb, :c0] = 0
+        self.prompt_pos[:Qb, c0:] = pos
+        self.prompt_bias[:Qb, :c0] = NEG_INF
+        self.prompt_bias[:Qb, c0:] = torch.where(valid, 0.0, NEG_INF)
         self.anc.copy_(self.slot_ids[:, None].expand_as(self.anc))  # every row its own path
-        causal = torch.ones(Lp, Lp, dtype=torch.bool, device=dev).tril()
+        causal = torch.ones(Lw, Lw, dtype=torch.bool, device=dev).tril()
         vis = causal[None] & valid[:, None, :]
-        vis |= torch.eye(Lp, dtype=torch.bool, device=dev)[None]  # padding queries see themselves
+        vis |= torch.eye(Lw, dtype=torch.bool, device=dev)[None]  # padding queries see themselves
         h = self._embed(ids)
         rope = self._rope_all(h, pos)
 
         def attend(li: int, layer: Any, x: torch.Tensor) -> torch.Tensor:
+            k, v = self.kp[li][:Qb, :, c0:], self.vp[li][:Qb, :, c0:]  # [Qb, kv, Lw, D] views of the region
             if self.store_fused:
-                q = self._qkv_store(layer, x, rope, li, self.kp[li][:Qb], self.vp[li][:Qb], None).transpose(1, 2)
-                k, v = self.kp[li][:Qb], self.vp[li][:Qb]
+                q = self._qkv_store(layer, x, rope, li, k, v, None).transpose(1, 2)
             else:
-                q, k, v = self._qkv(layer, x, rope, li)
-                self.kp[li][:Qb] = k
-                self.vp[li][:Qb] = v
+                q, k_new, v_new = self._qkv(layer, x, rope, li)
+                k.copy_(k_new)
+                v.copy_(v_new)
             m = vis
             if self.window[li]:
                 m = vis & ((pos[:, :, None] - pos[:, None, :]) < self.window[li])
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None], scale=self.scaling[li],
                                                enable_gqa=self.n_kv != self.n_heads)
-            return o.transpose(1, 2).reshape(Qb, Lp, -1)
+            return o.transpose(1, 2).reshape(Qb, Lw, -1)
 
         return self.head_lse(self._layer_stack(h, attend)[:, -1])
 
