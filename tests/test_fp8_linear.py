@@ -97,10 +97,11 @@ def _compressed_tiny(pattern: str = "2:4"):
 
 def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_copy(monkeypatch):
     """Fake timings (a GPU measures them): FP8 fastest but over the error bound -> not served; the next
-    fastest wins; FP8 is no candidate below FP8_MIN_ROWS or with LinearFormats.INT4."""
+    fastest wins; FP8 fastest by less than FP8_MIN_SPEEDUP -> the dense copy; FP8 is no candidate below
+    FP8_MIN_ROWS or with LinearFormats.INT4."""
     import kernels.int4_tuner as tuner
     from adbatch.decoding import LinearFormats
-    from adbatch.decoding.engine import FP8_MIN_ROWS, DecodeEngine, LinearChoice
+    from adbatch.decoding.engine import FP8_MIN_ROWS, FP8_MIN_SPEEDUP, DecodeEngine, LinearChoice
 
     model = _compressed_tiny("4:4")
     engine = DecodeEngine(model, formats=LinearFormats.FP8)
@@ -154,6 +155,10 @@ def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_co
     assert engine.plan.errors[key][LinearChoice.FP8] > 0.4
 
     err_scale["v"] = 1.0
+    fake_us[LinearChoice.FP8] = 20.0 / FP8_MIN_SPEEDUP + 0.5  # fastest, but by less than the margin
+    key = timed(engine, FP8_MIN_ROWS)
+    assert engine.plan.choice[key] is LinearChoice.DENSE and LinearChoice.FP8 in engine.plan.timings[key]
+    fake_us[LinearChoice.FP8] = 10.0
     small = timed(engine, FP8_MIN_ROWS // 2)
     assert LinearChoice.FP8 not in engine.plan.timings[small]
     assert DecodeEngine(model).formats is LinearFormats.FP8  # the default (TargetSearchConfig's)

@@ -162,6 +162,11 @@ FP8_MIN_ROWS = 16
 #: be served; e4m3 with per-channel / per-row scales lands near 0.03-0.04 on Gaussian inputs (the public
 #: 2:4 FP8 kernel: 0.038), a broken scale or an outlier-ridden layer far above
 FP8_MAX_REL_ERROR = 0.08
+#: an FP8 format is served only where it is at least this much faster than the fastest format that keeps the
+#: INT4 model's numerics (packed, a bf16 / 2:4 bf16 copy): it changes them, and a lead inside the timer's noise
+#: lost in place -- the 135M shape's plan took FP8 for gate/up by 3-5 % (10,240 rows: 57.5 vs 60.8 us) and its
+#: search ran at 0.91x / 0.96x dense at 1,024 / 2,048 queries (H100, 2026-12-06)
+FP8_MIN_SPEEDUP = 1.10
 
 
 class LinearChoice(str, enum.Enum):
@@ -923,6 +928,9 @@ class DecodeEngine:
             except RuntimeError as exc:  # e.g. a kernel that cannot be graph-captured
                 log.info("%s copy of %s not timed: %s", choice.value, key[:3], str(exc).splitlines()[0])
         best = min(timed, key=timed.get)
+        exact = {c: t for c, t in timed.items() if c not in (LinearChoice.FP8, LinearChoice.SPARSE_FP8)}
+        if best not in exact and exact and timed[best] * FP8_MIN_SPEEDUP > min(exact.values()):
+            best = min(exact, key=exact.get)
         self.plan.timings[key], self.plan.errors[key], self.plan.choice[key] = timed, errors, best
         if best in kept:
             self._copies[(id(unit.mods[0]), best)] = kept[best]
