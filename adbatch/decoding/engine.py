@@ -164,7 +164,7 @@ FP8_MIN_ROWS = 16
 FP8_MAX_REL_ERROR = 0.08
 #: an FP8 format is served only where it is at least this much faster than the fastest format that keeps the
 #: INT4 model's numerics (packed, a bf16 / 2:4 bf16 copy): it changes them, and a lead inside the timer's noise
-#: lost in place -- the 135M shape's plan took FP8 for gate/up by 3-5 % (10,240 rows: 57.5 vs 60.8 us) and its
+#: lost in place -- the 135M shape's plan took FP8 for gate/up by 3-12 % (10,240 rows: 57.5 vs 60.8 us) and its
 #: search ran at 0.91x / 0.96x dense at 1,024 / 2,048 queries (H100, 2026-12-06)
 FP8_MIN_SPEEDUP = 1.10
 
