@@ -21,7 +21,7 @@ Formats (both: weights per output channel, activations per row, dynamically):
   (``torch._cslt_sparse_mm`` takes FP8): on the H100 with torch 2.11 it refused the per-channel ``alpha``
   vector ("operation not supported"), and scaling its output afterwards is two more passes over ``[M, N]``.
 
-Activations of the dense layout: :func:`quantize_rows_fp8` -- one Triton program per row (amax, scale,
+Activations (both layouts): :func:`quantize_rows_fp8` -- one Triton program per row (amax, scale,
 cast: one read of ``x``, one 1-byte write) on CUDA; :func:`quantize_rows_fp8_reference` in torch everywhere
 (the tests' reference). On the CPU :func:`fp8_linear` computes the float32 reference of the same quantized
 values (no speed there: tests and accuracy measurements of the format). Every product has that float32

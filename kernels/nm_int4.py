@@ -362,14 +362,16 @@ def concat_packed(parts: "list[PackedNMInt4] | tuple[PackedNMInt4, ...]") -> Pac
                              f"K={first.in_features} on {first.device} vs {q.pattern.value} K={q.in_features} on {q.device}")
     if len(parts) == 1:
         return first
-    offsets = torch.tensor([0] + [q.num_groups for q in parts[:-1]], device=first.device).cumsum(0)
-    group_ptr = torch.cat([q.group_ptr[:-1].to(torch.int64) + o for q, o in zip(parts, offsets)]
-                          + [offsets[-1:] + parts[-1].num_groups])
+    ptrs, groups = [], 0
+    for q in parts:  # each part's row pointers shifted by the groups before it
+        ptrs.append(q.group_ptr[:-1] + groups)
+        groups += q.num_groups
+    group_ptr = torch.cat([*ptrs, torch.tensor([groups], dtype=torch.int32, device=first.device)])
     return PackedNMInt4(
         qweight=torch.cat([q.qweight for q in parts], 1),
         qpos=torch.cat([q.qpos for q in parts], 1),
         scale_zero=torch.cat([q.scale_zero for q in parts], 0),
-        group_ptr=group_ptr.to(torch.int32),
+        group_ptr=group_ptr,
         group_shift=torch.cat([q.group_shift for q in parts], 0),
         pattern=first.pattern,
         in_features=first.in_features,

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from adbatch.decoding.config import LinearFormats, TargetSearchConfig
 from kernels import fused_ops as fo
 from kernels.fp8_linear import Fp8Layout, fp8_linear, fp8_supported, quantize_weight_fp8, relative_error
-from kernels.nm_int4 import concat_packed
+from kernels.nm_int4 import concat_packed, dequantize_nm_int4
 from kernels.packed_linear import nm_int4_linear
 from kernels.decode_attention import (RowGather, decode_attention, decode_attention_reference,
                                       decode_attention_rows, gather_suffix, row_gather)
@@ -178,6 +178,10 @@ class LinearChoice(str, enum.Enum):
     SPARSE = "sparse"        #: a semi-structured 2:4 copy in the activation dtype (cuSPARSELt / CUTLASS)
     FP8 = "fp8"              #: an FP8 copy, activations quantized per row (torch._scaled_mm)
     SPARSE_FP8 = "sparse_fp8"  #: a 2:4 FP8 copy on the sparse tensor cores (torchao's CUTLASS kernel)
+
+
+#: the formats that quantize activations (accuracy-checked, and served only by FP8_MIN_SPEEDUP)
+FP8_CHOICES = (LinearChoice.FP8, LinearChoice.SPARSE_FP8)
 
 
 @dataclass
@@ -582,10 +586,10 @@ class DecodeEngine:
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-        Q = len(prompts)
-        self.reserve(Q, beams, max(len(p) for p in prompts), suffix)
+        Q, width = len(prompts), max(len(p) for p in prompts)
+        self.reserve(Q, beams, width, suffix)
         Qb, Lp = self.bucket(Q), self.Lp
-        Lw = min(Lp, _round_up(max(len(p) for p in prompts), PROMPT_BUCKET))  # this batch's width
+        Lw = min(Lp, _round_up(width, PROMPT_BUCKET))  # this batch's columns: the last Lw of the region
         # left-padded ids in one host array and one copy (-1 = padding); padding queries get one
         # visible (pad) key, which keeps their rows finite
         ids = np.full((Qb, Lp), -1, dtype=np.int64)
@@ -846,8 +850,6 @@ class DecodeEngine:
 
     def _unit_weight(self, unit: _Unit) -> torch.Tensor:
         """The unit's dequantized weight ``[sum N, K]`` in the engine's dtype."""
-        from kernels.nm_int4 import dequantize_nm_int4
-
         ws = [dequantize_nm_int4(m.packed, self.dtype) for m in unit.mods]
         return ws[0] if len(ws) == 1 else torch.cat(ws, 0)
 
@@ -912,7 +914,7 @@ class DecodeEngine:
                     continue
                 fn = (lambda r=(choice, copy_): self._run_copy(r, x, unit.bias))
                 kept[choice] = copy_
-            if choice in (LinearChoice.FP8, LinearChoice.SPARSE_FP8):
+            if choice in FP8_CHOICES:
                 ref = F.linear(x, w, unit.bias) if ref is None else ref
                 try:
                     errors[choice] = relative_error(fn(), ref)
@@ -928,7 +930,7 @@ class DecodeEngine:
             except RuntimeError as exc:  # e.g. a kernel that cannot be graph-captured
                 log.info("%s copy of %s not timed: %s", choice.value, key[:3], str(exc).splitlines()[0])
         best = min(timed, key=timed.get)
-        exact = {c: t for c, t in timed.items() if c not in (LinearChoice.FP8, LinearChoice.SPARSE_FP8)}
+        exact = {c: t for c, t in timed.items() if c not in FP8_CHOICES}
         if best not in exact and exact and timed[best] * FP8_MIN_SPEEDUP > min(exact.values()):
             best = min(exact, key=exact.get)
         self.plan.timings[key], self.plan.errors[key], self.plan.choice[key] = timed, errors, best
@@ -964,17 +966,17 @@ class DecodeEngine:
                         continue
                     self._time_unit(unit, key, rows)
                 choice = LinearChoice(self.plan.choice[key])
-            copy_ = self._packed_copy(unit) if choice is LinearChoice.PACKED else None
-            if copy_ is not None:
-                self._copies[(id(unit.mods[0]), choice)] = copy_
-            if choice is not LinearChoice.PACKED:
+            if choice is LinearChoice.PACKED:
+                copy_ = self._packed_copy(unit)  # None: the members run their own packed weights
+            else:
                 copy_ = self._copies.get((id(unit.mods[0]), choice))
                 if copy_ is None:  # a given plan, another unit of the same shape, or a forced format
                     copy_ = self._make_copy(unit, choice, self._unit_weight(unit))
                     if copy_ is None:
                         raise RuntimeError(f"the plan serves {key[:3]} at {rows} rows as a {choice.value} copy, "
                                            "which this device cannot build")
-                    self._copies[(id(unit.mods[0]), choice)] = copy_
+            if copy_ is not None:
+                self._copies[(id(unit.mods[0]), choice)] = copy_
             route[id(unit.mods[0])] = (choice, copy_)
         self._route = route
         self._routed_rows = rows if planned else None
