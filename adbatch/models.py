@@ -36,15 +36,35 @@ class ModelSourceKind(str, enum.Enum):
     GGUF = "gguf"  #: a single GGUF file (converted once to a cached HF folder)
 
 
+def submodules(model: Any) -> list[Any]:
+    """``model`` and every module below it, each once, in ``model.modules()`` order -- read straight from the
+    ``_modules`` dicts: ~4x faster than ``modules()``'s generator chain, which a search pays on every call
+    (a 32-layer packed model: ~420 modules)."""
+    out, seen, stack = [], set(), [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack.extend(c for c in reversed(list(m._modules.values())) if c is not None)
+    return out
+
+
 @contextlib.contextmanager
 def eval_mode(model: Any) -> Iterator[None]:
-    """``model`` (a torch module) in eval mode inside the block, back in its own mode after, even on an error."""
-    was_training = model.training
-    model.eval()
+    """``model`` (a torch module) in eval mode inside the block; after it, exactly the modules that were in
+    training mode are again, even on an error (a submodule its owner froze in eval stays in eval). One walk,
+    and only the modules in training mode are touched: ``model.eval()`` + ``model.train(mode)`` walked the
+    tree twice through ``Module.__setattr__``, 4 ms a call on a 32-layer model (a search's every batch)."""
+    flipped = [m for m in submodules(model) if m.training]
+    for m in flipped:
+        m.training = False
     try:
         yield
     finally:
-        model.train(was_training)
+        for m in flipped:
+            m.training = True
 
 
 def cache_root() -> Path:

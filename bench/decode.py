@@ -249,10 +249,19 @@ def time_pass(run: Runner, qs: list[list[int]], qbatch: int, dev) -> dict:
     return {"rows": rows, "scores": scores, "time": total, "stats": stats}
 
 
+#: a gap between kernels longer than this is counted as host time (launch latency inside a graph is ~1-5 us)
+GAP_LONG_US = 20
+
+
 def trace_batch(run: Runner, batch: list[list[int]], dev, top: int = 14) -> str:
     """One more (untimed) batch under ``torch.profiler``: its wall time next to the summed device time
-    of the kernels it ran (graph replays included), and the kernels with the most device time, as a
-    markdown table. The gap between the two is host time the GPU waited through."""
+    of the kernels it ran (graph replays included), where the GPU sat idle (gaps between kernels: short
+    ones are launch latency inside a graph, long ones host time the GPU waited through), the kernels
+    with the most device time, and -- one more batch under ``cProfile`` -- the host functions with the
+    most time of their own (a blocking sync shows as its caller's wait), as markdown."""
+    import cProfile
+    import pstats
+
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -264,12 +273,45 @@ def trace_batch(run: Runner, batch: list[list[int]], dev, top: int = 14) -> str:
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.device_time_total > 0]
     busy = sum(e.device_time_total for e in kernels)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    short = long_ = 0.0
+    n_long, end = 0, spans[0][1] if spans else 0.0
+    for a, b in spans[1:]:
+        if a > end:
+            if a - end > GAP_LONG_US:
+                long_, n_long = long_ + a - end, n_long + 1
+            else:
+                short += a - end
+        end = max(end, b)
+    span = (end - spans[0][0]) if spans else 0.0
     lines = [f"wall {1e3 * wall:.2f} ms (profiled), kernels {busy / 1e3:.2f} ms of device time "
-             f"({len(kernels)} distinct, {sum(e.count for e in kernels)} launches)", "",
+             f"({len(kernels)} distinct, {sum(e.count for e in kernels)} launches); first to last kernel "
+             f"{span / 1e3:.2f} ms, GPU idle {short / 1e3:.2f} ms in gaps <= {GAP_LONG_US} us, "
+             f"{long_ / 1e3:.2f} ms in {n_long} longer gaps", "",
              "| kernel | calls | device ms | share |", "|---|---:|---:|---:|"]
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
         lines.append(f"| {e.key[:90]} | {e.count} | {e.device_time_total / 1e3:.3f} | "
                      f"{e.device_time_total / max(busy, 1e-9):.1%} |")
+    prof_py = cProfile.Profile()
+    sync(dev)
+    t0 = time.perf_counter()
+    prof_py.enable()
+    run(batch)
+    sync(dev)
+    prof_py.disable()
+    wall_py = time.perf_counter() - t0
+    stats = pstats.Stats(prof_py)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (file, line, name) -> (cc, nc, tt, ct, ..)
+    lines += ["", f"host, one more batch under cProfile: wall {1e3 * wall_py:.2f} ms", "",
+              "| function | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
+    for (file, line, name), (_, nc, tt, ct, _) in rows:
+        where = f"{Path(file).name}:{line}" if line else file
+        lines.append(f"| {name} ({where}) | {nc} | {1e3 * tt:.2f} | {1e3 * ct:.2f} |")
+    ours = [kv for kv in stats.stats.items() if any(f"/{d}/" in kv[0][0] for d in ("adbatch", "kernels"))]
+    lines += ["", "| ours, by cumulative time | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
+    for (file, line, name), (_, nc, tt, ct, _) in sorted(ours, key=lambda kv: -kv[1][3])[:top]:
+        lines.append(f"| {name} ({Path(file).name}:{line}) | {nc} | {1e3 * tt:.2f} | {1e3 * ct:.2f} |")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ library's ``compress_``), and times the decode engine's graph-replayed step (``D
 ``search_targets`` calls) on both at ``--queries`` x ``--beams`` rows. The compressed engine plans every
 layer shape per bucket among the packed kernel, a dense copy and (from ``SPARSE_MIN_ROWS`` rows) a
 semi-structured sparse copy -- and, with ``linear_formats`` fp8 (a second engine over the same model), FP8
-and 2:4 FP8 copies from ``FP8_MIN_ROWS`` rows; the tables show the step ratios, then each shape's timings,
+and 2:4 FP8 copies; the tables show the step ratios, then each shape's timings,
 FP8 errors and choice.
 
     python bench/large_rows.py --layers 4 --queries 16,128,512,1024 --out $OUT/large_rows.md

@@ -132,6 +132,42 @@ def test_engine_is_rebuilt_when_weights_change():
     assert torch.allclose(logits[0].float() - lse[0], _ref_logprobs(model, prompt), atol=2e-5)
 
 
+def test_engine_is_rebuilt_when_a_module_or_parameter_is_replaced():
+    """The signature is read from every module's own dicts (not ``parameters()``): a swapped submodule, a
+    reassigned parameter and a layer removed from its ModuleList (whose ``__delitem__`` rebuilds ``_modules``
+    without a registration hook) each give a new engine."""
+    model = make_tiny_llama(vocab_size=64, layers=3)
+    eng = engine_for(model)
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    assert engine_for(model) is not eng
+    eng = engine_for(model)
+    attn = model.model.layers[1].self_attn
+    attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach().clone())
+    assert engine_for(model) is not eng
+    eng = engine_for(model)
+    del model.model.layers[2]
+    assert engine_for(model) is not eng
+
+
+def test_eval_mode_restores_exactly_the_modules_that_were_training():
+    from adbatch.models import eval_mode, submodules
+
+    model = make_tiny_llama()
+    assert [id(m) for m in submodules(model)] == [id(m) for m in model.modules()]
+    model.train()
+    frozen = model.model.layers[0]
+    frozen.eval()  # its owner froze it: eval_mode must not turn it back to training after
+    with eval_mode(model):
+        assert not any(m.training for m in model.modules())
+    assert model.training and model.model.layers[1].training
+    assert not any(m.training for m in frozen.modules())
+    with pytest.raises(KeyError):
+        with eval_mode(model):
+            raise KeyError("restored on an error too")
+    assert model.training and not frozen.training
+
+
 def test_a_deleted_model_takes_its_engine_with_it():
     """Engines are kept per model weakly: once the caller drops the model, its engine (cache, graphs, copies)
     is freed too. An engine that held its model kept both alive (two trained models' engines filled an H100)."""

@@ -97,11 +97,11 @@ def _compressed_tiny(pattern: str = "2:4"):
 
 def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_copy(monkeypatch):
     """Fake timings (a GPU measures them): FP8 fastest but over the error bound -> not served; the next
-    fastest wins; FP8 fastest by less than FP8_MIN_SPEEDUP -> the dense copy; FP8 is no candidate below
-    FP8_MIN_ROWS or with LinearFormats.INT4."""
+    fastest wins; FP8 fastest by less than FP8_MIN_SPEEDUP -> the dense copy; FP8 is a candidate at every bucket (8 rows included)
+    but none with LinearFormats.INT4."""
     import kernels.int4_tuner as tuner
     from adbatch.decoding import LinearFormats
-    from adbatch.decoding.engine import FP8_MIN_ROWS, FP8_MIN_SPEEDUP, DecodeEngine, LinearChoice
+    from adbatch.decoding.engine import FP8_MIN_SPEEDUP, DecodeEngine, LinearChoice
 
     model = _compressed_tiny("4:4")
     engine = DecodeEngine(model, formats=LinearFormats.FP8)
@@ -143,27 +143,27 @@ def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_co
         eng._time_unit(unit, key, rows)
         return key
 
-    key = timed(engine, FP8_MIN_ROWS)
+    key = timed(engine, 16)
     assert engine.plan.choice[key] is LinearChoice.FP8
     assert engine.plan.errors[key][LinearChoice.FP8] < 0.06
     assert set(engine.plan.timings[key]) == {LinearChoice.PACKED, LinearChoice.DENSE, LinearChoice.FP8}
     assert (id(unit.mods[0]), LinearChoice.FP8) in engine._copies  # the winner's copy is kept
 
     err_scale["v"] = 1.5  # a broken copy: 50 % off
-    key = timed(engine, FP8_MIN_ROWS)
+    key = timed(engine, 16)
     assert engine.plan.choice[key] is LinearChoice.DENSE and LinearChoice.FP8 not in engine.plan.timings[key]
     assert engine.plan.errors[key][LinearChoice.FP8] > 0.4
 
     err_scale["v"] = 1.0
     fake_us[LinearChoice.FP8] = 20.0 / FP8_MIN_SPEEDUP + 0.5  # fastest, but by less than the margin
-    key = timed(engine, FP8_MIN_ROWS)
+    key = timed(engine, 16)
     assert engine.plan.choice[key] is LinearChoice.DENSE and LinearChoice.FP8 in engine.plan.timings[key]
     fake_us[LinearChoice.FP8] = 10.0
-    small = timed(engine, FP8_MIN_ROWS // 2)
-    assert LinearChoice.FP8 not in engine.plan.timings[small]
+    small = timed(engine, 8)
+    assert engine.plan.choice[small] is LinearChoice.FP8
     assert DecodeEngine(model).formats is LinearFormats.FP8  # the default (TargetSearchConfig's)
     int4 = DecodeEngine(model, formats=LinearFormats.INT4)
-    key = timed(int4, FP8_MIN_ROWS)
+    key = timed(int4, 8)
     assert LinearChoice.FP8 not in int4.plan.timings[key]
 
 

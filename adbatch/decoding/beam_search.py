@@ -428,12 +428,14 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
             state.update(prior_keys=prior.keys, prior_values=prior.values, prior_floor=prior.floor)
         expand = functools.partial(_expand_beams, trie=trie, aux=aux, logits=logits, lse=lse, B=B, C=C,
                                    length_penalty=lp_pen, prior_weight=cfg.prior_weight if prior is not None else 0.0)
-        if t > 0 and not has_virtual and C <= CAPTURE_MAX_WIDTH:  # graph-replayed: reads this bucket's step-graph logits in place
+        # graph-replayed: reads the logits of this bucket's step graph (t > 0) or prefill graph (t = 0) in place
+        # (a first, eager prefill's logits sit at an address no later batch has: that key is never captured)
+        if not has_virtual and C <= CAPTURE_MAX_WIDTH:
             key = ("expand", Qb, C, lp_pen) if prior is None else ("expand", Qb, C, lp_pen, cfg.prior_weight,
                                                                      prior.keys.shape[1])
             outs = engine.run_captured(key, expand, state,
                                        read_only=(logits, lse, *_trie_arrays(trie, aux)))
-        else:  # the prefill's logits, verified subtrees' scores (vraw grows) or a wide level: eager
+        else:  # verified subtrees' scores (vraw grows) or a wide level: eager
             outs = expand(**state, vraw=vraw)
         pool_s, pool_n, run_s, run_c, run_t, alive, parent_slot, run_virtual, host_dev = outs
         # The step's one GPU->CPU sync: everything the trigger and the bookkeeping need.

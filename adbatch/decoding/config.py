@@ -14,7 +14,7 @@ class LinearFormats(str, enum.Enum):
 
     #: the packed INT4 kernel, its bf16 copy, a semi-structured bf16 copy (2:4 / 1:4 at large buckets)
     INT4 = "int4"
-    #: those, plus FP8 and (2:4 / 1:4 layers) 2:4 FP8 copies from FP8_MIN_ROWS rows, where accurate enough
+    #: those, plus FP8 and (2:4 / 1:4 layers) 2:4 FP8 copies, at every bucket, where accurate enough
     FP8 = "fp8"
 
 

@@ -28,7 +28,7 @@ the faster, so a compressed model is never slower than its dense form at any buc
 large buckets (>= :data:`SPARSE_MIN_ROWS` rows: many queries x beams on a large model, where no
 weight-only kernel can win) a 2:4 or 1:4 layer is also timed as a semi-structured sparse copy on
 Hopper's / Ampere's sparse tensor cores (:func:`semi_structured_copy`). With :attr:`LinearFormats.FP8`
-(from :data:`FP8_MIN_ROWS` rows) two compute formats join: an FP8 copy (per-channel weight scales,
+(at every bucket) two compute formats join: an FP8 copy (per-channel weight scales,
 per-row dynamic activation scales; :mod:`kernels.fp8_linear`) and, for 2:4 / 1:4 layers, a 2:4 FP8 copy
 on the sparse tensor cores -- each only where its output passes :data:`FP8_MAX_REL_ERROR` against the
 bf16 copy on the timing input. Projections that read one input (q/k/v, gate/up) and all chose the
@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from adbatch.decoding.config import LinearFormats, TargetSearchConfig
+from adbatch.models import submodules
 from kernels import fused_ops as fo
 from kernels.fp8_linear import Fp8Layout, fp8_linear, fp8_supported, quantize_weight_fp8, relative_error
 from kernels.nm_int4 import concat_packed, dequantize_nm_int4
@@ -153,11 +154,6 @@ class _Ops:
 SPARSE_MIN_ROWS = 512
 #: layer patterns a semi-structured (2:4) copy can hold: 1:4 is 2:4 with one more zero per group of four
 SPARSE_PATTERNS = ("2:4", "1:4")
-#: buckets from which FP8 copies are also timed (LinearFormats.FP8). With fast accumulation FP8 already beat the packed
-#: 2:4 INT4 kernel at 16 rows on two of the 8B shape's four units (q/k/v 1.42x vs 1.17x bf16, gate/up 1.70x vs 1.52x;
-#: H100, bench/RESULTS.md "FP8 fast accumulation"); below that a step reads weights more than it multiplies, and the
-#: packed INT4 kernels read 2-2.5x fewer bytes than FP8's
-FP8_MIN_ROWS = 16
 #: largest relative error (Frobenius, vs the layer's bf16 copy on the timing input) an FP8 copy may have to
 #: be served; e4m3 with per-channel / per-row scales lands near 0.03-0.04 on Gaussian inputs (the public
 #: 2:4 FP8 kernel: 0.038), a broken scale or an outlier-ridden layer far above
@@ -885,7 +881,10 @@ class DecodeEngine:
         out = [LinearChoice.PACKED, LinearChoice.DENSE]
         if unit.sparse and rows >= SPARSE_MIN_ROWS:
             out.append(LinearChoice.SPARSE)
-        if self.formats is LinearFormats.FP8 and rows >= FP8_MIN_ROWS:
+        # FP8 at every bucket: at 8 rows (one 8B query's beams) 2:4 FP8 beat the packed 2:4 INT4 kernel on
+        # q/k/v, gate/up and down (10.9 / 33.4 / 21.3 vs 16.1 / 55.1 / 28.9 us; H100, 2026-12-06), although
+        # it reads ~1.6x the bytes: the GEMV's dequantization, not HBM, bounds it there
+        if self.formats is LinearFormats.FP8:
             out += [LinearChoice.FP8] + ([LinearChoice.SPARSE_FP8] if unit.sparse else [])
         return out
 
@@ -1085,8 +1084,11 @@ _ENGINES: "weakref.WeakKeyDictionary[Any, dict[LinearFormats, DecodeEngine]]" = 
 
 def weights_signature(model: Any) -> tuple:
     """Where every parameter / buffer lives and its in-place version counter: changes when the model
-    is trained further, moved, cast or reloaded (the engine's fused copies and graphs would be stale)."""
-    return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
+    is trained further, moved, cast or reloaded (the engine's fused copies and graphs would be stale). Read
+    from each module's own dicts (:func:`adbatch.models.submodules`), not ``parameters()`` / ``buffers()``:
+    2.7 -> ~0.5 ms a call on a 32-layer packed model (every search call pays it)."""
+    return tuple((t.data_ptr(), t._version) for m in submodules(model)
+                 for d in (m._parameters, m._buffers) for t in d.values() if t is not None)
 
 
 def engine_for(model: Any, formats: LinearFormats | None = None) -> DecodeEngine:
