@@ -152,14 +152,17 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_fp8_triton(x)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, fast_accum: bool = True) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, fast_accum: bool = True,
+               x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``x`` quantized per row to FP8 (CUDA; see :func:`fp8_supported`).
 
     ``x``: bf16 / fp16 ``[..., K]``; returns ``[..., N]`` in ``x``'s dtype. ``fast_accum``: cuBLASLt's fast FP8
     accumulation (the tensor cores' partial sums are not periodically promoted to float32), as torchao's FP8 forward
     asks for. On by default: at the 8B shapes it ran at 0.97-1.39x the promoted accumulation's speed, faster at 19
     of 20 points (q/k/v at 16 rows 1.42x vs 1.02x cuBLAS bf16), with the same relative error to the float32 product,
-    0.037-0.038 up to K = 14,336 (H100, 2026-12-06; bench/fp8_layers.py's ``fp8`` and ``fp8_full_acc`` columns)."""
+    0.037-0.038 up to K = 14,336 (H100, 2026-12-06; bench/fp8_layers.py's ``fp8`` and ``fp8_full_acc`` columns).
+    ``x_fp8``: ``x``'s rows already quantized, ``(q [M, K], s [M, 1])`` as :func:`quantize_rows_fp8` makes them
+    (e.g. by :func:`kernels.fused_ops.add_rms_norm_fp8` in the norm that wrote ``x``): used instead of quantizing."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if w.layout is Fp8Layout.DENSE and not x.is_cuda:
@@ -167,10 +170,10 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, fast_accum: bool = True) -> torch.
     elif w.layout is Fp8Layout.SPARSE_24:
         from torchao.ops import rowwise_scaled_linear_sparse_cutlass_f8f8  # optional GPU dependency
 
-        xq, sx = quantize_rows_fp8(x2)
+        xq, sx = quantize_rows_fp8(x2) if x_fp8 is None else x_fp8
         y = rowwise_scaled_linear_sparse_cutlass_f8f8(xq, sx[:, 0], w.data, w.meta, w.scale, w.bias, x.dtype)
     else:
-        xq, sx = quantize_rows_fp8(x2)
+        xq, sx = quantize_rows_fp8(x2) if x_fp8 is None else x_fp8
         y = torch._scaled_mm(xq, w.data.t(), scale_a=sx, scale_b=w.scale[None, :], bias=w.bias,
                              out_dtype=x.dtype, use_fast_accum=fast_accum)
     return y.reshape(*lead, w.out_features)

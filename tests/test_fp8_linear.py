@@ -194,6 +194,38 @@ def test_fp8_routing_runs_qkv_and_gate_up_as_one_fp8_gemm_and_keeps_the_step_nea
     torch.testing.assert_close(_two_steps(routed), want, atol=1e-4, rtol=1e-4)
 
 
+def test_fp8_units_take_their_rows_quantized_by_the_norm_that_wrote_them(monkeypatch):
+    """Where q/k/v and gate/up run as one FP8 copy, the norm before them also quantizes its rows and the copy
+    takes them (no second quantization of the same rows); o_proj and down (inputs from attention / the
+    activation) quantize their own."""
+    import adbatch.decoding.engine as eng_mod
+    from adbatch.decoding.engine import DecodeEngine, LinearChoice
+
+    model = _compressed_tiny("4:4")
+    routed = DecodeEngine(model)
+    routed.force_format(LinearChoice.FP8)
+    routed._plan_linears(4)  # (a GPU plans at each pass's bucket; the CPU serves the route it is given)
+    given = []
+    real = eng_mod.fp8_linear
+
+    def spy(x, w, fast_accum=True, x_fp8=None):
+        given.append((w.out_features, x_fp8 is not None))
+        if x_fp8 is not None:  # what the norm handed over is x's own quantization
+            q, s = quantize_rows_fp8_reference(x.reshape(-1, x.shape[-1]))
+            assert torch.equal(x_fp8[0].float(), q.float()) and torch.equal(x_fp8[1], s)
+        return real(x, w, fast_accum, x_fp8)
+
+    monkeypatch.setattr(eng_mod, "fp8_linear", spy)
+    _two_steps(routed)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    qkv = attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    handed = {n for n, pre in given if pre}
+    assert handed == {qkv, 2 * mlp.gate_proj.out_features}
+    assert all(not pre for n, pre in given if n in (attn.o_proj.out_features, mlp.down_proj.out_features)
+               and n not in handed)
+    assert sum(pre for _, pre in given) == sum(not pre for _, pre in given)  # 2 of the 4 units per layer
+
+
 def test_forced_sparse_fp8_is_refused_where_the_device_cannot_build_it():
     from adbatch.decoding.engine import DecodeEngine, LinearChoice
 
@@ -213,6 +245,23 @@ def test_triton_row_quantization_equals_the_reference(shape):
         x[2] = 0
     q, s = quantize_rows_fp8(x)
     qr, sr = quantize_rows_fp8_reference(x)
+    torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+    assert float((q.float() - qr.float()).abs().max()) == 0.0
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a GPU")
+@pytest.mark.parametrize("shape", [(8, 4096), (130, 576), (3, 100)])
+def test_norm_with_fp8_rows_equals_the_reference_quantization_of_its_rows(shape):
+    from kernels import fused_ops as fo
+
+    torch.manual_seed(6)
+    h = (torch.randn(*shape, device="cuda") * 3).to(torch.bfloat16)
+    a = torch.randn(*shape, device="cuda").to(torch.bfloat16)
+    w = (torch.rand(shape[1], device="cuda") + 0.5).to(torch.bfloat16)
+    want_h, want_x = fo.add_rms_norm(h.clone(), a, w, 1e-5, False)
+    got_h, got_x, (q, s) = fo.add_rms_norm_fp8(h.clone(), a, w, 1e-5, False)
+    assert torch.equal(got_h, want_h) and torch.equal(got_x, want_x)
+    qr, sr = quantize_rows_fp8_reference(want_x)
     torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
     assert float((q.float() - qr.float()).abs().max()) == 0.0
 

@@ -42,6 +42,31 @@ def test_add_rms_norm_matches_reference(dtype, unit_offset, with_add):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm_fp8_is_the_norm_then_the_row_quantization_kernel(dtype, unit_offset):
+    """The fused norm + FP8 rows give the plain norm's sum and rows and, bit for bit, what the separate row
+    quantization kernel (kernels.fp8_quant) makes of those rows -- both under the interpreter, whose e4m3
+    rounding is its own (the CUDA test checks the quantization against the torch reference)."""
+    from kernels.fp8_linear import FP8_DTYPE, quantize_rows_fp8_reference
+    from kernels.fp8_quant import quantize_rows_fp8_triton
+
+    gen = torch.Generator().manual_seed(5)
+    h = (torch.randn(6, 2, 72, generator=gen) * 4).to(dtype)
+    a = torch.randn(6, 2, 72, generator=gen).to(dtype)
+    w = (torch.rand(72, generator=gen) + 0.5).to(dtype)
+    want_h, want_x = fo.add_rms_norm(h.clone(), a, w, 1e-5, unit_offset)
+    got_h, got_x, (q, s) = fo.add_rms_norm_fp8(h.clone(), a, w, 1e-5, unit_offset)
+    torch.testing.assert_close(got_h, want_h, atol=0, rtol=0)
+    torch.testing.assert_close(got_x, want_x, atol=0, rtol=0)
+    want_q, want_s = quantize_rows_fp8_triton(want_x.reshape(-1, 72))
+    assert q.dtype == FP8_DTYPE and q.shape == (12, 72) and s.shape == (12, 1)
+    torch.testing.assert_close(s, want_s, atol=0, rtol=0)
+    torch.testing.assert_close(s, quantize_rows_fp8_reference(want_x.reshape(-1, 72))[1], atol=0, rtol=1e-6)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@interpreted
 def test_add_rms_norm_reads_strided_rows():
     gen = torch.Generator().manual_seed(4)
     big = torch.randn(6, 2 * 40, generator=gen)

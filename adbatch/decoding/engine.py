@@ -138,6 +138,7 @@ class _Ops:
     def __init__(self, fused: bool) -> None:
         self.fused = fused
         self.add_rms_norm = fo.add_rms_norm if fused else fo.add_rms_norm_reference
+        self.add_rms_norm_fp8 = fo.add_rms_norm_fp8 if fused else fo.add_rms_norm_fp8_reference
         self.gated_act = fo.gated_act if fused else fo.gated_act_reference
         self.rows_lse = fo.row_logsumexp if fused else fo.row_logsumexp_reference
 
@@ -337,6 +338,9 @@ class DecodeEngine:
         self._packed_modules = [m for m in model.modules() if _is_packed(m)]
         self._units = self._compressed_units()
         self._unit_of = {id(u.mods[0]): u for u in self._units}
+        #: ``(x, (q, s))``: the rows the last norm wrote and, where one FP8 copy reads them, their FP8 quantization
+        #: from the same kernel (:meth:`_add_norm`); :meth:`_projections` hands it to that copy for that ``x`` only
+        self._x_fp8: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.capture_seconds = 0.0
         self.signature: tuple = ()
         self.inference_tensors = False  # built under torch.inference_mode (engine_for sets it)
@@ -419,8 +423,10 @@ class DecodeEngine:
         return self._run_copy(route, x, getattr(mod, "bias", None))
 
     @staticmethod
-    def _run_copy(route: tuple[LinearChoice, Any], x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [..., K]`` through a unit's copy in its format -> ``[..., N]`` (rows contiguous)."""
+    def _run_copy(route: tuple[LinearChoice, Any], x: torch.Tensor, bias: torch.Tensor | None,
+                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``x [..., K]`` through a unit's copy in its format -> ``[..., N]`` (rows contiguous); ``x_fp8``: ``x``'s
+        rows already quantized for an FP8 copy (see :func:`kernels.fp8_linear.fp8_linear`)."""
         choice, copy = route
         if choice is LinearChoice.PACKED:  # a unit's members stacked into one packed weight
             return nm_int4_linear(x, copy, bias)
@@ -429,7 +435,7 @@ class DecodeEngine:
         if choice is LinearChoice.SPARSE:  # the sparse GEMM's result is a transposed view: the fused ops need rows
             y = F.linear(x.reshape(-1, x.shape[-1]), copy, bias)
             return y.contiguous().reshape(*x.shape[:-1], -1)
-        return fp8_linear(x, copy)  # FP8 / SPARSE_FP8 (the bias lives in the copy)
+        return fp8_linear(x, copy, x_fp8=x_fp8)  # FP8 / SPARSE_FP8 (the bias lives in the copy)
 
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[N, T, D]`` for positions ``pos: Long[N, T]``."""
@@ -445,10 +451,17 @@ class DecodeEngine:
         # Gemma 3's embedding module scales by sqrt(hidden) itself (Gemma3TextScaledWordEmbedding)
         return self.dec.embed_tokens(tokens)
 
+    @staticmethod
+    def _qkv_group(layer: Any) -> tuple[Any, ...]:
+        return layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj
+
+    @staticmethod
+    def _gate_up_group(layer: Any) -> tuple[Any, ...]:
+        return layer.mlp.gate_proj, layer.mlp.up_proj
+
     def _groups(self) -> list[tuple[Any, ...]]:
         """Each layer's projections that read the same input: (q, k, v) and (gate, up)."""
-        return [g for layer in self.layers for g in ((layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                                      layer.self_attn.v_proj), (layer.mlp.gate_proj, layer.mlp.up_proj))]
+        return [g for layer in self.layers for g in (self._qkv_group(layer), self._gate_up_group(layer))]
 
     def _fuse_dense_projections(self) -> None:
         """Concatenate each layer's dense q/k/v and gate/up weights into one matrix (one GEMM
@@ -460,13 +473,21 @@ class DecodeEngine:
                 self._fused[id(group[0])] = (torch.cat([m.weight.detach() for m in group], 0), bias,
                                              tuple(int(m.out_features) for m in group))
 
+    def _group_route(self, group: tuple[Any, ...]) -> tuple[LinearChoice, Any] | None:
+        """The route of ``group`` (q/k/v or gate/up) where it runs as one unit's copy (one GEMM / launch), else None."""
+        unit = self._unit_of.get(id(group[0]))
+        if id(group[0]) in self._fused or unit is None or len(unit.mods) != len(group):
+            return None
+        route = self._route.get(id(group[0]))
+        return route if route is not None and route[1] is not None else None
+
     def _projections(self, group: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
         fused = self._fused.get(id(group[0]))
-        unit = self._unit_of.get(id(group[0]))
-        if fused is None and unit is not None and len(unit.mods) == len(group):
-            route = self._route.get(id(group[0]))
-            if route is not None and route[1] is not None:  # one GEMM / launch of the members' copy
-                return list(self._run_copy(route, x, unit.bias).split(unit.sizes, dim=-1))
+        route = self._group_route(group)
+        if route is not None:  # one GEMM / launch of the members' copy
+            x_fp8 = self._x_fp8[1] if self._x_fp8 is not None and self._x_fp8[0] is x else None
+            unit = self._unit_of[id(group[0])]
+            return list(self._run_copy(route, x, unit.bias, x_fp8).split(unit.sizes, dim=-1))
         if fused is None:
             return [self._linear(m, x) for m in group]
         w, b, sizes = fused
@@ -485,13 +506,22 @@ class DecodeEngine:
         p = self._norm_params(mod)
         return mod(x) if p is None else self.ops.rms_norm(x, *p)
 
-    def _add_norm(self, h: torch.Tensor, a: torch.Tensor | None, mod: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(self, h: torch.Tensor, a: torch.Tensor | None, mod: Any, feeds: tuple[Any, ...] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add ``h + a`` (``a=None``: none) and ``mod``'s norm of the sum: one kernel
-        on CUDA, which writes the sum into ``h``'s own buffer."""
+        on CUDA, which writes the sum into ``h``'s own buffer. ``feeds``: the q/k/v or gate/up group that reads
+        the normed rows; where it runs as one FP8 copy the same kernel also quantizes the rows for it
+        (:func:`kernels.fused_ops.add_rms_norm_fp8`: no separate quantization launch re-reading them)."""
+        self._x_fp8 = None
         p = self._norm_params(mod)
         if p is None:
             h = h if a is None else h + a
             return h, mod(h)
+        route = None if feeds is None else self._group_route(feeds)
+        if route is not None and route[0] in FP8_CHOICES:
+            h, x, x_fp8 = self.ops.add_rms_norm_fp8(h, a, *p)
+            self._x_fp8 = (x, x_fp8)
+            return h, x
         return self.ops.add_rms_norm(h, a, *p)
 
     def _layer_stack(self, h: torch.Tensor, attend: Any) -> torch.Tensor:
@@ -501,23 +531,26 @@ class DecodeEngine:
         differ): input-normed ``x [N, T, hidden]`` -> output before o_proj ``[N, T, H * D]``. Each
         residual add is fused with the norm that reads its sum (the next layer's input norm too):
         two row-wise kernels per layer besides the GEMMs, attention, rotary and the activation."""
-        h, x = self._add_norm(h, None, self.layers[0].input_layernorm)
+        h, x = self._add_norm(h, None, self.layers[0].input_layernorm, self._qkv_group(self.layers[0]))
         for li, layer in enumerate(self.layers):
             a = self._linear(layer.self_attn.o_proj, attend(li, layer, x))
             if self.gemma:  # sandwich norms: the branch output is normed before the residual add
-                h, x = self._add_norm(h, self._norm(layer.post_attention_layernorm, a), layer.pre_feedforward_layernorm)
+                h, x = self._add_norm(h, self._norm(layer.post_attention_layernorm, a), layer.pre_feedforward_layernorm,
+                                      self._gate_up_group(layer))
             else:
-                h, x = self._add_norm(h, a, layer.post_attention_layernorm)
+                h, x = self._add_norm(h, a, layer.post_attention_layernorm, self._gate_up_group(layer))
             m = self._mlp(layer.mlp, x)
             if self.gemma:
                 m = self._norm(layer.post_feedforward_layernorm, m)
-            nxt = self.layers[li + 1].input_layernorm if li + 1 < len(self.layers) else self.dec.norm
-            h, x = self._add_norm(h, m, nxt)
+            if li + 1 < len(self.layers):
+                nxt = self.layers[li + 1]
+                h, x = self._add_norm(h, m, nxt.input_layernorm, self._qkv_group(nxt))
+            else:
+                h, x = self._add_norm(h, m, self.dec.norm)
         return x
 
     def _split_heads(self, layer: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attn = layer.self_attn
-        return self._projections((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        return self._projections(self._qkv_group(layer), x)
 
     def _qkv(self, layer: Any, x: torch.Tensor, rope: dict[str, tuple], li: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -544,7 +577,7 @@ class DecodeEngine:
         return fo.rotary_store(q, k, v, cos, sin, k_out, v_out, t0)
 
     def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._projections((mlp.gate_proj, mlp.up_proj), x)
+        gate, up = self._projections((mlp.gate_proj, mlp.up_proj), x)  # (the layer's _gate_up_group)
         hidden = mlp.act_fn(gate) * up if self.act is None else self.ops.gated_act(gate, up, self.act)
         return self._linear(mlp.down_proj, hidden)
 
