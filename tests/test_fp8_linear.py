@@ -116,9 +116,9 @@ def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_co
     monkeypatch.setattr(tuner, "time_graphed_ms", fake_timer)
     real_run = DecodeEngine._run_copy
 
-    def run_copy(route, x, bias):
+    def run_copy(route, x, bias, x_fp8=None):
         fake_timer.current = route[0]
-        y = real_run(route, x, bias)
+        y = real_run(route, x, bias, x_fp8)
         return y * err_scale["v"] if route[0] is LinearChoice.FP8 else y
 
     monkeypatch.setattr(DecodeEngine, "_run_copy", staticmethod(run_copy))

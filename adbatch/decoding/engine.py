@@ -58,7 +58,8 @@ import torch.nn.functional as F
 from adbatch.decoding.config import LinearFormats, TargetSearchConfig
 from adbatch.models import submodules
 from kernels import fused_ops as fo
-from kernels.fp8_linear import Fp8Layout, fp8_linear, fp8_supported, quantize_weight_fp8, relative_error
+from kernels.fp8_linear import (Fp8Layout, fp8_linear, fp8_supported, quantize_rows_fp8, quantize_weight_fp8,
+                                relative_error)
 from kernels.nm_int4 import concat_packed, dequantize_nm_int4
 from kernels.packed_linear import nm_int4_linear
 from kernels.decode_attention import (RowGather, decode_attention, decode_attention_reference,
@@ -577,7 +578,7 @@ class DecodeEngine:
         return fo.rotary_store(q, k, v, cos, sin, k_out, v_out, t0)
 
     def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._projections((mlp.gate_proj, mlp.up_proj), x)  # (the layer's _gate_up_group)
+        gate, up = self._projections((mlp.gate_proj, mlp.up_proj), x)
         hidden = mlp.act_fn(gate) * up if self.act is None else self.ops.gated_act(gate, up, self.act)
         return self._linear(mlp.down_proj, hidden)
 
@@ -944,7 +945,10 @@ class DecodeEngine:
                 copy_ = self._make_copy(unit, choice, w) if copy_ is None else copy_
                 if copy_ is None:
                     continue
-                fn = (lambda r=(choice, copy_): self._run_copy(r, x, unit.bias))
+                # a q/k/v or gate/up unit served FP8 reads its rows quantized by the norm before it (_add_norm):
+                # time what runs, the GEMM on rows quantized beforehand; a unit of one quantizes its own rows
+                x_fp8 = quantize_rows_fp8(x) if choice in FP8_CHOICES and len(unit.mods) > 1 else None
+                fn = (lambda r=(choice, copy_), xq=x_fp8: self._run_copy(r, x, unit.bias, xq))
                 kept[choice] = copy_
             if choice in FP8_CHOICES:
                 ref = F.linear(x, w, unit.bias) if ref is None else ref
