@@ -895,8 +895,8 @@ def main() -> None:
                     help="timed runs per point, median reported (default 3, smoke 1)")
     ap.add_argument("--profile", action="store_true", help="phase timings of ours (syncs per phase)")
     ap.add_argument("--trace", action="store_true",
-                    help="after each point, one more batch per method under torch.profiler: wall vs kernel time, "
-                         "top kernels (section 'trace')")
+                    help="after each point, one more batch per method under torch.profiler (wall vs kernel time, "
+                         "GPU idle gaps, top kernels) and one under cProfile (host functions) (section 'trace')")
     ap.add_argument("--smoke", action="store_true", help="gpu sections with tiny models on the CPU")
     ap.add_argument("--q1-queries", type=int, default=None,
                     help="queries timed one at a time at batch 1 (default 4, smoke 2)")
