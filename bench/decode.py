@@ -253,6 +253,35 @@ def time_pass(run: Runner, qs: list[list[int]], qbatch: int, dev) -> dict:
 GAP_LONG_US = 20
 
 
+def _gpu_idle(events) -> tuple[float, float, float, int]:
+    """From a profile's events: us from the first kernel's start to the last one's end, us the GPU sat idle in
+    gaps of at most GAP_LONG_US, us in longer gaps, and how many of those."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return 0.0, 0.0, 0.0, 0
+    short = long_ = 0.0
+    n_long, end = 0, spans[0][1]
+    for a, b in spans[1:]:
+        if a - end > GAP_LONG_US:
+            long_, n_long = long_ + a - end, n_long + 1
+        elif a > end:
+            short += a - end
+        end = max(end, b)
+    return end - spans[0][0], short, long_, n_long
+
+
+def _host_table(title: str, stats: dict, by: int, top: int) -> list[str]:
+    """cProfile ``stats`` as markdown rows, the ``top`` largest by field ``by`` (2: own time, 3: cumulative)."""
+    lines = [f"| {title} | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
+    for (file, line, name), (_, nc, tt, ct, _) in sorted(stats.items(), key=lambda kv: -kv[1][by])[:top]:
+        where = f"{Path(file).name}:{line}" if line else file
+        lines.append(f"| {name} ({where}) | {nc} | {1e3 * tt:.2f} | {1e3 * ct:.2f} |")
+    return lines
+
+
 def trace_batch(run: Runner, batch: list[list[int]], dev, top: int = 14) -> str:
     """One more (untimed) batch under ``torch.profiler``: its wall time next to the summed device time
     of the kernels it ran (graph replays included), where the GPU sat idle (gaps between kernels: short
@@ -273,18 +302,7 @@ def trace_batch(run: Runner, batch: list[list[int]], dev, top: int = 14) -> str:
         wall = time.perf_counter() - t0
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.device_time_total > 0]
     busy = sum(e.device_time_total for e in kernels)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    short = long_ = 0.0
-    n_long, end = 0, spans[0][1] if spans else 0.0
-    for a, b in spans[1:]:
-        if a > end:
-            if a - end > GAP_LONG_US:
-                long_, n_long = long_ + a - end, n_long + 1
-            else:
-                short += a - end
-        end = max(end, b)
-    span = (end - spans[0][0]) if spans else 0.0
+    span, short, long_, n_long = _gpu_idle(prof.events())
     lines = [f"wall {1e3 * wall:.2f} ms (profiled), kernels {busy / 1e3:.2f} ms of device time "
              f"({len(kernels)} distinct, {sum(e.count for e in kernels)} launches); first to last kernel "
              f"{span / 1e3:.2f} ms, GPU idle {short / 1e3:.2f} ms in gaps <= {GAP_LONG_US} us, "
@@ -301,17 +319,11 @@ def trace_batch(run: Runner, batch: list[list[int]], dev, top: int = 14) -> str:
     sync(dev)
     prof_py.disable()
     wall_py = time.perf_counter() - t0
-    stats = pstats.Stats(prof_py)
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (file, line, name) -> (cc, nc, tt, ct, ..)
-    lines += ["", f"host, one more batch under cProfile: wall {1e3 * wall_py:.2f} ms", "",
-              "| function | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
-    for (file, line, name), (_, nc, tt, ct, _) in rows:
-        where = f"{Path(file).name}:{line}" if line else file
-        lines.append(f"| {name} ({where}) | {nc} | {1e3 * tt:.2f} | {1e3 * ct:.2f} |")
-    ours = [kv for kv in stats.stats.items() if any(f"/{d}/" in kv[0][0] for d in ("adbatch", "kernels"))]
-    lines += ["", "| ours, by cumulative time | calls | own ms | cumulative ms |", "|---|---:|---:|---:|"]
-    for (file, line, name), (_, nc, tt, ct, _) in sorted(ours, key=lambda kv: -kv[1][3])[:top]:
-        lines.append(f"| {name} ({Path(file).name}:{line}) | {nc} | {1e3 * tt:.2f} | {1e3 * ct:.2f} |")
+    stats = pstats.Stats(prof_py).stats  # (file, line, name) -> (cc, nc, own s, cumulative s, callers)
+    ours = {k: v for k, v in stats.items() if any(f"/{d}/" in k[0] for d in ("adbatch", "kernels"))}
+    lines += ["", f"host, one more batch under cProfile: wall {1e3 * wall_py:.2f} ms", ""]
+    lines += _host_table("function", stats, by=2, top=top) + [""]
+    lines += _host_table("ours, by cumulative time", ours, by=3, top=top)
     return "\n".join(lines)
 
 
