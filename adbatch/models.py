@@ -52,12 +52,14 @@ def submodules(model: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def eval_mode(model: Any) -> Iterator[None]:
+def eval_mode(model: Any, modules: list[Any] | None = None) -> Iterator[None]:
     """``model`` (a torch module) in eval mode inside the block; after it, exactly the modules that were in
     training mode are again, even on an error (a submodule its owner froze in eval stays in eval). One walk,
     and only the modules in training mode are touched: ``model.eval()`` + ``model.train(mode)`` walked the
-    tree twice through ``Module.__setattr__``, 4 ms a call on a 32-layer model (a search's every batch)."""
-    flipped = [m for m in submodules(model) if m.training]
+    tree twice through ``Module.__setattr__``, 4 ms a call on a 32-layer model (a search's every batch).
+    ``modules``: ``submodules(model)`` where the caller walked the tree already (a search shares its walk with
+    the engine's weights signature)."""
+    flipped = [m for m in (submodules(model) if modules is None else modules) if m.training]
     for m in flipped:
         m.training = False
     try:

@@ -16,6 +16,7 @@ FP8 errors and choice.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench.decode import build_model, compress_copy, plan_table, random_prompts  # noqa: E402
 from bench.step_profile import eager_step_ms, graphed_step_ms, write_report  # noqa: E402
 from adbatch.decoding import LinearFormats  # noqa: E402
-from adbatch.decoding.engine import DecodeEngine  # noqa: E402
+from adbatch.decoding.engine import _MODEL_COPIES, DecodeEngine  # noqa: E402
 
 
 def sparse_copy_bytes(t: torch.Tensor) -> int:
@@ -36,6 +37,24 @@ def sparse_copy_bytes(t: torch.Tensor) -> int:
     names, _ = t.__tensor_flatten__()
     inner = [getattr(t, n) for n in names]
     return sum(x.numel() * x.element_size() for x in inner if isinstance(x, torch.Tensor))
+
+
+def copy_bytes(c) -> int:
+    """Bytes of an engine's kept copy: a packed weight, a semi-structured tensor, an FP8 weight or a plain tensor."""
+    if hasattr(c, "nbytes") and callable(c.nbytes):
+        return c.nbytes()
+    if hasattr(c, "__tensor_flatten__"):
+        return sparse_copy_bytes(c)
+    if isinstance(c, torch.Tensor):
+        return c.numel() * c.element_size()
+    return sum(copy_bytes(t) for t in vars(c).values() if isinstance(t, torch.Tensor) or hasattr(t, "__tensor_flatten__"))
+
+
+def release(dev: torch.device) -> None:
+    """Return freed blocks to the driver: the next engine's buffers and copies start from an empty cache."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def smoke(args) -> None:
@@ -73,30 +92,42 @@ def main() -> None:
     comp, summary = compress_copy(dense, dev)
     print(f"built + compressed in {time.perf_counter() - t0:.1f} s: {summary}", flush=True)
     queries = random_prompts(max(args.queries), 32, 100, 40000, seed=0)
+    # One engine at a time, each freed before the next: the dense engine's cache and step buffers, then each
+    # compressed engine's, with only that engine's copies beside the packed model (32 layers of 8B width did not fit
+    # an 80 GB card with all three engines, their copies and the bf16 model resident together)
+    steps: dict[str, list[float]] = {}
     e_dense = DecodeEngine(dense)
-    e_comp = {f: DecodeEngine(comp, formats=f) for f in (LinearFormats.INT4, LinearFormats.FP8)}
+    steps["dense"] = [graphed_step_ms(e_dense, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
+                      for qn in args.queries]
+    del e_dense
+    dense.to("cpu")
+    release(dev)
+    plans: list[str] = []
+    kept: dict[str, str] = {}
+    for fmt in (LinearFormats.INT4, LinearFormats.FP8):
+        eng = DecodeEngine(comp, formats=fmt)
+        steps[fmt.value] = [graphed_step_ms(eng, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
+                            for qn in args.queries]
+        plans += plan_table({fmt: eng}, f"{fmt.value} formats: per unit shape and bucket (graph-replayed us of every "
+                                         "format timed; FP8 copies' relative error vs the bf16 copy) -> choice") + [""]
+        sizes: dict[str, int] = {}
+        for (_, choice), c in eng._copies.items():
+            sizes[choice.value] = sizes.get(choice.value, 0) + copy_bytes(c)
+        kept[fmt.value] = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()) or "none"
+        del eng
+        _MODEL_COPIES.pop(comp, None)  # the next engine times (and keeps) its own copies
+        release(dev)
     lines = [f"# Decode steps at large row counts ({args.layers}-layer Llama-3-8B width, uniform 2:4 + INT4, bf16, "
              f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              "compressed = the engine's per-bucket plan with linear_formats int4 (packed INT4 / bf16 copy / 2:4 bf16 "
-             "copy) or fp8 (also FP8 and 2:4 FP8 copies); speed = dense step ms / compressed step ms", "",
+             "copy) or fp8 (also FP8 and 2:4 FP8 copies); speed = dense step ms / compressed step ms; each engine "
+             "timed alone on the card", "",
              "| queries | rows | dense step ms | compressed int4 ms | compressed fp8 ms | int4 speed | fp8 speed |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
-    for qn in args.queries:
-        d = graphed_step_ms(e_dense, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
-        c = {f: graphed_step_ms(e, queries, qn, args.beams, args.t, args.t + 4, args.repeats, dev)[0]
-             for f, e in e_comp.items()}
-        ci, cf = c[LinearFormats.INT4], c[LinearFormats.FP8]
+    for i, qn in enumerate(args.queries):
+        d, ci, cf = steps["dense"][i], steps["int4"][i], steps["fp8"][i]
         lines.append(f"| {qn} | {qn * args.beams} | {d:.2f} | {ci:.2f} | {cf:.2f} | {d / ci:.2f}x | {d / cf:.2f}x |")
-        print(lines[-1], flush=True)
-    lines += [""] + plan_table(e_comp, "per unit shape and bucket (graph-replayed us of every format timed; FP8 "
-                                       "copies' relative error vs the bf16 copy) -> choice")
-    kept: dict[str, int] = {}
-    # the two engines share one dict of copies (one model): count it once
-    for (_, choice), c in e_comp[LinearFormats.INT4]._copies.items():
-        n = c.nbytes() if hasattr(c, "nbytes") and callable(c.nbytes) else (
-            sparse_copy_bytes(c) if hasattr(c, "__tensor_flatten__") else c.numel() * c.element_size())
-        kept[choice.value] = kept.get(choice.value, 0) + n
-    lines += ["", "copies kept by the engines: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in kept.items())]
+    lines += [""] + plans + [f"copies kept by the {k} engine: {v}" for k, v in kept.items()]
     write_report(lines, args.out)
 
 

@@ -168,6 +168,25 @@ def test_eval_mode_restores_exactly_the_modules_that_were_training():
     assert model.training and not frozen.training
 
 
+def test_serving_engine_is_engine_for_with_the_model_in_eval_inside():
+    """One walk of the module tree serves the signature and eval mode: the block's engine is engine_for's (kept
+    across calls, new after a weight change) and the model is in eval inside it, training again after."""
+    from adbatch.decoding.engine import serving_engine
+
+    model = make_tiny_llama(vocab_size=64)
+    model.train()
+    with serving_engine(model) as eng:
+        assert not any(m.training for m in model.modules())
+        assert engine_for(model) is eng
+    assert all(m.training for m in model.modules())
+    with serving_engine(model) as again:
+        assert again is eng
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    with serving_engine(model) as changed:
+        assert changed is not eng
+
+
 def test_a_deleted_model_takes_its_engine_with_it():
     """Engines are kept per model weakly: once the caller drops the model, its engine (cache, graphs, copies)
     is freed too. An engine that held its model kept both alive (two trained models' engines filled an H100)."""

@@ -243,6 +243,7 @@ def test_prepared_trie_is_made_once_per_trie_and_device(case):
 def test_captured_selection_equals_eager_on_cuda(monkeypatch, mode):
     """The graph-replayed per-step selection gives the eager selection's rows and scores exactly."""
     import adbatch.decoding.beam_search as bs
+    from adbatch.decoding.engine import engine_for
 
     model = make_tiny_llama(vocab_size=48, seed=0).cuda().eval()
     seqs, prompts = _random_case(1, n_seq=200, max_len=9, n_prompts=40)
@@ -255,7 +256,7 @@ def test_captured_selection_equals_eager_on_cuda(monkeypatch, mode):
         assert torch.equal(res.rows, eager.rows)
         assert torch.equal(res.scores, eager.scores)
     if mode is VerifyMode.OFF:  # (auto verifies early here: slots turn virtual, later steps are eager)
-        assert any(k[0] == "captured" for k in bs.engine_for(model)._graphs)
+        assert any(k[0] == "captured" for k in engine_for(model)._graphs)
 
 
 def _POW2_TREES(fed: int) -> int:  # as a graphed engine pads a pass's trees

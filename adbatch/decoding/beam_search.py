@@ -35,9 +35,8 @@ import torch
 
 from adbatch.decoding.config import TargetSearchConfig, VerifyMode
 from adbatch.decoding.cost_model import CostModel, load_or_calibrate
-from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, engine_for, exact_logprobs_of,
-                                     model_device, pad_token_id)
-from adbatch.models import eval_mode
+from adbatch.decoding.engine import (DecodeEngine, bucket_queries, check_supported, exact_logprobs_of,
+                                     model_device, pad_token_id, serving_engine)
 from adbatch.decoding.tree_verify import TrieAux, ancestors, final_scores, score_candidates, verify_trees
 
 log = logging.getLogger(__name__)
@@ -571,9 +570,8 @@ def search_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targ
         cost_model = load_or_calibrate(model)
     pad_id = pad_token_id(model)
     stats = SearchStats(mode=config.verify.value)
-    engine = engine_for(model, config.linear_formats)
     rows, scores = [], []
-    with eval_mode(model):
+    with serving_engine(model, config.linear_formats) as engine:
         step = batch_size or max(len(prompts), 1)
         for start in range(0, len(prompts), step):
             chunk = [list(map(int, p)) for p in prompts[start:start + step]]
@@ -633,10 +631,9 @@ def score_targets(model: Any, prompts: list[list[int]], trie: Any, config: Targe
         return out
     if int(rows.max()) >= aux.node_of_row.numel():
         raise ValueError(f"row {int(rows.max())} is not in the trie ({aux.node_of_row.numel()} rows)")
-    engine = engine_for(model, config.linear_formats)
     max_steps = min(config.max_steps or aux.max_depth, aux.max_depth)
     pad_id = pad_token_id(model)
-    with eval_mode(model):
+    with serving_engine(model, config.linear_formats) as engine:
         step = batch_size or wanted.size
         for start in range(0, wanted.size, step):
             q = wanted[start:start + step]

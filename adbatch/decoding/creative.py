@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from adbatch.decoding.config import CreativeConfig, CreativeStrategy
-from adbatch.decoding.engine import DecodeEngine, check_supported, engine_for
-from adbatch.models import eval_mode
+from adbatch.decoding.engine import DecodeEngine, check_supported, serving_engine
 
 NEG_INF = float("-inf")
 SYNC_EVERY = 4  # steps between the host's "all rows done?" checks (one 1-byte sync each)
@@ -342,10 +341,9 @@ def generate_creatives(model: Any, tokenizer: Any, prompts: list[list[int]], con
     check_supported(model)
     if not isinstance(config, CreativeConfig):
         raise TypeError(f"config must be a CreativeConfig, got {type(config).__name__}")
-    engine = engine_for(model, config.linear_formats)
-    end_mask = end_token_mask(model, tokenizer, config.stop_strings, engine.vocab, engine.device)
     out: list[list[tuple[str, float]]] = []
-    with eval_mode(model):
+    with serving_engine(model, config.linear_formats) as engine:
+        end_mask = end_token_mask(model, tokenizer, config.stop_strings, engine.vocab, engine.device)
         step = batch_size or max(len(prompts), 1)
         for s in range(0, len(prompts), step):
             chunk = [list(map(int, p)) for p in prompts[s:s + step]]

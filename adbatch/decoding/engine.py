@@ -44,19 +44,20 @@ tensors and the same captured-graph table, so splitting it would spread one stat
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from adbatch.decoding.config import LinearFormats, TargetSearchConfig
-from adbatch.models import submodules
+from adbatch.models import eval_mode, submodules
 from kernels import fused_ops as fo
 from kernels.fp8_linear import (Fp8Layout, fp8_linear, fp8_supported, quantize_rows_fp8, quantize_weight_fp8,
                                 relative_error)
@@ -1121,24 +1122,26 @@ class DecodeEngine:
 _ENGINES: "weakref.WeakKeyDictionary[Any, dict[LinearFormats, DecodeEngine]]" = weakref.WeakKeyDictionary()
 
 
-def weights_signature(model: Any) -> tuple:
+def weights_signature(model: Any, modules: list[Any] | None = None) -> tuple:
     """Where every parameter / buffer lives and its in-place version counter: changes when the model
     is trained further, moved, cast or reloaded (the engine's fused copies and graphs would be stale). Read
-    from each module's own dicts (:func:`adbatch.models.submodules`), not ``parameters()`` / ``buffers()``:
-    2.7 -> 0.78 ms a call on a 32-layer model of 1,193 tensors (CPU; every search call pays it)."""
-    return tuple((t.data_ptr(), t._version) for m in submodules(model)
+    from each module's own dicts (:func:`adbatch.models.submodules`; ``modules``: that walk, where the caller
+    has it), not ``parameters()`` / ``buffers()``: 2.7 -> 0.78 ms a call on a 32-layer model of 1,193 tensors
+    (CPU; every search call pays it)."""
+    return tuple((t.data_ptr(), t._version) for m in (submodules(model) if modules is None else modules)
                  for d in (m._parameters, m._buffers) for t in d.values() if t is not None)
 
 
-def engine_for(model: Any, formats: LinearFormats | None = None) -> DecodeEngine:
+def engine_for(model: Any, formats: LinearFormats | None = None, modules: list[Any] | None = None) -> DecodeEngine:
     """The model's engine for ``formats`` (buffers, captured graphs and linear plan are kept across calls
     while the weights are unchanged; a changed model gets new engines). ``formats`` None: the engine used
     last for this model, else one with :data:`DEFAULT_LINEAR_FORMATS`.
 
     An engine built under ``torch.inference_mode`` holds inference tensors, which nothing may write outside that
-    mode: a caller outside it gets a new engine (built in its own mode; it then serves both modes)."""
+    mode: a caller outside it gets a new engine (built in its own mode; it then serves both modes).
+    ``modules``: ``submodules(model)`` where the caller walked the tree already (:func:`serving_engine`)."""
     engines = _ENGINES.get(model)
-    sig = weights_signature(model)
+    sig = weights_signature(model, modules)
     if engines is None or any(e.signature != sig for e in engines.values()):
         engines = {}
         _ENGINES[model] = engines
@@ -1156,6 +1159,17 @@ def engine_for(model: Any, formats: LinearFormats | None = None) -> DecodeEngine
         eng.inference_tensors = inference
     _ENGINES[model] = {formats: eng, **engines}
     return eng
+
+
+@contextlib.contextmanager
+def serving_engine(model: Any, formats: LinearFormats | None = None) -> Iterator[DecodeEngine]:
+    """:func:`engine_for` ``(model, formats)``, with ``model`` in :func:`adbatch.models.eval_mode` inside the block:
+    one walk of the module tree serves both (a search call's fixed host cost: each walk is ~0.2 ms on the default
+    model, CPU)."""
+    modules = submodules(model)
+    engine = engine_for(model, formats, modules)
+    with eval_mode(model, modules):
+        yield engine
 
 
 def exact_logprobs_of(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None,
