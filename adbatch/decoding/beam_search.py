@@ -377,7 +377,9 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     (its prefix decoded step by step) or VIRTUAL (inside a verified subtree: every descendant's
     exact score is already known, so the slot keeps competing for beam places exactly as in ``off``
     mode, at no model cost; its terminals are already in the pool). When at most half of the query
-    rows still have real beams, the rest are dropped and the batch continues at a smaller bucket."""
+    rows still have real beams, the rest are dropped and the batch continues at a smaller bucket.
+    Returns ``(rows Long[Q, top_k], scores Float32[Q, top_k])`` on the device: on CUDA a captured graph's
+    buffers, valid until the engine's next batch (the caller copies them out)."""
     dev = engine.device
     # At most B terminals enter the pool per step, so fewer than top_k beams can leave the pool
     # short although the trie holds more ads (HF refuses num_return_sequences > num_beams): the
@@ -391,8 +393,10 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     logits, lse, Qb = engine.prefill(prompts, B, max_steps, pad_id)          # [Qb, V], [Qb]
     qmap = torch.full((Qb,), -1, dtype=torch.long, device=dev)               # original query per row
     qmap[:Q] = torch.arange(Q, device=dev)
-    out_s = torch.full((Q, P), NEG_INF, device=dev)
-    out_n = torch.full((Q, P), -1, dtype=torch.long, device=dev)
+    # one spare row past the Q real ones: padding query rows flush into it (index writes with no boolean mask:
+    # a masked write syncs with the device to count its rows)
+    out_s = torch.full((Q + 1, P), NEG_INF, device=dev)
+    out_n = torch.full((Q + 1, P), -1, dtype=torch.long, device=dev)
     S = Qb * B
     slot = torch.arange(S, device=dev)
     s_node = torch.where((slot % B == 0) & (slot // B < Q), 0, -1)
@@ -411,10 +415,10 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     if dense is not None and cfg.prior_weight > 0:
         prior = dense_prior(aux, DenseCandidates(dense.rows.to(dev), dense.scores.to(dev)), Qb)
 
-    def flush() -> None:  # the pools of real query rows into the batch's results
-        real = qmap >= 0
-        out_s[qmap[real]] = pool_s[real]
-        out_n[qmap[real]] = pool_n[real]
+    def flush() -> None:  # the pools of real query rows into the batch's results (padding rows: the spare row)
+        dst = torch.where(qmap >= 0, qmap, Q)
+        out_s[dst] = pool_s
+        out_n[dst] = pool_n
 
     for t in range(max_steps):
         S = Qb * B
@@ -525,7 +529,10 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
         stats.decode_rows += int(cont.sum())
         stats.rows_computed += Qb * B if engine.graphs_enabled else int(cont.sum())
     flush()
-    rows, scores = _rows_from_pool(out_s, out_n, aux, cfg.top_k)
+    # ~20 small ops: graph-replayed on CUDA like the step's selection (eager, each was a launch gap at the batch's end)
+    to_rows = functools.partial(_rows_from_pool, aux=aux, k=cfg.top_k)
+    rows, scores = engine.run_captured(("rows", Q, P, cfg.top_k), to_rows, {"pool_s": out_s[:Q], "pool_n": out_n[:Q]},
+                                       read_only=(aux.terminal_ptr, aux.terminal_rows))
     clock.mark("finish")
     return rows, scores
 
