@@ -40,14 +40,12 @@ def sparse_copy_bytes(t: torch.Tensor) -> int:
 
 
 def copy_bytes(c) -> int:
-    """Bytes of an engine's kept copy: a packed weight, a semi-structured tensor, an FP8 weight or a plain tensor."""
+    """Bytes of an engine's kept copy: a packed or FP8 weight (``nbytes()``), a semi-structured tensor, a bf16 tensor."""
     if hasattr(c, "nbytes") and callable(c.nbytes):
         return c.nbytes()
     if hasattr(c, "__tensor_flatten__"):
         return sparse_copy_bytes(c)
-    if isinstance(c, torch.Tensor):
-        return c.numel() * c.element_size()
-    return sum(copy_bytes(t) for t in vars(c).values() if isinstance(t, torch.Tensor) or hasattr(t, "__tensor_flatten__"))
+    return c.numel() * c.element_size()
 
 
 def release(dev: torch.device) -> None:

@@ -126,6 +126,26 @@ def test_same_topk_as_hf_constrained_beam_search():
         np.testing.assert_allclose(ours.scores[q].numpy(), out.sequences_scores.numpy(), atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", [VerifyMode.OFF, VerifyMode.AUTO])
+def test_a_batch_answers_each_query_as_alone(mode):
+    """Queries of uneven depth in one batch (padding query rows, rows dropped to a smaller bucket as their
+    queries finish) get exactly the rows and scores each gets searched alone: the batch's results are written
+    back to the right query."""
+    model = make_tiny_llama(vocab_size=48, seed=1)
+    rng = np.random.default_rng(3)
+    seqs = [list(map(int, rng.integers(3, 11, size=int(rng.integers(1, 6))))) + [EOS] for _ in range(120)]
+    trie = Trie.from_sequences(seqs)
+    prompts = [list(map(int, rng.integers(3, 48, size=int(rng.integers(2, 9))))) for _ in range(7)]
+    cfg = TargetSearchConfig(num_beams=3, top_k=4, verify=mode)
+    batch = search_targets(model, prompts, trie, cfg, CHEAP_VERIFY)
+    if mode is VerifyMode.OFF:
+        assert batch.stats.compactions > 0  # (auto verifies these shallow trees at once: no step, no compaction)
+    for q, p in enumerate(prompts):
+        alone = search_targets(model, [p], trie, cfg, CHEAP_VERIFY)
+        assert batch.rows[q].tolist() == alone.rows[0].tolist()
+        torch.testing.assert_close(batch.scores[q], alone.scores[0], atol=2e-5, rtol=0)
+
+
 def test_length_penalty_applied_to_returned_scores(case):
     model, seqs, prompts, trie, exact = case
     lengths = np.array([len(s) for s in seqs], dtype=float)

@@ -378,8 +378,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
     exact score is already known, so the slot keeps competing for beam places exactly as in ``off``
     mode, at no model cost; its terminals are already in the pool). When at most half of the query
     rows still have real beams, the rest are dropped and the batch continues at a smaller bucket.
-    Returns ``(rows Long[Q, top_k], scores Float32[Q, top_k])`` on the device: on CUDA a captured graph's
-    buffers, valid until the engine's next batch (the caller copies them out)."""
+    Returns ``(rows Long[Q, top_k], scores Float32[Q, top_k])`` on the device."""
     dev = engine.device
     # At most B terminals enter the pool per step, so fewer than top_k beams can leave the pool
     # short although the trie holds more ads (HF refuses num_return_sequences > num_beams): the
@@ -529,10 +528,7 @@ def _search_batch(engine: DecodeEngine, prompts: list[list[int]], aux: TrieAux, 
         stats.decode_rows += int(cont.sum())
         stats.rows_computed += Qb * B if engine.graphs_enabled else int(cont.sum())
     flush()
-    # ~20 small ops: graph-replayed on CUDA like the step's selection (eager, each was a launch gap at the batch's end)
-    to_rows = functools.partial(_rows_from_pool, aux=aux, k=cfg.top_k)
-    rows, scores = engine.run_captured(("rows", Q, P, cfg.top_k), to_rows, {"pool_s": out_s[:Q], "pool_n": out_n[:Q]},
-                                       read_only=(aux.terminal_ptr, aux.terminal_rows))
+    rows, scores = _rows_from_pool(out_s[:Q], out_n[:Q], aux, cfg.top_k)
     clock.mark("finish")
     return rows, scores
 
