@@ -182,6 +182,14 @@ def device_of(model) -> torch.device:
 Runner = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]], dict]]
 
 
+def release(dev: torch.device) -> None:
+    """Collect what was dropped and return the freed blocks to the driver: what is built next starts from an empty
+    cache (an 8B model's engines and copies fill most of an 80 GB card)."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def engine_runner(mod, model, trie: Trie, beams: int, k: int, verify: str, qbatch: int, cost, profile: bool,
                   formats: str | None = None) -> Runner:
     """One query batch through ``mod.search_targets`` (``mod``: adbatch.decoding or the baseline);
@@ -714,15 +722,13 @@ def compressed_section(report: Report, shape: str, model, tries: dict[str, Trie]
 
         _ENGINES.pop(model, None)
         _MODEL_COPIES.pop(model, None)
-        gc.collect()
-        torch.cuda.empty_cache()
+        release(dev)
     mc, summary = compress_copy(model, dev)
     report.note(section, f"{shape}: 2:4 INT4 copy (magnitude score, uniform 2:4, group 128, lm_head dense) "
                          f"built in {time.perf_counter() - t0:.1f}s: {json.dumps(summary)}")
     if dense_free:
         model.to("cpu")
-        gc.collect()
-        torch.cuda.empty_cache()
+        release(dev)
         report.note(section, f"{shape}: dense model moved off the GPU for this section; dense rows: section {shape}")
     w = workload(shape, args.smoke)
     cost_c = calibrate_cost(mc, args.out / "calibration", args.smoke, rows=w["calib_rows"],
@@ -734,9 +740,7 @@ def compressed_section(report: Report, shape: str, model, tries: dict[str, Trie]
     report.note(section, "\n".join(plan_table(_ENGINES.get(mc) or {}, f"{shape}: the compressed model's per-bucket "
                                                                           "linear plan")))
     del mc, cost_c
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release(dev)
 
 
 def plan_table(engines: dict, title: str) -> list[str]:
@@ -845,9 +849,7 @@ def run_gpu(args, report: Report, budget: Budget) -> None:
                                need_s=0 if args.smoke else (90 if shape == "8b" else 30))
         del model
         ctx = tries = cost = None
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        release(dev)
 
 
 # ---------------------------------------------------------------- CPU target

@@ -16,7 +16,6 @@ FP8 errors and choice.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from pathlib import Path
@@ -26,33 +25,21 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.decode import build_model, compress_copy, plan_table, random_prompts  # noqa: E402
+from bench.decode import build_model, compress_copy, plan_table, random_prompts, release  # noqa: E402
 from bench.step_profile import eager_step_ms, graphed_step_ms, write_report  # noqa: E402
 from adbatch.decoding import LinearFormats  # noqa: E402
 from adbatch.decoding.engine import _MODEL_COPIES, DecodeEngine  # noqa: E402
 
 
-def sparse_copy_bytes(t: torch.Tensor) -> int:
-    """Bytes of a semi-structured tensor: its inner tensors (values + metadata, by its own flattening)."""
-    names, _ = t.__tensor_flatten__()
-    inner = [getattr(t, n) for n in names]
-    return sum(x.numel() * x.element_size() for x in inner if isinstance(x, torch.Tensor))
-
-
 def copy_bytes(c) -> int:
-    """Bytes of an engine's kept copy: a packed or FP8 weight (``nbytes()``), a semi-structured tensor, a bf16 tensor."""
+    """Bytes of an engine's kept copy: a packed or FP8 weight (``nbytes()``), a semi-structured tensor (its inner
+    tensors, values + metadata, by its own flattening), a bf16 tensor."""
     if hasattr(c, "nbytes") and callable(c.nbytes):
         return c.nbytes()
     if hasattr(c, "__tensor_flatten__"):
-        return sparse_copy_bytes(c)
+        names, _ = c.__tensor_flatten__()
+        return sum(t.numel() * t.element_size() for t in (getattr(c, n) for n in names) if isinstance(t, torch.Tensor))
     return c.numel() * c.element_size()
-
-
-def release(dev: torch.device) -> None:
-    """Return freed blocks to the driver: the next engine's buffers and copies start from an empty cache."""
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def smoke(args) -> None:

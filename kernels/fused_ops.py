@@ -297,5 +297,5 @@ def row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_fp8", "add_rms_norm_fp8_reference",
-           "rms_norm_reference", "rotary_store", "rotate_half", "apply_rotary_reference", "gated_act", "gated_act_reference", "row_logsumexp",
-           "row_logsumexp_reference"]
+           "rms_norm_reference", "rotary_store", "rotate_half", "apply_rotary_reference", "gated_act",
+           "gated_act_reference", "row_logsumexp", "row_logsumexp_reference"]
