@@ -30,6 +30,7 @@ SMOKE = {
         set(json.loads(x)["rel_err"]) == {"bf16", "int4_2:4", "fp8"} and json.loads(x)["rel_err"]["fp8"] < 0.06
         for x in (tmp / "f.jsonl").read_text().splitlines())),
     "generate_gpu.py": (["--requests", "16", "--ads", "100", "--work", "{tmp}"], lambda out, tmp: "IDENTICAL" in out),
+    "host_cost.py": ([], lambda out, tmp: "| 2:4 INT4 copy |" in out and "| dense bf16 |" in out),
     "ids.py": (["--work", "{tmp}"], lambda out, tmp: all(f"| {d} |" in out for d in ("codes", "text", "rq 2x8"))),
     "hybrid_speed.py": (["--out", "{tmp}/h.json"], lambda out, tmp: set(json.loads((tmp / "h.json").read_text())["rows"])
                         == {"generative", "hybrid dense_k 10", "hybrid dense_k 20", "hybrid beam_floor dense_k 10",
