@@ -157,9 +157,9 @@ def version(name: str) -> str:
 
 
 def download_wheels(names: tuple[str, ...], dest: Path | None = None) -> list[Path]:
-    """cp312 manylinux x86_64 wheels of this venv's versions of ``names`` (:data:`DEVICE_ONLY_VERSIONS` for those it
-    lacks; no dependencies), cached in .whl/;
-    a package published as sdist only (rouge-score) is built into a wheel here."""
+    """cp312 manylinux x86_64 wheels of ``names`` at this venv's versions (device-only packages at
+    :data:`DEVICE_ONLY_VERSIONS`), no dependencies, cached in .whl/; a package published as sdist only
+    (rouge-score) is built into a wheel here."""
     cache = REPO / ".whl"
     cache.mkdir(exist_ok=True)
     out = []
