@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 MiB = 1 << 20
@@ -67,7 +66,7 @@ class Plan:
     wheels: tuple[str, ...] = ()         # pure wheels to pip-install there (not in the image)
     gguf: bool = False                   # the default model's GGUF (xz'd, split across calls)
     minilm: bool = False                 # the MiniLM package (xz'd tarball, split across calls)
-    folders: tuple[str, ...] = ()        # .carry/<name> folders built here: assets, bundle, baseline_decoding, slogan, pytest
+    folders: tuple[str, ...] = ()        # .carry/<name> folders built here: assets, bundle, baseline_decoding, slogan, pytest, anchors
     imports: tuple[str, ...] = ()        # what must import there for the plan to run
 
 
@@ -87,6 +86,9 @@ PLANS = {
     "formats": Plan("bench/train_eval.py channels --formats (a trained model served in each linear format), "
                     "bench/decode.py --compressed and bench/large_rows.py with the 2:4 FP8 format",
                     wheels=("gguf", "torchao"), gguf=True, folders=("bundle",), imports=("gguf", "torchao")),
+    # the layer-level FP8 check and the public kernels it is compared with; the script installs .carry/anchors itself
+    "fp8-check": Plan("scripts/device_fp8_check.sh (the FP8 tests on CUDA, bench/fp8_layers.py, the public kernels' "
+                      "anchor script, bench/large_rows.py)", folders=("anchors",)),
     "creatives": Plan("bench/creatives_tune.py (slogan ROUGE / BLEU / METEOR)",
                       wheels=("gguf", "rouge-score", "nltk"), gguf=True, folders=("slogan",),
                       imports=("gguf", "rouge_score", "nltk", "sacrebleu")),
@@ -147,7 +149,7 @@ def is_fresh(folder: Path, key: str) -> bool:
 
 # --- here: building ----------------------------------------------------------------------------
 #: wheels that run only on the device, pinned to what pairs with its torch (2.11): this venv does not install them
-DEVICE_ONLY_VERSIONS = {"torchao": "0.18.0"}
+DEVICE_ONLY_VERSIONS = {"torchao": "0.18.0", "mslk-cuda": "1.1.0"}
 
 
 def version(name: str) -> str:
@@ -303,8 +305,22 @@ def build_pytest() -> None:
         (folder / "BUILD_KEY").write_text(key + "\n")
 
 
+def build_anchors() -> None:
+    """.carry/anchors: torchao and mslk-cuda wheels (the public FP8 / INT4 kernels, at their device-only versions)
+    and the anchor script that times them (../shared/tools), for scripts/device_fp8_check.sh."""
+    folder = CARRY / "anchors"
+    script = REPO.parent / "shared" / "tools" / "anchors_torchao_int4.py"
+    names = ("torchao", "mslk-cuda")
+    key = inputs_key([script, *(f"{n}=={version(n)}" for n in names)])
+    if not is_fresh(folder, key):
+        shutil.rmtree(folder, ignore_errors=True)
+        download_wheels(names, folder)
+        shutil.copyfile(script, folder / script.name)
+        (folder / "BUILD_KEY").write_text(key + "\n")
+
+
 FOLDER_BUILDERS = {"assets": build_assets, "bundle": build_bundle, "baseline_decoding": build_baseline,
-                   "slogan": build_slogan, "pytest": build_pytest}
+                   "slogan": build_slogan, "pytest": build_pytest, "anchors": build_anchors}
 
 
 def layout(plan_name: str, whole: list[Path], split: list[tuple[Path, str, str]], tree: int) -> list[list[str]]:

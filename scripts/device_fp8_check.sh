@@ -3,8 +3,8 @@
 # (bench/fp8_layers.py), the public kernels of the same formats (the anchor script), and the 8B-width decode
 # step with the int4 and fp8 plans (bench/large_rows.py).
 #
-#   device call: carry [".carry/anchors"] -- torchao 0.18.0 (the optional GPU dependency of 2:4 FP8) and
-#   mslk-cuda 1.1.0 wheels, and the anchor script (copied from shared/tools): 46 MiB.
+#   device call: carry [".carry/anchors"] -- torchao (the optional GPU dependency of 2:4 FP8) and mslk-cuda
+#   wheels, and the anchor script (from shared/tools): 46 MiB, built by scripts/prepare_device_carry.sh fp8-check.
 #   command: scripts/device_fp8_check.sh            (ANCHORS=0 skips the public kernels, ~1 min less)
 set -uo pipefail
 cd "$(dirname "$0")/.."
