@@ -76,7 +76,7 @@ def channels(args: argparse.Namespace) -> None:
         return channels_ablation(args)
     out, device, results, save, bundle, cat, data, index, dense, untuned, cfg = _channels_setup(args)
     results["train_config"] = cfg.to_dict()
-    model_dir = Path(args.work) / f"trained_{cat}_{args.scheme}"
+    model_dir = Path(args.work) / f"trained_{cat}_{args.scheme}{ids_suffix(args)}"
     t0 = time.perf_counter()
     if args.reuse_trained and read_training_record(model_dir) is not None:
         model, tok = load_base(str(model_dir), False, device)
@@ -154,7 +154,7 @@ def channels(args: argparse.Namespace) -> None:
         gc.collect()  # the bf16 model's engine (its graphs) goes with it
         torch.cuda.empty_cache()
     if not args.skip_compress:
-        comp_dir = Path(args.work) / f"compressed_{cat}_{args.scheme}"
+        comp_dir = Path(args.work) / f"compressed_{cat}_{args.scheme}{ids_suffix(args)}"
         results["compress"] = {"defaults": compress_defaults(args, bundle, cat, model_dir, comp_dir, device)}
         spec = ModelSpec(compressed=str(comp_dir))
         cfus = fusion_of_record(spec.training_record())
@@ -341,7 +341,7 @@ def compress_defaults(args: argparse.Namespace, bundle: Path, cat: str, model_di
     from pipelines.compress import CompressJobConfig, run_compress
 
     t0 = time.perf_counter()
-    csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / f"index_{cat}_{args.scheme}",
+    csum = run_compress(CompressJobConfig(model=str(model_dir), index=bundle / f"index_{cat}_{args.scheme}{ids_suffix(args)}",
                                           queries=bundle / f"train_{cat}.parquet", ads=bundle / f"titles_{cat}.parquet",
                                           out=comp_dir, use_ray=False, layer_device=device if device == "cuda" else None))
     return {"wall_s": round(time.perf_counter() - t0, 1),
@@ -359,18 +359,22 @@ def _channels_setup(args: argparse.Namespace) -> tuple:
     bundle, cat = Path(args.bundle), args.catalogue
     if (bundle / "prepare.json").is_file():
         results["prepare"] = json.loads((bundle / "prepare.json").read_text())
-    data = load_bundle(bundle, cat)
+    sfx = ids_suffix(args)
+    data = load_bundle(bundle, cat, sfx)
     index = data["indexes"][args.scheme]
-    untuned = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(bundle / f"query_emb_{cat}.npz"))
+    # the index's own query embedder's vectors (MiniLM's, or the index stage's tuned encoder's for --ids tuned)
+    untuned = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(bundle / f"query_emb_{cat}{sfx}.npz"))
     cfg = TrainConfig() if not args.smoke else TrainConfig(max_steps=2, batch_tokens=2048, compile=False)
     cfg = TrainConfig.from_dict(_merged(cfg.to_dict(), json.loads(args.train_json)))
     if args.train_budget_s:
         cfg = cfg.replace(time_budget_s=args.train_budget_s)
     # the product's dense channel: the query embedder the train stage tunes (tune-queries ran it on the CPU)
-    dense, tuned = untuned, bundle / f"query_tuned_{cat}.npz"
+    dense, tuned = untuned, bundle / f"query_tuned_{cat}{sfx}.npz"
     if cfg.query_tuning.enabled and tuned.is_file():
         dense = DenseRetriever(index, device, embedder=PrecomputedQueryEmbedder.from_npz(tuned))
-        results["query_tuning"] = json.loads((bundle / f"query_tuning_{cat}.json").read_text())
+        results["query_tuning"] = json.loads((bundle / f"query_tuning_{cat}{sfx}.json").read_text())
+    if sfx:
+        results["embedder_tuning"] = index.manifest.get("embedder_tuning")
     return out, device, results, save, bundle, cat, data, index, dense, untuned, cfg
 
 
@@ -460,7 +464,7 @@ def channels_ablation(args: argparse.Namespace) -> None:
         if over["rank"]["enabled"]:
             over = _merged(over, {"rank": rank_over})
         cfg = TrainConfig.from_dict(_merged(base_cfg.to_dict(), over))
-        model_dir = Path(args.work) / f"trained_{cat}_{args.scheme}_{arm}"
+        model_dir = Path(args.work) / f"trained_{cat}_{args.scheme}{ids_suffix(args)}_{arm}"
         t0 = time.perf_counter()
         model, tok = load_base(args.model, args.smoke, device)
         query_gen = bench_query_gen(args.smoke, json.loads(args.query_gen_json)) if arm == "rank_gen" else None
@@ -598,6 +602,7 @@ def prepare(args: argparse.Namespace) -> None:
 
     from adbatch.index.corpus import CorpusConfig
     from adbatch.eval.datasets import HomeDepotConfig, QuerySplit, load_home_depot
+    from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
     from adbatch.index.build import IndexConfig, build_index
     from adbatch.index.embeddings import EmbeddingConfig
     from adbatch.index.ids import IdScheme, RenderConfig
@@ -643,6 +648,22 @@ def prepare(args: argparse.Namespace) -> None:
             manifest = build_index(corpus, out / f"index_{name}_{scheme}", cfg, progress=False)
             summary[f"index_{name}_{scheme}_s"] = round(time.perf_counter() - t0, 2)
             summary[f"index_{name}_{scheme}_hash"] = manifest["index_hash"]
+        if args.tuned_ids and churn == 0.0 and size is not None:
+            # the index stage as `adbatch index --queries train --valid-queries valid` runs it: the corpus without
+            # vectors, so the stage embeds it with its encoder tuned on the train split's labelled queries
+            text_only = work / f"corpus_{name}_text.parquet"
+            pq.write_table(pq.read_table(corpus, columns=["ad_id", "title"]), text_only)
+            valid = [(q, a) for q, grades in data.qrels[QuerySplit.VALID].items() for a, g in grades.items()
+                     if g >= HOME_DEPOT_RELEVANT]
+            train = data.labelled_table(QuerySplit.TRAIN)
+            t0 = time.perf_counter()
+            manifest = build_index(text_only, out / f"index_{name}_text_tuned",
+                                   IndexConfig(columns=CorpusConfig(text="title")), progress=False,
+                                   queries=list(zip(train.column("query").to_pylist(), train.column("ad_id").to_pylist())),
+                                   valid_queries=valid)
+            summary[f"index_{name}_text_tuned_s"] = round(time.perf_counter() - t0, 2)
+            summary[f"index_{name}_text_tuned_hash"] = manifest["index_hash"]
+            summary[f"index_{name}_text_tuned_embedder"] = manifest.get("embedder_tuning")
         summary[f"data_{name}"] = data.stats
     for f in Path(args.emb).glob("minilm_*baseline*.json"):
         summary[f.stem] = json.loads(f.read_text())
@@ -663,12 +684,12 @@ def tune_queries(args: argparse.Namespace) -> None:
     from adbatch.training import TrainConfig
     from adbatch.training.query_tuning import tune_query_embedder
 
-    bundle, cat = Path(args.bundle), args.catalogue
-    data = load_bundle(bundle, cat)
+    bundle, cat, sfx = Path(args.bundle), args.catalogue, ids_suffix(args)
+    data = load_bundle(bundle, cat, sfx)
     index = data["indexes"][args.scheme]
     base = DenseRetriever(index, "cpu")
     valid = [(q, a) for q, grades in data["valid"].items() for a, g in grades.items() if g >= HOME_DEPOT_RELEVANT]
-    folder = Path(args.work) / f"query_embedder_{cat}"
+    folder = Path(args.work) / f"query_embedder_{cat}{sfx}"
     t0 = time.perf_counter()
     record = tune_query_embedder(base, data["labelled"], TrainConfig().query_tuning, folder, valid=valid, progress=True)
     wall = round(time.perf_counter() - t0, 1)
@@ -684,9 +705,12 @@ def tune_queries(args: argparse.Namespace) -> None:
 
     summary = {"record": record, "wall_s": wall, "test": {"base": test_metrics(base), "tuned": test_metrics(tuned)}}
     queries = sorted(set(data["qrels"]) | set(data["valid"]))
-    np.savez(bundle / f"query_tuned_{cat}.npz", queries=np.asarray(queries),
+    np.savez(bundle / f"query_tuned_{cat}{sfx}.npz", queries=np.asarray(queries),
              emb=tuned.embed(queries).numpy().astype(np.float16))
-    (bundle / f"query_tuning_{cat}.json").write_text(json.dumps(summary, indent=1))
+    if sfx:  # the index's own (tuned) encoder's vectors: the device has no encoder (channels' "dense untuned")
+        np.savez(bundle / f"query_emb_{cat}{sfx}.npz", queries=np.asarray(queries),
+                 emb=base.embed(queries).numpy().astype(np.float16))
+    (bundle / f"query_tuning_{cat}{sfx}.json").write_text(json.dumps(summary, indent=1))
     log.info("query tuning on %s: %s", cat, json.dumps({k: v for k, v in summary.items() if k != "record"}))
 
 
@@ -758,7 +782,13 @@ class Budget:
         return self.seconds - (time.perf_counter() - self.t0)
 
 
-def load_bundle(bundle: Path, name: str) -> dict[str, Any]:
+def ids_suffix(args: argparse.Namespace) -> str:
+    """The bundle's index folder suffix of ``--ids``: "" (ids from MiniLM's vectors) or "_tuned" (ids from the
+    index stage's encoder tuned on the labelled queries, ``prepare --tuned-ids``)."""
+    return "_tuned" if getattr(args, "ids", "minilm") == "tuned" else ""
+
+
+def load_bundle(bundle: Path, name: str, suffix: str = "") -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from adbatch.index.build import load_index
@@ -770,7 +800,8 @@ def load_bundle(bundle: Path, name: str) -> dict[str, Any]:
     valid = json.loads(vfile.read_text()) if vfile.is_file() else {}
     return {
         "valid": {q: {int(a): g for a, g in grades.items()} for q, grades in valid.items()},
-        "indexes": {s: load_index(bundle / f"index_{name}_{s}") for s in SCHEMES if (bundle / f"index_{name}_{s}").is_dir()},
+        "indexes": {s: load_index(bundle / f"index_{name}_{s}{suffix}") for s in SCHEMES
+                    if (bundle / f"index_{name}_{s}{suffix}").is_dir()},
         "ad_texts": dict(zip(titles.column("ad_id").to_pylist(), titles.column("title").to_pylist())),
         "labelled": list(zip(train.column("query").to_pylist(), train.column("ad_id").to_pylist())),
         "qrels": {q: {int(a): g for a, g in grades.items()} for q, grades in qrels.items()},
@@ -1428,6 +1459,9 @@ def main(argv: list[str] | None = None) -> None:
     pp.add_argument("--no-full", action="store_true", help="skip the full 54,667-title catalogue")
     pp.add_argument("--no-subset", action="store_true", help="only the full catalogue (a bundle of its own)")
     pp.add_argument("--bundle", required=True)
+    pp.add_argument("--tuned-ids", action="store_true",
+                    help="also the subset's text index from the index stage's encoder tuned on the train queries "
+                         "(index_<size>_text_tuned; MiniLM and its tuning run here)")
     sw = sub.add_parser("sweep")
     sw.add_argument("--bundle", required=True)
     sw.add_argument("--out", required=True)
@@ -1473,6 +1507,8 @@ def main(argv: list[str] | None = None) -> None:
     ch.add_argument("--work", default="/tmp/adbatch_channels")
     ch.add_argument("--catalogue", default="5000", help="the bundle's catalogue: 5000 or full")
     ch.add_argument("--scheme", default="text", choices=SCHEMES)
+    ch.add_argument("--ids", default="minilm", choices=("minilm", "tuned"),
+                    help="the index: ids from MiniLM's vectors, or from the encoder the index stage tuned (prepare --tuned-ids)")
     ch.add_argument("--model", default=None)
     ch.add_argument("--smoke", action="store_true", help="tiny random model on the CPU (plumbing)")
     ch.add_argument("--batch", type=int, default=64, help="queries per ranking call in the quality rows")
@@ -1497,6 +1533,7 @@ def main(argv: list[str] | None = None) -> None:
     tq.add_argument("--bundle", required=True)
     tq.add_argument("--catalogue", default="5000")
     tq.add_argument("--scheme", default="text", choices=SCHEMES)
+    tq.add_argument("--ids", default="minilm", choices=("minilm", "tuned"), help="which index (see channels --ids)")
     tq.add_argument("--work", default="/tmp/adbatch_channels", help="where the tuned folder is written")
     fs = sub.add_parser("fusion-study", help="issue 41: fusions over a channels run's candidates.npz (CPU)")
     fs.add_argument("--candidates", required=True, help="candidates.npz of a channels run")

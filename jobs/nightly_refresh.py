@@ -389,8 +389,12 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
     index_dir = work / "index"
     # the index last night's model learned, read before the index stage replaces it (warm start)
     previous_index = IndexSnapshot.of(index_dir) if config.train.enabled else None
+    # the train stage's labelled queries also tune the index's encoder (ids from a query-aligned space)
+    tjob = config.train.config if config.train.enabled else None
     index_job = config.index.config.replace(ads=ads, out=str(index_dir), num_cpus=config.num_cpus, progress=False,
-                                            previous=str(index_dir) if config.index.stable_ids else None)
+                                            previous=str(index_dir) if config.index.stable_ids else None,
+                                            queries=_abs(tjob.queries) if tjob else None,
+                                            valid_queries=_abs(tjob.valid_queries) if tjob else None)
     runner.run(Stage.INDEX, index_stage.STAGE, index_job)
 
     # --- headline pairs of the creative fine-tune (both shapes): chosen here, once, as a file the stages read

@@ -25,7 +25,8 @@ from adbatch.index.clustering import Child, ClusterConfig, ClusterMethod, Hierar
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.index.corpus import Corpus, CorpusSchemaError, read_corpus
 from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
-from adbatch.index.build import IndexConfig, cluster_stable, load_tokenizer, stable_start, write_index
+from adbatch.index.build import (IndexConfig, cluster_stable, embed_for_index, load_tokenizer, stable_start,
+                                 write_index)
 from adbatch.index.ids import check_tokenizer
 from pipelines.ray_runtime import init_ray
 from pipelines.stage import StageContract
@@ -48,6 +49,12 @@ class IndexJobConfig(ConfigBase):
     progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
     previous: str | None = dataclasses.field(default=None, metadata={
         "help": "an earlier index of the same config (may be `out`): its ads keep their codes (stable ids)"})
+    queries: Path | None = dataclasses.field(default=None, metadata={
+        "help": "labelled train-split queries (Parquet: query, ad_id): the encoder is tuned on them before it "
+                "embeds the ads (index.embedding.tune); the refresh passes the train stage's"})
+    valid_queries: Path | None = dataclasses.field(default=None, metadata={
+        "help": "validation queries (Parquet: query, ad_id[, grade]): the tuned encoder is kept only if it "
+                "beats the base on them"})
 
     def validate(self) -> None:
         if self.ads is None:
@@ -152,6 +159,18 @@ def embed_on_ray(texts: list[str], config: EmbeddingConfig, num_actors: int,
     return np.concatenate(out, axis=0)
 
 
+def read_tuning_queries(config: IndexJobConfig) -> tuple[list, list]:
+    """The labelled train pairs and the relevant validation pairs of ``config`` (empty when not given), read and
+    checked as the train stage reads them; what a driver checks before Ray starts."""
+    from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
+    from pipelines.train import read_labelled_queries, read_validation_qrels
+
+    labelled = read_labelled_queries(config.queries) if config.queries is not None else []
+    valid = ([(q, a) for q, grades in read_validation_qrels(config.valid_queries).items()
+              for a, g in grades.items() if g >= HOME_DEPOT_RELEVANT] if config.valid_queries is not None else [])
+    return labelled, valid
+
+
 def read_checked_corpus(config: IndexJobConfig) -> Corpus:
     """The corpus of ``config.ads``, read and validated (:func:`adbatch.index.corpus.read_corpus`); a
     corpus without one valid ad is a :class:`CorpusSchemaError`. What a driver checks before Ray starts."""
@@ -179,16 +198,18 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
     # refused now, not after Ray started and embedded (load_tokenizer is cached: render reuses this load)
     tokenizer, tokenizer_name = load_tokenizer(cfg.tokenizer)
     check_tokenizer(tokenizer, cfg.render, tokenizer_name)
+    labelled, valid = read_tuning_queries(config)
     with claim_output(config.out, ArtifactKind.INDEX):
         start = stable_start(config.previous, corpus, cfg) if config.previous else None
         init_ray(config.num_cpus)
         num_workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        with timer.phase("embed"):
-            if corpus.embeddings is not None:
-                emb = corpus.embeddings
-            else:
-                emb = embed_on_ray(corpus.embedding_inputs(), cfg.embedding, num_workers,
-                                   progress=config.progress)
+        texts = corpus.embedding_inputs()
+        with timer.phase("embed"):  # the encoder's tuning (when queries are given) runs here in the driver
+            embedded = embed_for_index(
+                corpus, cfg, config.out, labelled=labelled, valid=valid, start=start, progress=config.progress,
+                embed=lambda folder: embed_on_ray(texts, cfg.embedding.replace(model=str(folder)), num_workers,
+                                                  progress=config.progress))
+        emb = embedded.embeddings
         extra: dict[str, Any] = {"runner": "ray", "ray_cpus": num_workers}
         with timer.phase("cluster"):
             if start is not None:  # placing new ads under kept clusters is cheap: the driver does it
@@ -198,7 +219,8 @@ def run_index(config: IndexJobConfig) -> dict[str, Any]:
             else:
                 hierarchy = build_codes(emb, cfg.cluster)
         manifest = write_index(Path(config.out), corpus, hierarchy, cfg, timer, emb, extra=extra, stable=start,
-                               tokenizer=tokenizer, tokenizer_name=tokenizer_name)
+                               tokenizer=tokenizer, tokenizer_name=tokenizer_name,
+                               embedder_dir=embedded.embedder_dir, embedder_record=embedded.record)
     return {
         "out": str(config.out),
         "index_hash": manifest["index_hash"],
@@ -215,10 +237,13 @@ def index_inputs(config: IndexJobConfig) -> dict[str, str]:
     from adbatch.index.ids import ID_RENDER_VERSION
     from adbatch.serving.requests import list_request_files
 
+    from pipelines.stage import file_hash
+
     return {"ads": sha256_paths(list_request_files(config.ads)), "id_render_version": str(ID_RENDER_VERSION),
-            "embeddings_version": str(EMBEDDINGS_VERSION)}
+            "embeddings_version": str(EMBEDDINGS_VERSION), "queries": file_hash(config.queries),
+            "valid_queries": file_hash(config.valid_queries)}
 
 
 #: ``run`` looks ``run_index`` up when called, so the refresh runs whatever this module's verb is then
 STAGE = StageContract("index", IndexJobConfig, ArtifactKind.INDEX, inputs=index_inputs,
-                      run=lambda config: run_index(config), wired=("out", "num_cpus", "progress", "previous"))
+                      run=lambda config: run_index(config), wired=("out", "num_cpus", "progress", "previous", "queries", "valid_queries"))

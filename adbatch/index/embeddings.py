@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from adbatch.config import ConfigBase, ConfigError
+from adbatch.index.embedder_tuning import EmbedderTuneConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class EmbeddingConfig(ConfigBase):
                                         "folder (or 'default': MiniLM) that embeds queries into that space; "
                                         "unset = that index has no dense channel (ignored when the index "
                                         "stage embeds the ads itself: its own model embeds the queries)"})
+    tune: EmbedderTuneConfig = dataclasses.field(default_factory=EmbedderTuneConfig, metadata={
+        "help": "tune the encoder on the labelled queries before it embeds the ads (ids from a query-aligned "
+                "space; adbatch.index.embedder_tuning)"})
 
     def validate(self) -> None:
         for name in ("batch_size", "max_seq_length", "shard_size"):

@@ -147,7 +147,6 @@ def tune_query_embedder(dense: Any, labelled: Sequence[tuple[str, Hashable]], co
     """
     import torch
 
-    from adbatch.index.dense import embedder_folder
     from adbatch.index.embeddings import open_sentence_encoder
 
     config.validate()
@@ -157,7 +156,7 @@ def tune_query_embedder(dense: Any, labelled: Sequence[tuple[str, Hashable]], co
         log.info("query embedder not tuned: %d labelled queries (< min_queries %d)", len(queries), config.min_queries)
         return None
     v_queries, v_rows = query_targets(dense.ad_ids, valid)
-    model = open_sentence_encoder(embedder_folder(dense.identity["name"]), dense.device)
+    model = open_sentence_encoder(dense.embedder_path, dense.device)
     with torch.random.fork_rng(devices=[dense.device] if dense.device.type == "cuda" else []):
         torch.manual_seed(config.seed)  # dropout: the same run tunes the same embedder, the caller's RNG untouched
         return _tune(model, queries, rows, v_queries, v_rows, dense, config, out_dir, progress, t0)
