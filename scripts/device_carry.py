@@ -261,18 +261,35 @@ def build_assets() -> None:
 
 
 def build_bundle() -> None:
-    """.carry/bundle: bench/train_eval.py prepare --no-full (the 5k Home Depot indexes, MiniLM computed here);
-    rebuilt when the prepare code, the index / eval code or the data change."""
+    """.carry/bundle: bench/train_eval.py prepare --no-full --tuned-ids (the 5k Home Depot indexes: ids from MiniLM's
+    vectors and from the index stage's encoder tuned on the train queries, MiniLM computed here), then the train
+    stage's query tuning of both (tune-queries: the vectors the device's dense channel reads, which has no encoder);
+    the tuned index's own encoder folder (~90 MB) stays here. Rebuilt when the prepare code, the index / eval /
+    query-tuning code or the data change."""
     folder = CARRY / "bundle"
     csv = REPO.parent / "shared" / "data" / "home_depot_relevance" / "train.csv"
     key = inputs_key([REPO / "bench" / "train_eval.py", REPO / "adbatch" / "index", REPO / "adbatch" / "eval",
+                      REPO / "adbatch" / "training" / "query_tuning.py",
                       str(csv.stat().st_size) if csv.is_file() else "no csv"])
     if is_fresh(folder, key):
         return
     shutil.rmtree(folder, ignore_errors=True)
-    subprocess.run([sys.executable, "bench/train_eval.py", "prepare", "--no-full", "--bundle", str(folder)],
-                   cwd=REPO, check=True)
+    bench = [sys.executable, "bench/train_eval.py"]
+    subprocess.run([*bench, "prepare", "--no-full", "--tuned-ids", "--bundle", str(folder)], cwd=REPO, check=True)
+    for ids in ("minilm", "tuned"):
+        subprocess.run([*bench, "tune-queries", "--bundle", str(folder), "--ids", ids], cwd=REPO, check=True)
+    strip_index_encoders(folder, CARRY / "bundle_encoders")
     (folder / "BUILD_KEY").write_text(key + "\n")
+
+
+def strip_index_encoders(bundle: Path, keep: Path) -> None:
+    """Move each bundle index's own encoder folder (adbatch.index.dense.INDEX_EMBEDDER_DIR) under ``keep``: the
+    device reads precomputed query vectors, and the folder alone would outweigh the call's 64 MiB."""
+    for enc in bundle.glob("index_*/embedder"):
+        dest = keep / enc.parent.name
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(enc), str(dest))
 
 
 def build_baseline() -> None:

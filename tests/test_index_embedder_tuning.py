@@ -112,7 +112,7 @@ def test_corpus_vectors_are_not_tuned(built, tmp_path):
 
 
 def test_a_tuning_that_does_not_beat_the_base_on_validation_is_dropped(built, tmp_path):
-    m = build_index(built["ads"], tmp_path / "gate", _config(FAST.replace(lr=1e-12)), progress=False,
+    m = build_index(built["ads"], tmp_path / "gate", _config(FAST.replace(lr=1e-12, epochs=0.1)), progress=False,
                     queries=built["pairs"], valid_queries=built["pairs"])
     rec = m["embedder_tuning"]
     assert not rec["kept"] and rec["valid_recall@10"]["tuned"] <= rec["valid_recall@10"]["base"]

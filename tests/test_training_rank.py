@@ -233,3 +233,120 @@ def test_rank_phase_moves_the_model_toward_the_teacher(assets):
                                        device="cpu", progress=False, labelled=_labelled(index), dense=dense)
         kls[on] = _listwise_kl_now(model, rq, groups, rank, tok.pad_token_id)
     assert kls[True] < 0.9 * kls[False] and kls[True] < 0.9 * kls["start"], kls
+
+
+def test_learned_student_temperature_makes_the_listwise_loss_scale_free():
+    """With the student temperature fitted, the listwise loss depends on the student scores' shape only: scores 10x
+    as far apart (a more confident model) reach the same minimum at a 10x temperature, and scores that are an affine
+    map of the teacher's logits reach 0 whatever their scale. The raw sums (temperature 1) are scale-bound."""
+    from adbatch.training.rank_loss import initial_student_temperature
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(6, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[4, 3:] = False
+    teacher = (0.6 + 0.3 * torch.rand(6, 7, generator=g)) / 0.05        # cosines ~0.6-0.9 at temperature 0.05
+    student = -3.0 * torch.rand(6, 7, generator=g) - 0.3 * teacher      # summed log-probs, loosely teacher-ordered
+
+    def fit(s: torch.Tensor) -> tuple[float, float]:
+        """(min loss, temperature): log tau from the data-driven start the rank phase uses, minimised exactly."""
+        log_tau = torch.tensor(math.log(initial_student_temperature(s, teacher, mask)), requires_grad=True)
+        opt = torch.optim.LBFGS([log_tau], lr=1.0, max_iter=100, line_search_fn="strong_wolfe")
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = listwise_kl_loss(s, teacher, mask, log_tau.exp())
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        with torch.no_grad():
+            return float(listwise_kl_loss(s, teacher, mask, log_tau.exp())), float(log_tau.exp())
+
+    assert abs(initial_student_temperature(10 * student, teacher, mask)
+               - 10 * initial_student_temperature(student, teacher, mask)) < 1e-4
+    (l1, t1), (l10, t10) = fit(student), fit(10 * student)
+    assert abs(l1 - l10) < 1e-4 and abs(t10 / t1 - 10) < 1e-2, (l1, l10, t1, t10)
+    raw1, raw10 = float(listwise_kl_loss(student, teacher, mask)), float(listwise_kl_loss(10 * student, teacher, mask))
+    assert raw10 > 5 * raw1 and l1 < raw1, (raw1, raw10, l1)  # temperature 1: the wider the scores, the worse
+    # at the fitted temperature the loss has a minimum in tau (zero gradient), so it asks nothing of the scale
+    log_tau = torch.tensor(math.log(t10), requires_grad=True)
+    listwise_kl_loss(10 * student, teacher, mask, log_tau.exp()).backward()
+    assert abs(float(log_tau.grad)) < 1e-3
+    # an affine map of the teacher's logits (any scale, any per-group shift) is a perfect student
+    for scale in (0.5, 20.0):
+        affine = scale * teacher - 40.0 * torch.arange(6.0)[:, None]
+        loss, tau = fit(affine)
+        assert loss < 1e-4 and abs(tau / scale - 1) < 1e-2, (scale, loss, tau)
+
+
+@pytest.mark.parametrize("mode", [RankLossMode.LISTWISE_KL, RankLossMode.MARGIN])
+def test_rank_loss_decreases_after_the_ids_are_learned(assets, mode):
+    """The rank phase in the second half of a run whose first half learned the ids with cross-entropy (the GPU's
+    regime, where the raw-sum listwise loss rose): through train_on_index, the rank loss of one fixed set of groups
+    falls clearly over the phase, next to the CE. Listwise: the student temperature is learned (set from the first
+    rank batch, moved by its own optimizer, recorded, not in the model)."""
+    from adbatch.index.dense import DenseRetriever
+    from adbatch.models import load_causal_lm
+
+    index = assets["index"]
+    torch.manual_seed(0)
+    model, tok = load_causal_lm(str(assets["model"]), dtype=torch.float32, device="cpu")
+    n_params = sum(p.numel() for p in model.parameters())
+    rank = RankLossConfig(enabled=True, mode=mode, weight=1.0, teacher_k=3, negatives=3, max_positives=1,
+                          queries_per_step=8, max_queries=8, start_fraction=0.5, temperature=0.05, margin=1.0)
+    cfg = _config(rank, 24).replace(lr=1e-2)
+    model, tok, summary = train_on_index(index, None, cfg, model=model, tokenizer=tok, device="cpu", progress=False,
+                                         labelled=_labelled(index), dense=DenseRetriever(index, "cpu"))
+    r = summary.train["rank"]
+    losses = [v for _, v in r["losses"]]
+    assert r["start_step"] == 12 and len(losses) == 12 and all(math.isfinite(v) for v in losses), losses
+    early, late = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert late < 0.7 * early, losses
+    assert summary.train["final_loss"] < summary.train["first_loss"]  # the CE (+ rank) total fell too
+    assert sum(p.numel() for p in model.parameters()) == n_params  # the temperature is not part of the model
+    if mode is RankLossMode.LISTWISE_KL:
+        t = r["student_temperature"]
+        assert t["initial"] > 0 and len(t["logged"]) == 12 and t["final"] != pytest.approx(t["initial"], rel=1e-3), t
+    else:
+        assert "student_temperature" not in r
+
+
+def test_ce_and_listwise_loss_fight_on_raw_sums_and_agree_with_a_learned_temperature():
+    """The GPU's failure in miniature: a free-logit stand-in for the DSI model (per query a distribution over N ids,
+    so the candidates' probabilities sum <= 1 like sequence probabilities) trained on CE of the label + 0.5 x the
+    listwise loss over C candidates (label first, raised to the teacher's top). On raw sums the KL rises while the
+    CE falls, and both stall apart; with the learned temperature both keep falling (the loss asks for the order)."""
+    from adbatch.training.rank_loss import initial_student_temperature
+
+    g = torch.Generator().manual_seed(0)
+    Q, N, C = 16, 100, 10
+    cos = (0.6 + 0.3 * torch.rand(Q, C, generator=g)).sort(1, descending=True).values
+    teacher = torch.cat([cos[:, :1], cos[:, :-1]], 1) / 0.05   # slot 0: the label, tied with the teacher's top-1
+    mask = torch.ones(Q, C, dtype=torch.bool)
+
+    def run(learn: bool) -> list[tuple[float, float]]:
+        z = torch.zeros(Q, N, requires_grad=True)
+        log_tau = torch.zeros((), requires_grad=True)
+        opts = [torch.optim.Adam([z], lr=0.05), torch.optim.Adam([log_tau], lr=0.05)]
+        out = []
+        for step in range(800):
+            s = torch.log_softmax(z, 1)                         # [Q, N] "summed log-probs" of every id
+            if learn and step == 0:
+                with torch.no_grad():
+                    log_tau.fill_(math.log(initial_student_temperature(s[:, :C], teacher, mask)))
+            ce = -s[:, 0].mean()
+            kl = listwise_kl_loss(s[:, :C], teacher, mask, log_tau.exp() if learn else 1.0)
+            for o in opts:
+                o.zero_grad()
+            (ce + 0.5 * kl).backward()
+            for o in opts:
+                o.step()
+            if step in (10, 799):
+                out.append((float(ce), float(kl)))
+        return out
+
+    (ce0, kl0), (ce1, raw_kl) = run(learn=False)
+    assert raw_kl > 1.5 * kl0 and ce1 > 0.2, (ce0, kl0, ce1, raw_kl)  # the KL rose; the CE stalled (label p < 0.82)
+    (ce0, kl0), (ce1, kl1) = run(learn=True)
+    assert kl1 < 0.6 * kl0 and kl1 < 0.3 * raw_kl and ce1 < 0.05, (ce0, kl0, ce1, kl1, raw_kl)
