@@ -21,6 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def test_config_validation_and_round_trip():
     cfg = RankLossConfig()
     assert not cfg.enabled and cfg.mode is RankLossMode.LISTWISE_KL and cfg.candidates == 8 + 8 + 2
+    assert cfg.learn_student_temperature and cfg.student_temperature_lr == 0.05
     back = RankLossConfig.from_dict(RankLossConfig(enabled=True, mode=RankLossMode.MARGIN,
                                                    sources=(RankSource.GENERATED,)).to_dict())
     assert back.mode is RankLossMode.MARGIN and back.sources == (RankSource.GENERATED,)
@@ -32,7 +33,8 @@ def test_config_validation_and_round_trip():
     assert TrainConfig().rank == RankLossConfig()  # off by default
     for bad in (dict(weight=0.0), dict(weight=float("nan")), dict(temperature=0.0), dict(start_fraction=1.0),
                 dict(start_fraction=-0.1), dict(teacher_k=0), dict(queries_per_step=0), dict(negatives=-1),
-                dict(sources=()), dict(mode=RankLossMode.MARGIN, negatives=0), dict(margin=-1.0)):
+                dict(sources=()), dict(mode=RankLossMode.MARGIN, negatives=0), dict(margin=-1.0),
+                dict(student_temperature_lr=0.0), dict(student_temperature_lr=float("inf"))):
         with pytest.raises(ConfigError):
             RankLossConfig(**bad)
     with pytest.raises(ConfigError):

@@ -15,9 +15,18 @@ and the student's scores are the teacher-forced sums of target-token log-probabi
 id sequence (:func:`sequence_logprobs`: what beam search ranks by, ``length_penalty`` 0). Two losses
 (:class:`RankLossMode`):
 
-- ``listwise_kl``: ``KL(softmax(teacher_cos / T) || softmax(student))`` over the group's candidates
+- ``listwise_kl``: ``KL(softmax(teacher_cos / T) || softmax(student / tau))`` over the group's candidates
   (ListNet-style listwise distillation); a labelled / source ad gets the group's top teacher score, so the
-  labels never rank below the teacher's favourite;
+  labels never rank below the teacher's favourite. ``tau`` is a *learned* student temperature
+  (``learn_student_temperature``, on by default): one log-parameterised scalar owned by the rank phase (its own
+  Adam, never saved in the model), started at the ratio of the student's to the teacher's score spread on the
+  first rank batch. Why: the teacher's logits span a few nats, a DSI model's summed log-probs of different ads
+  tens, and the cross-entropy keeps widening them (the label towards probability 1). With ``tau = 1`` the KL
+  can only fall by flattening the model's sequence distribution, which the cross-entropy undoes: the two
+  fight, the KL rises (GPU: 4.4 -> 10.4 over the phase) and the pulled-together scores are bf16-fragile at
+  serving. Divided by a fitted ``tau`` the loss is scale-free (scores ``a x`` as far apart reach the same
+  minimum at ``a x tau``): it asks for the teacher's order and relative gaps, which the cross-entropy's
+  wider gaps do not contradict (``tau`` grows with them);
 - ``margin``: LTRGR's margin loss (Li et al. 2023, "Learning to Rank in Generative Retrieval"):
   ``mean relu(margin - s_pos + s_neg)`` over pairs of a positive (labelled / source ad, the teacher's top-1)
   and a negative (a beam output that is neither a positive nor in the teacher's top-k).
@@ -29,6 +38,9 @@ cross-entropy micro-batches, which stay as they are.
 
 "Teacher-labelled generated queries": with the ``generated`` source, the generator's queries (trained with
 their one source ad as target by the cross-entropy) get the teacher's top-k as soft targets here.
+
+Precision: the student's log-softmax, the sums and both losses are float32; the LM head's matmul runs in the
+autocast dtype (bf16 on CUDA), as the cross-entropy's does.
 
 Cost: the teacher's query embeddings and top-k once before training (one embedder pass over the ranking
 queries, a matmul against the ad embeddings); one beam search over them at the start of the phase (and every
@@ -93,6 +105,11 @@ class RankLossConfig(ConfigBase):
         "help": "temperature of the teacher's softmax over cosines (cosines of one query span ~0.3: 0.05 "
                 "gives a distribution that prefers its top few without ignoring the rest)"})
     margin: float = field(default=1.0, metadata={"help": "margin of the margin loss, in summed log-prob"})
+    learn_student_temperature: bool = field(default=True, metadata={
+        "help": "listwise_kl: divide the student's summed log-probs by a learned scalar temperature (scale-free: "
+                "the loss asks for the teacher's order, not its calibration); off = the raw sums (temperature 1)"})
+    student_temperature_lr: float = field(default=0.05, metadata={
+        "help": "Adam learning rate of the student temperature's log (its own optimizer; not saved in the model)"})
     start_fraction: float = field(default=0.5, metadata={
         "help": "share of the optimizer steps after which the rank phase starts (CE alone before)"})
     queries_per_step: int = field(default=16, metadata={"help": "ranking groups in each step's rank micro-batch"})
@@ -114,6 +131,8 @@ class RankLossConfig(ConfigBase):
             raise ConfigError(f"RankLossConfig.weight must be finite and > 0, got {self.weight}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ConfigError(f"RankLossConfig.temperature must be finite and > 0, got {self.temperature}")
+        if not (self.student_temperature_lr > 0 and math.isfinite(self.student_temperature_lr)):
+            raise ConfigError(f"RankLossConfig.student_temperature_lr must be finite and > 0, got {self.student_temperature_lr}")
         if not (self.margin >= 0 and math.isfinite(self.margin)):
             raise ConfigError(f"RankLossConfig.margin must be finite and >= 0, got {self.margin}")
         if not 0.0 <= self.start_fraction < 1.0:
@@ -138,21 +157,49 @@ class RankLossConfig(ConfigBase):
 # ---------------------------------------------------------------------------------------------
 # losses (pure functions)
 # ---------------------------------------------------------------------------------------------
-def listwise_kl_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over groups of ``KL(softmax(teacher) || softmax(student))`` over each group's valid candidates.
+def listwise_kl_loss(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                     student_temperature: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Mean over groups of ``KL(softmax(teacher) || softmax(student / student_temperature))`` over each group's
+    valid candidates.
 
     ``student``: float ``[G, C]`` scores (summed sequence log-probs; any value where masked);
     ``teacher``: float ``[G, C]`` logits of the teacher (cosine / temperature); ``mask``: bool ``[G, C]``
-    (True = a real candidate; every group needs one). Math in float32; returns a float32 scalar.
+    (True = a real candidate; every group needs one); ``student_temperature``: a positive float or float32
+    scalar tensor (a learned one receives its gradient through it). Scaling ``student`` and
+    ``student_temperature`` by one factor leaves the loss unchanged. Math in float32; returns a float32 scalar.
     """
     assert student.shape == teacher.shape == mask.shape and student.ndim == 2, (student.shape, teacher.shape, mask.shape)
     assert bool(mask.any(1).all()), "every group needs at least one valid candidate"
     neg = torch.finfo(torch.float32).min
-    log_q = torch.log_softmax(student.float().masked_fill(~mask, neg), dim=1)   # [G, C]
+    log_q = torch.log_softmax((student.float() / student_temperature).masked_fill(~mask, neg), dim=1)  # [G, C]
     log_p = torch.log_softmax(teacher.float().masked_fill(~mask, neg), dim=1)  # [G, C]
     # where() keeps masked entries out of the sum and of the gradient (their p is 0, log q ~ -inf)
     kl = torch.where(mask, log_p.exp() * (log_p - log_q), torch.zeros_like(log_q)).sum(1)  # [G]
     return kl.mean()
+
+
+def initial_student_temperature(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> float:
+    """A starting value of the learned student temperature: the median over groups of (spread of the student's
+    scores) / (spread of the teacher's logits), so ``student / temperature`` starts on the teacher's scale.
+
+    ``student`` / ``teacher``: float ``[G, C]``; ``mask``: bool ``[G, C]``. Spread = standard deviation over a
+    group's valid candidates; groups with fewer than two candidates or a flat teacher are skipped (1.0 when
+    none is left). One host sync (called once, at the phase's first rank micro-batch). Clamped to
+    ``[1e-2, 1e4]``.
+    """
+    m = mask.float()
+    n = m.sum(1)  # [G]
+
+    def spread(x: torch.Tensor) -> torch.Tensor:  # [G] std over the valid candidates
+        x = torch.where(mask, x.float(), torch.zeros((), device=x.device))
+        mean = x.sum(1) / n.clamp(min=1)
+        return (((x - mean[:, None]) ** 2 * m).sum(1) / n.clamp(min=1)).sqrt()
+
+    s, t = spread(student.detach()), spread(teacher)
+    ok = (n >= 2) & (t > 1e-6) & (s > 1e-6)
+    if not bool(ok.any()):
+        return 1.0
+    return float((s[ok] / t[ok]).median().clamp(1e-2, 1e4))
 
 
 def margin_loss(student: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor, margin: float) -> torch.Tensor:
@@ -393,10 +440,12 @@ def rank_batch(groups: RankGroups, picks: torch.Tensor, pad_id: int) -> tuple[An
 
 
 def group_loss(student: torch.Tensor, mask: torch.Tensor, teacher: torch.Tensor, positive: torch.Tensor,
-               negative: torch.Tensor, config: RankLossConfig) -> torch.Tensor:
-    """The configured loss of one rank micro-batch (all ``[G, C]``; float32 scalar)."""
+               negative: torch.Tensor, config: RankLossConfig,
+               student_temperature: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """The configured loss of one rank micro-batch (all ``[G, C]``; float32 scalar). ``student_temperature``:
+    the listwise loss's (learned) student temperature; the margin loss, in summed log-prob, ignores it."""
     if config.mode is RankLossMode.LISTWISE_KL:
-        return listwise_kl_loss(student, teacher.to(student.device), mask.to(student.device))
+        return listwise_kl_loss(student, teacher.to(student.device), mask.to(student.device), student_temperature)
     return margin_loss(student, positive.to(student.device), negative.to(student.device), config.margin)
 
 

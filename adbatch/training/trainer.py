@@ -58,7 +58,7 @@ from adbatch.training.distill import DistillConfig, distill_loss
 from adbatch.training.head_loss import linear_cross_entropy
 from adbatch.training.pseudo_queries import PseudoQueryConfig
 from adbatch.training.query_tuning import QueryTuneConfig
-from adbatch.training.rank_loss import RankLossConfig
+from adbatch.training.rank_loss import RankLossConfig, RankLossMode
 from adbatch.training.rehearsal import CreativeRehearsalConfig
 from adbatch.training.quant_aware import QuantAwareConfig, QuantAwareTraining
 from adbatch.training.sparsity import ProgressiveSparsity, SparsityScheduleConfig, unwrap_ddp
@@ -551,7 +551,9 @@ class _RankPhase:
     ids are already learned), the beams move little once the ids are known, and a mining is a beam search over
     every ranking query (seconds to a minute on the GPU for thousands of queries), which a refresh every few
     steps would repeat; ``refresh_every`` re-mines for longer phases. Loss values stay on the device (summed
-    there; read at logged steps only)."""
+    there; read at logged steps only). The listwise loss's learned student temperature
+    (``rank.learn_student_temperature``) lives here with its own Adam: a scalar of the loss, not of the model, so
+    it is never saved; :meth:`step` moves it."""
 
     def __init__(self, model: nn.Module, rq: Any, config: TrainConfig, total_steps: int, pad_id: int,
                  device: torch.device, autocast: bool) -> None:
@@ -568,6 +570,13 @@ class _RankPhase:
         self.last = torch.zeros((), device=device)
         self.group_stats: dict[str, Any] = {}
         self.losses: list[tuple[int, float]] = []  # (step, rank loss) at logged steps
+        # the listwise loss's student temperature: log-parameterised, set from the first rank micro-batch, stepped
+        # by its own Adam after the model's step; it belongs to the phase, never to the model (not saved)
+        self.learn_tau = self.cfg.mode is RankLossMode.LISTWISE_KL and self.cfg.learn_student_temperature
+        self.log_tau: torch.Tensor | None = None
+        self.tau_opt: torch.optim.Optimizer | None = None
+        self.tau_initial: float | None = None
+        self.temperatures: list[tuple[int, float]] = []  # (step, student temperature) at logged steps
 
     @property
     def active(self) -> bool:
@@ -610,22 +619,40 @@ class _RankPhase:
 
     def loss(self) -> tuple[torch.Tensor, int]:
         """One rank micro-batch's loss (float32 scalar) and its real tokens."""
-        from adbatch.training.rank_loss import group_loss, rank_batch, sequence_logprobs
+        from adbatch.training.rank_loss import group_loss, initial_student_temperature, rank_batch, sequence_logprobs
 
         picks = self._picks()
         batch, mask, teacher, pos, neg = rank_batch(self.groups, picks, self.pad_id)
         batch = batch.to(self.device)
         student = sequence_logprobs(self.model, batch, tuple(mask.shape), mask.to(self.device))  # [G, C]
-        loss = group_loss(student, mask, teacher, pos, neg, self.cfg)
+        tau: torch.Tensor | float = 1.0
+        if self.learn_tau:
+            if self.log_tau is None:  # once: on the teacher's scale (one host sync)
+                self.tau_initial = initial_student_temperature(student, teacher.to(self.device), mask.to(self.device))
+                self.log_tau = torch.tensor(math.log(self.tau_initial), device=self.device, requires_grad=True)
+                self.tau_opt = torch.optim.Adam([self.log_tau], lr=self.cfg.student_temperature_lr)
+                log.info("rank phase: student temperature starts at %.3g", self.tau_initial)
+            tau = self.log_tau.exp()
+        loss = group_loss(student, mask, teacher, pos, neg, self.cfg, tau)
         self.last = loss.detach()
         self.total += self.last
         self.steps += 1
         self.batch_slots = batch.num_slots
         return loss, batch.num_tokens
 
+    def step(self) -> None:
+        """The student temperature's optimizer step (after the model's; its gradient came with the rank loss's
+        backward). Not clipped with the model's gradients: one scalar under Adam moves at most ~lr per step."""
+        if self.tau_opt is not None:
+            self.tau_opt.step()
+            self.tau_opt.zero_grad(set_to_none=True)
+
     def log(self, step: int) -> None:
-        """Keep the last rank loss at a logged step (a host sync, as the loop's own loss read there)."""
+        """Keep the last rank loss (and student temperature) at a logged step (a host sync, as the loop's own
+        loss read there)."""
         self.losses.append((step, float(self.last)))
+        if self.log_tau is not None:
+            self.temperatures.append((step, round(math.exp(float(self.log_tau)), 5)))
 
     def summary(self) -> dict[str, Any]:
         out = {**self.rq.stats, **self.group_stats, "start_step": self.started, "planned_start": self.start,
@@ -633,6 +660,9 @@ class _RankPhase:
                "mode": self.cfg.mode.value, "weight": self.cfg.weight}
         out["mean_loss"] = round(float(self.total) / self.steps, 5) if self.steps else None
         out["losses"] = self.losses
+        if self.learn_tau:
+            out["student_temperature"] = {"initial": self.tau_initial, "logged": self.temperatures,
+                                          "final": math.exp(float(self.log_tau)) if self.log_tau is not None else None}
         return out
 
 
@@ -871,6 +901,8 @@ def train_loop(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if ranking is not None and ranking.active:
+            ranking.step()
         if sparsity is not None:
             sparsity.after_optimizer_step()
         if qat is not None:
