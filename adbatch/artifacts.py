@@ -32,7 +32,9 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -92,9 +94,28 @@ def _within(path: Any, folder: Path) -> bool:
     return path == folder or path.startswith(folder + os.sep)
 
 
+def _as_os_error(exc: BaseException) -> OSError | None:
+    """``exc`` as the ``OSError`` it reports: itself, or a failed write of safetensors, whose
+    ``SafetensorError`` is not an ``OSError`` but carries the errno and the path in its text
+    (``I/O error: No space left on device (os error 28) at path "..."``); None for anything else."""
+    if isinstance(exc, OSError):
+        return exc
+    cls = getattr(sys.modules.get("safetensors"), "SafetensorError", None)  # loaded if it can have raised
+    if cls is None or not isinstance(exc, cls):
+        return None
+    text = str(exc)
+    code = re.search(r"\(os error (\d+)\)|code: (\d+)", text)
+    if code is None:
+        return None
+    num = int(code.group(1) or code.group(2))
+    path = re.search(r'at path "([^"]*)"', text)
+    return OSError(num, os.strerror(num), path.group(1) if path else None)
+
+
 @contextlib.contextmanager
 def write_errors(folder: str | Path, only_within: bool = False) -> Iterator[None]:
-    """Re-raise an ``OSError`` of the block as :class:`OutputWriteError` naming ``folder`` and the errno.
+    """Re-raise an ``OSError`` of the block (or a safetensors write failure carrying one,
+    :func:`_as_os_error`) as :class:`OutputWriteError` naming ``folder`` and the errno.
 
     ``only_within``: only errors about a file inside ``folder`` (a block that also reads inputs)."""
     folder = Path(folder)
@@ -102,15 +123,16 @@ def write_errors(folder: str | Path, only_within: bool = False) -> Iterator[None
         yield
     except OutputWriteError:
         raise
-    except OSError as exc:
-        if only_within and not (_within(exc.filename, folder) or _within(exc.filename2, folder)):
+    except Exception as raised:
+        exc = _as_os_error(raised)
+        if exc is None or (only_within and not (_within(exc.filename, folder) or _within(exc.filename2, folder))):
             raise
         code = f"{errno.errorcode.get(exc.errno, '?')}, errno {exc.errno}" if exc.errno else "no errno"
         err = OutputWriteError(f"cannot write {folder} ({code}: {exc.strerror or exc}"
                                f"{f': {exc.filename}' if exc.filename and exc.strerror else ''}); fix the disk "
                                "space or permissions and re-run (complete files are kept)")
         err.errno = exc.errno
-        raise err from exc
+        raise err from raised
 
 
 def file_mode() -> int:
@@ -292,6 +314,9 @@ def verify_outputs(directory: str | Path, manifest: dict[str, Any], names: Any =
     directory = Path(directory)
     listed = manifest.get("outputs") or {}
     for name in (listed if names is None else names):
+        if not (directory / name).is_file():  # named: a raw "[Errno 2]" line says nothing of the artifact
+            raise FileNotFoundError(f"{directory / name}: listed in {directory / MANIFEST_NAME} but missing; the "
+                                    "artifact is incomplete: rebuild it or restore the file")
         want, got = listed.get(name), sha256_file(directory / name)
         if want != got:
             raise ArtifactIntegrityError(f"{directory / name}: sha256 {got[:12]} does not match the manifest's "

@@ -231,8 +231,10 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
         folders = {}
         if record is not None:
             extra.update(model_binding(record))
-            if record.get("query_embedder"):
-                folders[record["query_embedder"]["dir"]] = src / record["query_embedder"]["dir"]
+            if record.get("query_embedder"):  # only a folder inside the model's is copied in
+                from adbatch.index.dense import tuned_embedder_dir
+
+                folders[record["query_embedder"]["dir"]] = tuned_embedder_dir(src, record["query_embedder"])
         manifest = save_compressed(model, tok, recipe, out, extra_manifest=extra, folders=folders)
     with timer.phase("report"):
         plots = plot_layers(recipe, out)

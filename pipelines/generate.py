@@ -431,37 +431,66 @@ def _latency(batch_seconds: Iterable[float]) -> dict[str, float]:
             "batch_latency_p95_s": round(q[18], 4), "batches": len(vals)}
 
 
+@dataclasses.dataclass
+class Preflight:
+    """What :func:`preflight` checked and a run is keyed on: the validated requests, the model's identity, the
+    index's hash and (unless generative) the dense channel's identity."""
+
+    validated: Any
+    model_id: dict[str, Any]
+    index_hash: str | None = None
+    dense_id: dict[str, str] | None = None
+
+
+def preflight(config: GenerateJobConfig) -> Preflight:
+    """Every outside input of a generate run, checked in the driver before its ``--out`` is claimed and before Ray
+    starts (the actors load them after): each check fails with its own line (a user error, exit status 2).
+
+    1. the paths a run needs are given; 2. the request files, their schema and rows (bad rows are set aside);
+    3. the model folder or compressed checkpoint, without loading it; targets: 4. the index's manifest and every
+    file against it; 5. the model's binding to the index (trained on it, its tokenizer and vocabulary);
+    6. the model's training record (its fitted fusion, its tuned query embedder's folder); unless generative:
+    7. the dense channel: its embeddings file, the query embedder that answers (hash, folder, custom code)."""
+    config.check_paths()
+    validated = validate_requests(config.requests, config.task, config.validation)
+    config.spec.check()
+    found = Preflight(validated, config.spec.identity())
+    if config.task is not GenerateTask.TARGETS:
+        return found
+    from adbatch.artifacts import read_manifest, verify_outputs
+    from adbatch.serving.generators import check_training_record
+
+    manifest = read_manifest(config.index)
+    found.index_hash = manifest.get("index_hash")
+    if not found.index_hash:
+        raise ConfigError(f"GenerateJobConfig.index: {config.index} is not an index folder")
+    verify_outputs(config.index, manifest)  # every file the actors read, by its manifest's sha256
+    # a model trained on another index: refused here, not inside each Ray actor after start-up
+    record = check_model_index(config.spec, config.index, manifest)
+    check_training_record(config.spec, record)
+    if config.targets.fusion is not FusionMode.GENERATIVE:  # the dense channel, checked the same way
+        from adbatch.index.dense import (check_embedder_folder, check_embeddings_file, check_query_embedder,
+                                         dense_identity, embedder_folder, tuned_query_embedder)
+
+        found.dense_id = dense_identity(config.index, manifest)
+        check_embeddings_file(config.index, manifest)
+        tuned = tuned_query_embedder(config.spec.folder(), record, config.index, manifest)
+        if tuned is None:
+            check_embedder_folder(embedder_folder(check_query_embedder(config.index, manifest)["name"], config.index))
+        else:  # the model's own query embedder answers: a re-tuned one redoes the partitions
+            check_embedder_folder(tuned["name"])
+            found.dense_id["query_embedder"] = tuned["sha256"]
+    return found
+
+
 def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
     """Run (or resume) one generate job; returns the run summary (also in ``out/manifest.json``)."""
-    config.check_paths()
     timer = StageTimer()
-    layout = Layout(Path(config.out), config.task)
     t_start = time.perf_counter()
     with timer.phase("validate"):
-        validated = validate_requests(config.requests, config.task, config.validation)
-        # fail on a missing or damaged model / index now, before the pool spins up
-        config.spec.check()
-        model_id = config.spec.identity()
-        index_hash, dense_id = None, None
-        if config.task is GenerateTask.TARGETS:
-            from adbatch.artifacts import read_manifest, verify_outputs
-
-            manifest = read_manifest(config.index)
-            index_hash = manifest.get("index_hash")
-            if not index_hash:
-                raise ConfigError(f"GenerateJobConfig.index: {config.index} is not an index folder")
-            verify_outputs(config.index, manifest)  # every file the actors read, by its manifest's sha256
-            # a model trained on another index: refused here, not inside each Ray actor after start-up
-            check_model_index(config.spec, config.index, manifest)
-            if config.targets.fusion is not FusionMode.GENERATIVE:  # the dense channel, checked the same way
-                from adbatch.index.dense import check_query_embedder, dense_identity, tuned_query_embedder
-
-                dense_id = dense_identity(config.index, manifest)
-                tuned = tuned_query_embedder(config.spec.folder(), config.spec.training_record(), config.index, manifest)
-                if tuned is None:
-                    check_query_embedder(config.index, manifest)
-                else:  # the model's own query embedder answers: a re-tuned one redoes the partitions
-                    dense_id["query_embedder"] = tuned["sha256"]
+        found = preflight(config)
+    layout = Layout(Path(config.out), config.task)
+    validated, model_id, index_hash = found.validated, found.model_id, found.index_hash
     log.info("requests: %d rows in, %d accepted, %d rejected", validated.rows_in,
              validated.accepted.num_rows, validated.rejected.num_rows)
     identity = {
@@ -469,7 +498,7 @@ def run_generate(config: GenerateJobConfig) -> dict[str, Any]:
         "requests_sha256": sha256_paths(validated.files),
         "model_sha256": model_id["sha256"],
         "index_hash": index_hash,
-        **({"dense": dense_id} if dense_id else {}),
+        **({"dense": found.dense_id} if found.dense_id else {}),
         "decoding": generator_fingerprint(config.task, config.decoding, config.generate_config()),
         "partition_size": config.partition_size,
         "validation": config.validation.to_dict(),

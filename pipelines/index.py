@@ -25,8 +25,8 @@ from adbatch.index.clustering import Child, ClusterConfig, ClusterMethod, Hierar
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.index.corpus import Corpus, CorpusSchemaError, read_corpus
 from adbatch.index.embeddings import EmbeddingConfig, embed_texts, load_embedder
-from adbatch.index.build import (IndexConfig, cluster_stable, embed_for_index, load_tokenizer, stable_start,
-                                 write_index)
+from adbatch.index.build import (IndexConfig, check_query_embedder_of, cluster_stable, embed_for_index, load_tokenizer,
+                                 stable_start, write_index)
 from adbatch.index.ids import check_tokenizer
 from pipelines.ray_runtime import init_ray
 from pipelines.stage import StageContract
@@ -181,24 +181,51 @@ def read_checked_corpus(config: IndexJobConfig) -> Corpus:
     return corpus
 
 
+@dataclasses.dataclass
+class IndexPreflight:
+    """What :func:`preflight` read and checked: the corpus, the tokenizer the ids render with (and its folder), and
+    the labelled train / validation pairs the encoder is tuned on."""
+
+    corpus: Corpus
+    tokenizer: Any
+    tokenizer_name: str
+    labelled: list
+    valid: list
+
+
+def preflight(config: IndexJobConfig) -> IndexPreflight:
+    """Every outside input of an index run, checked in the driver before its ``--out`` is claimed and before Ray
+    starts, each failing with its own line (a user error, exit status 2):
+
+    1. ``out`` is given; 2. the corpus: readable, with at least one valid ad (:func:`read_checked_corpus`);
+    3. the tokenizer the scheme renders with (the sequences are rendered in this driver after the clustering);
+    4. for a corpus with its own vectors, the query embedder the index will name: loaded once with the dense
+    channel's refusals, its width checked against the vectors (:func:`adbatch.index.build.check_query_embedder_of`);
+    5. the labelled queries the encoder is tuned on (:func:`read_tuning_queries`)."""
+    if not config.out:
+        raise ConfigError("IndexJobConfig.out: required (the output directory)")
+    corpus = read_checked_corpus(config)
+    # load_tokenizer is cached: render reuses this load
+    tokenizer, tokenizer_name = load_tokenizer(config.index.tokenizer)
+    check_tokenizer(tokenizer, config.index.render, tokenizer_name)
+    check_query_embedder_of(corpus, config.index)
+    labelled, valid = read_tuning_queries(config)
+    return IndexPreflight(corpus, tokenizer, tokenizer_name, labelled, valid)
+
+
 def run_index(config: IndexJobConfig) -> dict[str, Any]:
     """Build the index of ``config.ads`` into ``config.out`` on Ray; return a summary.
 
-    The corpus is read and checked (and the output folder claimed) before Ray starts, so a bad
+    Its inputs are checked (:func:`preflight`) and the output folder claimed before Ray starts, so a bad
     corpus or a misused ``--out`` fails in a second, not after Ray's start-up."""
     import ray
 
-    if not config.out:
-        raise ConfigError("IndexJobConfig.out: required (the output directory)")
     cfg = config.index
     timer = StageTimer()
     with timer.phase("read"):
-        corpus = read_checked_corpus(config)
-    # the sequences are rendered in this driver after the clustering: a tokenizer the scheme cannot use is
-    # refused now, not after Ray started and embedded (load_tokenizer is cached: render reuses this load)
-    tokenizer, tokenizer_name = load_tokenizer(cfg.tokenizer)
-    check_tokenizer(tokenizer, cfg.render, tokenizer_name)
-    labelled, valid = read_tuning_queries(config)
+        found = preflight(config)
+    corpus, tokenizer, tokenizer_name = found.corpus, found.tokenizer, found.tokenizer_name
+    labelled, valid = found.labelled, found.valid
     with claim_output(config.out, ArtifactKind.INDEX):
         start = stable_start(config.previous, corpus, cfg) if config.previous else None
         init_ray(config.num_cpus)

@@ -39,7 +39,7 @@ from pipelines.stage import StageContract
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TrainJobConfig", "run_train", "run_train_warm", "train_inputs", "STAGE", "CreativeTrainJobConfig",
+__all__ = ["TrainJobConfig", "run_train", "preflight", "check_pairs_in_index", "run_train_warm", "train_inputs", "STAGE", "CreativeTrainJobConfig",
            "run_train_creatives", "train_creatives_inputs", "CREATIVES_STAGE", "read_labelled_queries",
            "read_validation_qrels", "read_ad_texts", "read_creative_pairs"]
 
@@ -168,17 +168,56 @@ def _worker(loop_config: dict[str, Any]) -> None:
     ray.train.report(summary.flat())
 
 
-def run_train(config: TrainJobConfig) -> dict[str, Any]:
-    """Train ``config.index`` into a model with Ray Train; returns rank 0's summary + the folder."""
-    from adbatch.artifacts import ArtifactKind, artifact_kind, claim_output
+def check_pairs_in_index(index_dir: str | Path, path: str | Path, ad_ids: list, what: str) -> None:
+    """The ad ids of a pairs file (``ad_ids``, as read) against the ads of the index at ``index_dir``.
 
-    # inputs checked before Ray starts
+    None of them an ad of the index is refused (int ids never equal str ids: a wrong file or id column): for
+    ``queries`` training would fail in every worker, for ``valid_queries`` every validation score would be 0,
+    model selection would pick at random and the fusion would silently not be fitted. Some of them missing is
+    allowed, with a warning naming how many: the index may hold a subset of the catalogue the queries were
+    labelled on (the smoke runs do), and a validation query whose ad is missing lowers every checkpoint's score
+    alike (the fusion fit skips it)."""
+    import pyarrow.parquet as pq
+
+    from adbatch.index.build import AD_CODES_FILE
+
+    index_ids = pq.read_table(Path(index_dir) / AD_CODES_FILE, columns=["ad_id"]).column("ad_id").to_pylist()
+    distinct = list(dict.fromkeys(ad_ids))
+    if not distinct or not index_ids:
+        return
+    known = set(index_ids)
+    missing = [a for a in distinct if a not in known]
+    if len(missing) == len(distinct):
+        kinds = sorted({type(a).__name__ for a in distinct})
+        theirs = sorted({type(a).__name__ for a in index_ids})
+        why = (f"its ad ids are {'/'.join(kinds)}, the index's {'/'.join(theirs)}, and the two never match"
+               if set(kinds) != set(theirs) else "check that it was labelled on this index's catalogue")
+        consequence = ("every validation score would be 0 and the fusion would not be fitted"
+                       if what == "valid_queries" else "no training pair would name an ad")
+        raise ConfigError(f"TrainJobConfig.{what}: none of the {len(distinct)} ad ids of {path} is an ad of index "
+                          f"{index_dir} (e.g. {distinct[0]!r}; the index has e.g. {index_ids[0]!r}): {why}; "
+                          f"{consequence}")
+    if missing:
+        log.warning("TrainJobConfig.%s: %d of %d ad ids of %s are not in index %s (e.g. %r): their pairs name no ad "
+                    "of it (a subset catalogue?)%s", what, len(missing), len(distinct), path, index_dir, missing[0],
+                    "; those validation queries score 0 for every checkpoint" if what == "valid_queries" else "")
+
+
+def preflight(config: TrainJobConfig) -> None:
+    """Every outside input of a train run, checked in the driver before Ray starts (the workers read them again),
+    each failing with its own line (a user error, exit status 2):
+
+    1. the index folder exists; 2. the input files given exist; 3. the starting model folder (safetensors, no
+    custom code: the workers load it); 4. the labelled and validation pairs (schema, rows) and that they share
+    no query; 5. the index is an index folder; 6. the pairs' ad ids against the index's
+    (:func:`check_pairs_in_index`)."""
     if not Path(config.index).is_dir():
         raise FileNotFoundError(f"index folder not found: {config.index}")
     for name in ("ads", "queries", "valid_queries", "creative_pairs"):
         path = getattr(config, name)
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"TrainJobConfig.{name}: {path} not found")
+    from adbatch.artifacts import ArtifactKind, artifact_kind
     from adbatch.models import check_model_folder, resolve_model
 
     check_model_folder(resolve_model(config.init_model))  # safetensors, no custom code: the workers load it
@@ -192,6 +231,18 @@ def run_train(config: TrainJobConfig) -> dict[str, Any]:
                              f"{sorted(shared)[0]!r}): split the labelled queries by query string")
     if artifact_kind(config.index) != ArtifactKind.INDEX.value:
         raise ConfigError(f"TrainJobConfig.index: {config.index} is not an index folder (adbatch index writes one)")
+    if train_queries:
+        check_pairs_in_index(config.index, config.queries, [a for _, a in train_queries], "queries")
+    if valid_qrels:
+        check_pairs_in_index(config.index, config.valid_queries,
+                             [a for grades in valid_qrels.values() for a in grades], "valid_queries")
+
+
+def run_train(config: TrainJobConfig) -> dict[str, Any]:
+    """Train ``config.index`` into a model with Ray Train; returns rank 0's summary + the folder."""
+    from adbatch.artifacts import ArtifactKind, claim_output
+
+    preflight(config)
     # the model folder is replaced by a rename at the end (adbatch.training.checkpoint.save_trained), so
     # it is marked as the train stage's after that, not before
     with claim_output(config.out, ArtifactKind.TRAIN, mark=False):

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -577,7 +578,141 @@ CLI_MISTAKES = {
                                    "does not run it"),
     "requests-symlink-loop": (lambda a, t: ["generate", "--requests", _symlink_loop(t), "--out", str(t / "o"),
                                             "--index", str(a["index"])], "requests not found: "),
+    # issue 58, on Ray (the CLI's default executor): every one refused by the driver before Ray starts
+    "generate-record-fusion-nan": (lambda a, t: _gen_argv(a, t, "--model", _trained_copy(
+        a, t, fusion={"method": "interpolation", "weight_generative": float("nan")}), "--targets.fusion", "generative"),
+        "adbatch_training.json: FusionParams.weight_generative: expected a finite number, got nan"),  # case 1
+    "generate-record-truncated": (lambda a, t: _gen_argv(a, t, "--model", _trained_copy(a, t, truncate=True),
+                                                         "--targets.fusion", "generative"),
+                                  "adbatch_training.json: not valid JSON"),  # case 2
+    "generate-record-fusion-a-list": (lambda a, t: _gen_argv(a, t, "--model", _trained_copy(a, t, fusion=[1, 2]),
+                                                             "--targets.fusion", "generative"),
+                                      "adbatch_training.json: fusion must be a mapping"),  # case 2
+    "generate-embeddings-without-the-tensor": (lambda a, t: _gen_argv(a, t, "--index", _index_copy(a, t, _dense_channel(
+        tensors={"vectors": np.ones((40, 8), np.float16)})), "--targets.fusion", "dense"),
+        "embeddings.safetensors: holds no 'embeddings' tensor (found ['vectors'])"),  # case 3
+    "index-query-embedder-empty-folder": (lambda a, t: _index_argv(a, t, "--index.embedding.query-embedder", _empty_dir(t)),
+                                          "the folder is empty"),  # case 4
+    "train-valid-ids-int-for-str-index": (lambda a, t: _train_argv(a, t, _valid_pairs(t, [1, 2, 3])),
+                                          "its ad ids are int, the index's str"),  # case 5
+    "train-valid-ids-not-in-the-index": (lambda a, t: _train_argv(a, t, _valid_pairs(t, ["nope-1", "nope-2", "nope-3"])),
+                                         "none of the 3 ad ids of"),  # case 6
+    "generate-top-k-1e9": (lambda a, t: _gen_argv(a, t, "--targets.top-k", "1000000000"),
+                           "TargetSearchConfig.top_k must be in [1, 1024], got 1000000000"),  # case 7
+    "generate-num-beams-2e62": (lambda a, t: _gen_argv(a, t, "--targets.num-beams", str(2**62)),
+                                f"TargetSearchConfig.num_beams must be in [1, 1024], got {2**62}"),  # case 7
+    # issue 58, also seen
+    "generate-record-query-embedder-leaves-the-model": (lambda a, t: _gen_argv(a, t, "--model", _trained_copy(
+        a, t, query_embedder={"dir": "../../x", "sha256": "0" * 64, "base": {"name": "default", "sha256": "0" * 64}}),
+        "--targets.fusion", "generative"), "dir '../../x' leaves the model folder"),
+    "index-query-embedder-code-in-a-module-folder": (lambda a, t: _index_argv(
+        a, t, "--index.embedding.query-embedder", _minilm_copy(t, _code_in_a_module_folder)),
+        "1_Pooling ships its own Python code (auto_map in config.json (configuration_evil.py))"),
+    "generate-embeddings-deleted": (lambda a, t: _gen_argv(a, t, "--index", _index_copy(a, t, _unlink_embeddings),
+                                                           "--targets.fusion", "generative"),
+                                    "embeddings.safetensors: listed in"),
+    "index-query-embedder-names-the-index-embedder": (lambda a, t: _index_argv(
+        a, t, "--index.embedding.query-embedder", "index:embedder"), "an index built from the corpus's embeddings keeps none"),
 }
+
+
+# --- issue 58: the inputs of the dense channel and the fusion ----------------------------------------------------
+def _trained_copy(a, t, truncate=False, **record):
+    """A copy of the tiny model bound to the module's index by a training record with ``record`` merged in (the
+    record's file cut in half with ``truncate``)."""
+    import shutil
+
+    from adbatch.serving.prompts import TARGETING_PROMPT_VERSION
+
+    d = t / "trained_copy"
+    shutil.copytree(a["model"], d)
+    index_hash = json.loads((Path(a["index"]) / "manifest.json").read_text())["index_hash"]
+    text = json.dumps({"trained_on_index": index_hash, "targeting_prompt_version": TARGETING_PROMPT_VERSION, **record})
+    (d / "adbatch_training.json").write_text(text[:len(text) // 2] if truncate else text)
+    return str(d)
+
+
+def _index_copy(a, t, edit):
+    """A copy of the module's index, ``edit(folder, manifest)`` applied and the manifest written back."""
+    import shutil
+
+    d = t / "index_copy"
+    shutil.copytree(a["index"], d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    edit(d, manifest)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return str(d)
+
+
+def _dense_channel(embedder="default", tensors=None):
+    """An index edit: a dense channel answered by ``embedder`` (by its identity); ``tensors`` replace the
+    embeddings file's content, the manifest's sha256 following it (only the content is wrong)."""
+    def edit(d, manifest):
+        from adbatch.artifacts import sha256_file
+        from adbatch.index.dense import embedder_identity
+
+        manifest["dense"]["query_embedder"] = embedder_identity(embedder)
+        if tensors is not None:
+            from safetensors.numpy import save_file
+
+            save_file(tensors, str(d / "embeddings.safetensors"))
+            manifest["outputs"]["embeddings.safetensors"] = sha256_file(d / "embeddings.safetensors")
+    return edit
+
+
+def _unlink_embeddings(d, manifest):
+    (d / "embeddings.safetensors").unlink()
+
+
+def _index_argv(a, t, *extra):
+    return ["index", "--ads", str(a["corpus"]), "--out", str(t / "o"), "--index.columns.embedding", "vec", *extra]
+
+
+def _empty_dir(t):
+    (t / "empty").mkdir()
+    return str(t / "empty")
+
+
+def _minilm_copy(t, edit):
+    """The packaged MiniLM folder with its files linked, not copied, then ``edit(folder)`` (which replaces a file
+    by unlinking it first: never writing through the link into the installed package)."""
+    import shutil
+
+    from adbatch.index.embeddings import default_embedding_model_dir
+
+    d = t / "minilm_copy"
+    shutil.copytree(default_embedding_model_dir(), d, copy_function=os.symlink)
+    edit(d)
+    return str(d)
+
+
+def _replace_file(path, text):
+    path.unlink()
+    path.write_text(text)
+
+
+def _code_in_a_module_folder(d):
+    cfg = json.loads((d / "1_Pooling" / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}
+    _replace_file(d / "1_Pooling" / "config.json", json.dumps(cfg))
+    (d / "1_Pooling" / "configuration_evil.py").write_text("raise SystemExit('custom code ran')\n")
+
+
+def _module_that_is_not_a_module(d):
+    mods = json.loads((d / "modules.json").read_text())
+    mods[-1]["type"] = "sentence_transformers.util.cos_sim"  # in the package, but a function
+    _replace_file(d / "modules.json", json.dumps(mods))
+
+
+def _valid_pairs(t, ad_ids):
+    path = t / "valid.parquet"
+    pq.write_table(pa.table({"query": [f"validation query {i}" for i in range(len(ad_ids))], "ad_id": ad_ids}), path)
+    return str(path)
+
+
+def _train_argv(a, t, valid):
+    return ["train", "--index", str(a["index"]), "--out", str(t / "o"), "--valid-queries", valid,
+            "--train.eval-every", "1"]
 
 
 @pytest.mark.parametrize("case", sorted(CLI_MISTAKES))
@@ -594,6 +729,93 @@ def test_cli_user_error_is_one_line_and_exit_2(case, assets, tmp_path, capsys, n
     assert lines[0].startswith("adbatch ") and ": error: " in lines[0] and expected in lines[0], lines[0]
     assert "Traceback" not in captured.err and captured.out == ""
     assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
+
+
+def _our_lines(err: str, stage: str) -> list[str]:
+    """The error lines of ours in ``err`` (loading a model also draws transformers' progress bar on stderr)."""
+    return [line for line in err.splitlines() if line.startswith(f"adbatch {stage}: error: ")]
+
+
+INDEX_EMBEDDER_LOADS = {  # issue 58 case 4: refusals that need the embedder loaded (and its progress bar drawn)
+    "other-dimension": (lambda t: "default", "embeds queries as 384-d vectors, but the ads' embeddings are 8-d"),
+    "module-that-is-not-a-module": (lambda t: _minilm_copy(t, _module_that_is_not_a_module),
+                                    "not a loadable sentence-transformers folder (AttributeError: "),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEX_EMBEDDER_LOADS))
+def test_index_loads_the_query_embedder_once_before_ray(case, assets, tmp_path, capsys, no_ray):
+    """Issue 58 case 4: `index` with --index.embedding.query-embedder naming an embedder that cannot answer the
+    corpus's vectors exited 0 with a dense channel that could not work. Now it loads the embedder once, with the
+    refusals generate makes, and checks its width against the vectors: one line, exit 2, before Ray, no folder."""
+    from jobs.cli import main
+
+    embedder, expected = INDEX_EMBEDDER_LOADS[case]
+    assert main(_index_argv(assets, tmp_path, "--index.embedding.query-embedder", embedder(tmp_path))) == 2
+    err = capsys.readouterr().err
+    ours = _our_lines(err, "index")
+    assert len(ours) == 1 and expected in ours[0] and "Traceback" not in err, err[-3000:]
+    assert not (tmp_path / "o").exists()
+
+
+def test_generate_maps_an_embedder_load_failure_to_one_line(assets, tmp_path, capsys):
+    """Issue 58 case 4, generate's side: an index naming (by its true hash) an embedder whose modules.json names a
+    sentence_transformers attribute that is not a module raised an AttributeError traceback in the generator."""
+    from jobs.cli import main
+
+    index = _index_copy(assets, tmp_path, _dense_channel(embedder=_minilm_copy(tmp_path, _module_that_is_not_a_module)))
+    argv = _gen_argv(assets, tmp_path, "--index", index, "--model", str(assets["model"]), "--executor", "local",
+                     "--device", "cpu", "--targets.fusion", "dense", "--progress", "false")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    ours = _our_lines(err, "generate")
+    assert len(ours) == 1 and "minilm_copy: not a loadable sentence-transformers folder (AttributeError" in ours[0], err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_some_validation_ids_outside_the_index_are_named(assets, tmp_path, caplog):
+    """Issue 58 case 6, the partial case: allowed (the index may hold a subset of the catalogue), with a warning
+    that says how many validation ad ids name no ad of the index."""
+    import logging
+
+    from pipelines.train import check_pairs_in_index
+
+    valid = _valid_pairs(tmp_path, ["ad-000", "ad-001", "nope-1"])
+    with caplog.at_level(logging.WARNING, logger="pipelines.train"):
+        check_pairs_in_index(assets["index"], valid, ["ad-000", "ad-001", "nope-1", "ad-000"], "valid_queries")
+    assert "1 of 3 ad ids of" in caplog.text and "'nope-1'" in caplog.text and "score 0" in caplog.text
+
+
+@pytest.mark.timeout(300)
+def test_index_on_a_full_disk_is_one_line_and_frees_the_folder(assets, ray1, tmp_path, monkeypatch, capsys):
+    """Issue 58 case 8: ENOSPC while the index stage writes its embeddings. safetensors raises its own
+    SafetensorError, not an OSError, so the stage ended in a traceback (exit 1). Now, as generate: exit 2, one line
+    naming the folder and the errno; the lock is free and the re-run builds a whole index."""
+    import safetensors
+    import safetensors.torch
+
+    from adbatch.index.build import load_index
+    from jobs.cli import main
+
+    real = safetensors.torch.save_file
+
+    def full(tensors, filename, *a, **k):  # the text safetensors 0.8 gives a write that hit a full disk
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28) "
+                                          f'at path "{Path(filename).parent}/.tmpENOSPC"')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "index"
+    argv = _index_argv(assets, tmp_path, "--index.cluster.branching", "4", "--index.cluster.leaf-size", "8",
+                       "--progress", "false")
+    argv[argv.index("--out") + 1] = str(out)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    ours = _our_lines(err, "index")
+    assert len(ours) == 1 and f"cannot write {out}" in ours[0] and "ENOSPC, errno 28" in ours[0], err[-3000:]
+    assert "Traceback" not in err
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert main(argv) == 0  # the lock was released; the staging folder the failed run left is dropped
+    assert load_index(out).num_ads == 40 and not (out / ".staging").exists()
 
 
 def test_cli_model_folder_mistake_is_one_line_and_exit_2(tmp_path, capsys):

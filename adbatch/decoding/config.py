@@ -52,6 +52,14 @@ class CreativeStrategy(str, enum.Enum):
     BEAM = "beam"  #: beam search ranked by mean log-prob per token
 
 
+#: the most beams a query may search (``max(num_beams, top_k)``, :attr:`TargetSearchConfig.pool_size`) and a creative
+#: beam search may run. The search's buffers are sized by it before the first step (a KV-cache row, a vocabulary-wide
+#: log-prob row and a finished-node slot per beam and query), so a larger value asks for memory no machine has or
+#: overflows the sizes (issue 58: a top_k of 1e9 and a num_beams of 2**62 ended in an 81 TB allocation and a
+#: torch.zeros overflow); 1,024 is 128x the default 8 beams and 16x the most any measurement here used (64).
+MAX_BEAMS = 1024
+
+
 @dataclasses.dataclass
 class TargetSearchConfig(ConfigBase):
     """Trie-constrained beam search over an ad index (see docs/decoding.md for the scoring rule)."""
@@ -66,8 +74,10 @@ class TargetSearchConfig(ConfigBase):
         default=DenseScoring.EXACT, metadata={
             "help": "hybrid: the generative score of a dense candidate the beams did not find: exact (teacher-forced "
                     "tree pass) | beam_floor (the query's lowest beam score; no pass, faster, a little less accurate)"})
-    num_beams: int = field(default=8, metadata={"help": "running beams per query (raised to top_k when smaller)"})
-    top_k: int = field(default=10, metadata={"help": "ad rows returned per query"})
+    num_beams: int = field(default=8, metadata={"help": "running beams per query (raised to top_k when smaller); at "
+                                                    f"most {MAX_BEAMS}: the search's buffers are sized by it up front"})
+    top_k: int = field(default=10, metadata={"help": f"ad rows returned per query; at most {MAX_BEAMS} (the search "
+                                                     "keeps max(num_beams, top_k) beams, its buffers sized up front)"})
     verify: VerifyMode = field(default=VerifyMode.AUTO, metadata={"help": "off | auto | always"})
     max_tree_tokens: int = field(
         default=256, metadata={"help": "a beam is verifiable only if its tree feeds <= this many tokens"})
@@ -93,12 +103,14 @@ class TargetSearchConfig(ConfigBase):
         default=False, metadata={"help": "time phases into stats (adds a device sync per phase)"})
 
     def validate(self) -> None:
-        if self.num_beams < 1:
-            raise ConfigError(f"TargetSearchConfig.num_beams must be >= 1, got {self.num_beams}")
+        if not 1 <= self.num_beams <= MAX_BEAMS:
+            raise ConfigError(f"TargetSearchConfig.num_beams must be in [1, {MAX_BEAMS}], got {self.num_beams} (the "
+                              "search sizes its buffers by it before the first step)")
         if self.dense_k < 1:
             raise ConfigError(f"TargetSearchConfig.dense_k must be >= 1, got {self.dense_k}")
-        if self.top_k < 1:
-            raise ConfigError(f"TargetSearchConfig.top_k must be >= 1, got {self.top_k}")
+        if not 1 <= self.top_k <= MAX_BEAMS:
+            raise ConfigError(f"TargetSearchConfig.top_k must be in [1, {MAX_BEAMS}], got {self.top_k} (the search "
+                              "keeps max(num_beams, top_k) beams per query, its buffers sized before the first step)")
         if self.max_tree_tokens < 1:
             raise ConfigError(f"TargetSearchConfig.max_tree_tokens must be >= 1, got {self.max_tree_tokens}")
         if self.max_tokens_per_pass < self.max_tree_tokens:
@@ -127,7 +139,8 @@ class CreativeConfig(ConfigBase):
     num_return: int = field(default=1, metadata={"help": "texts returned per prompt"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus mass kept when sampling"})
-    num_beams: int = field(default=4, metadata={"help": "beams per prompt (strategy beam)"})
+    num_beams: int = field(default=4, metadata={"help": f"beams per prompt (strategy beam); at most {MAX_BEAMS} "
+                                                    "(TargetSearchConfig.num_beams)"})
     stop_strings: list[str] = field(default_factory=lambda: ["\n"],
                                     metadata={"help": "text is cut before the first of these"})
     # both guards on by default: measured on the example's creative model (docs/decoding.md, creatives)
@@ -152,8 +165,8 @@ class CreativeConfig(ConfigBase):
             raise ConfigError(f"CreativeConfig.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"CreativeConfig.top_p must be in (0, 1], got {self.top_p}")
-        if self.num_beams < 1:
-            raise ConfigError(f"CreativeConfig.num_beams must be >= 1, got {self.num_beams}")
+        if not 1 <= self.num_beams <= MAX_BEAMS:
+            raise ConfigError(f"CreativeConfig.num_beams must be in [1, {MAX_BEAMS}], got {self.num_beams}")
         if self.strategy is CreativeStrategy.BEAM and self.num_return > self.num_beams:
             raise ConfigError("CreativeConfig.num_return must be <= num_beams for strategy beam "
                               f"({self.num_return} > {self.num_beams})")

@@ -200,6 +200,25 @@ def query_embedder_of(corpus: Corpus, config: IndexConfig, own_embedder: bool = 
     return config.embedding.query_embedder
 
 
+def check_query_embedder_of(corpus: Corpus, config: IndexConfig) -> None:
+    """For a corpus that brings its own vectors, the ``embedding.query_embedder`` the index will name, loaded once
+    with the dense channel's refusals and probed against the vectors' width
+    (:func:`adbatch.index.dense.probe_query_embedder`): an index never records a dense channel that cannot work
+    (an empty folder, another dimension, a module that does not load). :data:`INDEX_EMBEDDER` is refused: an index
+    built from the corpus's vectors tunes no encoder, so it keeps none of its own. Nothing to check otherwise (the
+    stage's own encoder embeds the ads and the queries)."""
+    from adbatch.index.dense import probe_query_embedder
+
+    name = config.embedding.query_embedder
+    if corpus.embeddings is None or not name:
+        return
+    if name == INDEX_EMBEDDER:
+        raise DenseChannelError(f"EmbeddingConfig.query_embedder {INDEX_EMBEDDER!r} names the index's own tuned "
+                                "encoder, and an index built from the corpus's embeddings keeps none: name the "
+                                "sentence-transformers folder that made them, or 'default'")
+    probe_query_embedder(name, int(corpus.embeddings.shape[1]))
+
+
 def write_index(out: str | Path, corpus: Corpus, hierarchy: Hierarchy, config: IndexConfig,
                 timer: StageTimer, embeddings: np.ndarray, extra: dict[str, Any] | None = None,
                 tokenizer: Any = None, tokenizer_name: str | None = None,
@@ -430,6 +449,7 @@ def build_index(ads: str | Path, out: str | Path, config: IndexConfig | None = N
     if corpus.num_ads == 0:
         raise ValueError(f"{ads}: no valid ads ({corpus.rejected.num_rows} rows rejected: "
                          f"{corpus.rejected_counts()})")
+    check_query_embedder_of(corpus, cfg)
     start = stable_start(previous, corpus, cfg) if previous is not None else None
     with timer.phase("embed"):
         embedded = embed_for_index(corpus, cfg, out, labelled=queries, valid=valid_queries, start=start,

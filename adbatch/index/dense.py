@@ -101,8 +101,12 @@ def embedder_identity(name: str, index_dir: str | Path | None = None) -> dict[st
 def refuse_custom_modules(folder: Path) -> None:
     """Refuse a sentence-transformers folder whose ``modules.json`` names a module class outside
     ``sentence_transformers`` (the library imports whatever class a folder names: a model folder from elsewhere
-    must not choose code to run)."""
+    must not choose code to run), a module folder outside ``folder``, or a module folder that declares its own
+    code (:func:`adbatch.models.refuse_custom_code`: the Transformer module may live in a subfolder, whose
+    ``config.json`` the folder-level check does not read)."""
     import json
+
+    from adbatch.models import refuse_custom_code
 
     try:
         modules = json.loads((Path(folder) / "modules.json").read_text())
@@ -113,6 +117,52 @@ def refuse_custom_modules(folder: Path) -> None:
     if bad:
         raise DenseChannelError(f"{folder}/modules.json names modules outside sentence_transformers ({bad[:3]}): "
                                 "adbatch does not load them")
+    root = Path(folder).resolve()
+    for m in modules:
+        sub = (root / str(m.get("path") or "")).resolve() if isinstance(m, dict) else root
+        if sub != root and root not in sub.parents:
+            raise DenseChannelError(f"{folder}/modules.json names module folder {m.get('path')!r}, which leaves "
+                                    f"{folder}: adbatch does not load it")
+        if sub != root and sub.is_dir():
+            refuse_custom_code(sub)
+
+
+def check_embedder_folder(folder: str | Path) -> None:
+    """What can be checked of a sentence-transformers folder without loading it, the refusals
+    :func:`adbatch.index.embeddings.open_sentence_encoder` makes before it loads: a folder with files, no custom
+    code in it (:func:`adbatch.models.refuse_custom_code`) nor in any module folder (:func:`refuse_custom_modules`).
+    A driver runs it before Ray starts (the actors load the folder)."""
+    from adbatch.models import refuse_custom_code
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DenseChannelError(f"sentence encoder {folder}: not a folder")
+    if not any(folder.iterdir()):
+        raise DenseChannelError(f"sentence encoder {folder}: the folder is empty (a sentence-transformers model "
+                                "folder holds modules.json, a config and weights)")
+    refuse_custom_code(folder)
+    refuse_custom_modules(folder)
+
+
+def probe_query_embedder(name: str, dim: int, index_dir: str | Path | None = None) -> int:
+    """Load the query embedder ``name`` once as the dense channel loads it (the same refusals,
+    :func:`adbatch.index.embeddings.open_sentence_encoder`) and embed one probe query: refused in one line when it
+    does not load or run, or when its vectors are not ``dim``-wide (the ads' vectors it must answer), so an index
+    stage never writes a dense channel that cannot work. Returns its dimension."""
+    from adbatch.index.embeddings import open_sentence_encoder
+
+    folder = embedder_folder(name, index_dir)
+    encoder = open_sentence_encoder(folder)
+    try:
+        have = int(encoder.encode(["probe query"], convert_to_numpy=True, show_progress_bar=False).shape[-1])
+    except Exception as exc:  # a module that loads but cannot run: whatever it raises, one line
+        raise DenseChannelError(f"query embedder {name!r} ({folder}) cannot embed a query "
+                                f"({type(exc).__name__}: {exc})") from None
+    if have != dim:
+        raise DenseChannelError(f"query embedder {name!r} ({folder}) embeds queries as {have}-d vectors, but the "
+                                f"ads' embeddings are {dim}-d: queries would not land in the ads' space; name the "
+                                "sentence-transformers folder that made the corpus's embeddings")
+    return have
 
 
 def normalized_fp16(emb: np.ndarray) -> np.ndarray:
@@ -180,11 +230,35 @@ def load_embeddings(index: Any) -> "Any":
 
     info = dense_info(index.directory, index.manifest)
     verify_outputs(index.directory, index.manifest, (info["file"],))
+    check_embeddings_file(index.directory, index.manifest)
     emb = load_file(str(Path(index.directory) / info["file"]))["embeddings"]
     if emb.shape != (index.num_ads, int(info["dim"])):
         raise DenseChannelError(f"index {index.directory}: embeddings {tuple(emb.shape)}, expected "
                                 f"({index.num_ads}, {info['dim']})")
     return emb
+
+
+def check_embeddings_file(directory: str | Path, manifest: Mapping[str, Any]) -> None:
+    """The index's :data:`EMBEDDINGS_FILE` holds an ``embeddings`` tensor of ``[ads, dim]`` (read from its
+    header only: a driver checks before Ray starts). A file whose sha256 the manifest vouches for may still have
+    been written by other code: one line naming the file and what it lacks, not a ``KeyError`` in every actor."""
+    from safetensors import safe_open
+
+    info = dense_info(directory, manifest)
+    path = Path(directory) / info["file"]
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            names = list(fh.keys())
+            shape = list(fh.get_slice("embeddings").get_shape()) if "embeddings" in names else None
+    except Exception as exc:  # safetensors raises its own SafetensorError (not an OSError)
+        raise DenseChannelError(f"{path}: not a readable safetensors file ({exc})") from None
+    if shape is None:
+        raise DenseChannelError(f"{path}: holds no 'embeddings' tensor (found {sorted(names)[:5]}); the index's dense "
+                                "channel is damaged: rebuild the index")
+    ads = int((manifest.get("counts") or {}).get("ads_indexed", shape[0]))
+    if shape != [ads, int(info["dim"])]:
+        raise DenseChannelError(f"{path}: 'embeddings' is {shape}, the manifest says [{ads}, {info['dim']}]: "
+                                "rebuild the index")
 
 
 @dataclasses.dataclass
@@ -344,15 +418,32 @@ def tuned_query_embedder(model_folder: str | Path, record: Mapping[str, Any] | N
     entry = (record or {}).get("query_embedder")
     if not entry:
         return None
+    folder = tuned_embedder_dir(model_folder, entry)
     want = dense_info(directory, manifest)["query_embedder"]
     if entry["base"]["sha256"] != want["sha256"]:
         raise DenseChannelError(
             f"model {model_folder} tuned its query embedder from {entry['base']['name']!r} "
             f"({entry['base']['sha256'][:12]}), but index {directory} was embedded by {want['name']!r} "
             f"({want['sha256'][:12]}): retrain the model on this index, or generate with --targets.fusion generative")
-    folder = Path(model_folder) / entry["dir"]
     have = embedder_identity(str(folder))
     if have["sha256"] != entry["sha256"]:
         raise DenseChannelError(f"{folder}: sha256 {have['sha256'][:12]} differs from the training record's "
                                 f"{entry['sha256'][:12]} (the tuned query embedder was modified)")
     return have
+
+
+def tuned_embedder_dir(model_folder: str | Path, entry: Any) -> Path:
+    """The folder of a trained model's tuned query embedder: its training record's ``query_embedder`` entry
+    (``{"dir", "sha256", "base": {"name", "sha256"}}``) checked, and ``dir`` joined to ``model_folder`` only when it
+    stays inside it (a hand-edited ``../x`` would hash, load or copy a folder the model does not own)."""
+    where = f"model {model_folder}: training record's query_embedder"
+    base = entry.get("base") if isinstance(entry, Mapping) else None
+    if not (isinstance(entry, Mapping) and isinstance(entry.get("dir"), str) and isinstance(entry.get("sha256"), str)
+            and isinstance(base, Mapping) and isinstance(base.get("sha256"), str)):
+        raise DenseChannelError(f"{where} must be a mapping of dir, sha256 and base {{name, sha256}}, got {entry!r:.200}")
+    root = Path(model_folder).resolve()
+    folder = (root / entry["dir"]).resolve()
+    if Path(entry["dir"]).is_absolute() or root not in folder.parents:
+        raise DenseChannelError(f"{where} dir {entry['dir']!r} leaves the model folder: adbatch reads a tuned query "
+                                "embedder only from inside it")
+    return Path(model_folder) / entry["dir"]

@@ -65,15 +65,23 @@ def default_embedding_model_dir() -> Path:
 
 def open_sentence_encoder(folder: str | Path, device: str = "cpu") -> Any:
     """A ``SentenceTransformer`` from a local ``folder`` on ``device``: never the hub, and refused in one line when
-    the folder declares its own code (config ``auto_map``, or ``modules.json`` classes outside sentence_transformers)."""
+    the folder is empty or declares its own code (config ``auto_map`` in it or in a module folder, ``modules.json``
+    classes outside sentence_transformers; :func:`adbatch.index.dense.check_embedder_folder`), or does not load
+    (any error of the load is the folder's: a :class:`~adbatch.index.dense.DenseChannelError` naming it)."""
     from sentence_transformers import SentenceTransformer
 
-    from adbatch.index.dense import refuse_custom_modules
-    from adbatch.models import refuse_custom_code
+    from adbatch.index.dense import DenseChannelError, check_embedder_folder
 
-    refuse_custom_code(Path(folder))
-    refuse_custom_modules(Path(folder))
-    return SentenceTransformer(str(folder), device=str(device), local_files_only=True, trust_remote_code=False)
+    check_embedder_folder(folder)
+    try:
+        return SentenceTransformer(str(folder), device=str(device), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # a missing config, a modules.json naming no module class, bad weights: one line
+        import torch
+
+        if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):  # the machine's, not the folder's
+            raise
+        raise DenseChannelError(f"sentence encoder {folder}: not a loadable sentence-transformers folder "
+                                f"({type(exc).__name__}: {exc})") from None
 
 
 def load_embedder(config: EmbeddingConfig | None = None) -> Any:

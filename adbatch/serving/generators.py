@@ -184,6 +184,25 @@ def check_model_index(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[
     return record
 
 
+def check_training_record(spec: ModelSpec, record: Mapping[str, Any] | None) -> None:
+    """What generate reads of a trained model's record beyond its binding to the index (:func:`check_model_index`),
+    parsed in the driver before Ray starts (every actor parses it again): the fitted fusion
+    (:func:`adbatch.serving.hybrid.fusion_of_record`) and the tuned query embedder's folder, which must lie inside
+    the model folder (:func:`adbatch.index.dense.tuned_embedder_dir`). One line naming the record's file when not."""
+    if record is None:
+        return
+    from adbatch.artifacts import MANIFEST_NAME
+    from adbatch.index.dense import tuned_embedder_dir
+    from adbatch.serving.hybrid import fusion_of_record
+    from adbatch.training.checkpoint import TRAINING_RECORD
+
+    folder = spec.folder()
+    source = folder / TRAINING_RECORD if (folder / TRAINING_RECORD).is_file() else folder / MANIFEST_NAME
+    fusion_of_record(record, source=str(source))
+    if record.get("query_embedder"):
+        tuned_embedder_dir(folder, record["query_embedder"])
+
+
 def check_model_vocab(spec: ModelSpec, index_dir: str | Path, manifest: Mapping[str, Any]) -> None:
     """Refuse a model whose vocabulary is smaller than the token ids of the index's trie (the search would
     fail in every actor). Reads the trie file's header and the model's config.json only (no torch)."""

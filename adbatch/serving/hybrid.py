@@ -89,15 +89,31 @@ class FusionParams(ConfigBase):
         return self.method is FusionMethod.INTERPOLATION and self.weight_generative == 0.0
 
 
-def fusion_of_record(record: Mapping[str, Any] | None) -> FusionParams:
+def fusion_of_record(record: Mapping[str, Any] | None, source: str = "the training record") -> FusionParams:
     """The fitted fusion a training record (or compressed manifest) carries; for a model trained without a fit
     (``fusion_queries`` 0, or before fits existed) the RRF fallback; for a model never trained on the index
-    (no record) the dense order: its generative scores know no ads (zero-shot recall@10 0.010 on 5k)."""
+    (no record) the dense order: its generative scores know no ads (zero-shot recall@10 0.010 on 5k).
+
+    The record's ``fusion`` and its ``beam_floor`` fit are parsed whole: a damaged or hand-edited one (not a
+    mapping, a NaN weight) is a :class:`ConfigError` naming ``source`` (the record's file), which the generate
+    driver raises before Ray starts rather than every actor after."""
     if record is None:
         return FusionParams(method=FusionMethod.INTERPOLATION, weight_generative=0.0, fitted_on="untrained model")
-    if record.get("fusion"):
-        return FusionParams.from_dict(record["fusion"])
-    return FusionParams()
+    fusion = record.get("fusion")
+    if not fusion:
+        return FusionParams()
+    try:
+        if not isinstance(fusion, Mapping):
+            raise ConfigError(f"fusion must be a mapping (the fitted FusionParams), got {type(fusion).__name__}")
+        params = FusionParams.from_dict(dict(fusion))
+        if params.beam_floor is not None:
+            if not isinstance(params.beam_floor, Mapping):
+                raise ConfigError("fusion.beam_floor must be a mapping (FusionParams) or null, got "
+                                  f"{type(params.beam_floor).__name__}")
+            params.for_scoring(DenseScoring.BEAM_FLOOR)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return params
 
 
 @dataclasses.dataclass

@@ -88,11 +88,22 @@ def recover_interrupted_save(out_dir: str | Path) -> None:
 
 
 def read_training_record(model_dir: str | Path) -> dict[str, Any] | None:
-    """The folder's ``adbatch_training.json``, or None for a model never trained on an index."""
+    """The folder's ``adbatch_training.json``, or None for a model never trained on an index. A record that is
+    not a JSON object (truncated, hand-edited) is a :class:`adbatch.models.ModelFolderError` naming it."""
+    from adbatch.models import ModelFolderError
+
     path = Path(model_dir) / TRAINING_RECORD
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ModelFolderError(f"{path}: not valid JSON ({exc}); the model folder is damaged: retrain it or "
+                               "restore the file") from None
+    if not isinstance(record, dict):
+        raise ModelFolderError(f"{path}: not a JSON object (a {type(record).__name__}); the model folder is "
+                               "damaged: retrain it or restore the file")
+    return record
 
 
 def load_masks(model_dir: str | Path) -> dict[str, torch.Tensor]:
