@@ -344,7 +344,11 @@ def _check_inputs(config: RefreshConfig) -> dict[GenerateTask, list[Path]]:
     ads = _abs(config.index.config.ads)
     if not ads.exists():
         raise FileNotFoundError(f"RefreshConfig.index.config.ads: {config.index.config.ads} not found")
-    index_stage.read_checked_corpus(config.index.config.replace(ads=ads))
+    tjob = config.train.config if config.train.enabled else None
+    # the index stage's own pre-flight, on the job the refresh will run (its labelled queries are the train stage's)
+    index_stage.preflight(config.index.config.replace(
+        ads=ads, out=str(Path(config.work) / "index"), queries=_abs(tjob.queries) if tjob else None,
+        valid_queries=_abs(tjob.valid_queries) if tjob else None))
     gen = config.generate
     req_files = {}
     for task, path in ((GenerateTask.TARGETS, gen.targets_requests), (GenerateTask.CREATIVES, gen.creatives_requests)):
