@@ -41,7 +41,7 @@ def _smoke_assets(root: Path) -> tuple[Any, Any, Any, list[str], Any]:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     rng = np.random.default_rng(0)
-    emb = rng.normal(size=(40, 16)).astype(np.float32)
+    emb = rng.normal(size=(40, 384)).astype(np.float32)  # MiniLM's width: the index probes its query embedder
     pq.write_table(pa.table({"ad_id": [f"a{i}" for i in range(40)], "title": [f"item {i} tool" for i in range(40)],
                              "vec": pa.array(list(map(list, emb)), pa.list_(pa.float32()))}), root / "ads.parquet")
     build_index(root / "ads.parquet", root / "index", IndexConfig(
@@ -52,7 +52,7 @@ def _smoke_assets(root: Path) -> tuple[Any, Any, Any, list[str], Any]:
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
     queries = [f"tool {i}" for i in range(12)]
-    return model.eval(), tok, load_index(root / "index"), queries, torch.from_numpy(rng.normal(size=(12, 16)).astype("float32"))
+    return model.eval(), tok, load_index(root / "index"), queries, torch.from_numpy(rng.normal(size=(12, 384)).astype("float32"))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

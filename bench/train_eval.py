@@ -543,7 +543,7 @@ def smoke(out: Path) -> None:
     bundle = out / "bundle"
     bundle.mkdir(parents=True, exist_ok=True)
     words = ["drill", "saw", "paint", "lamp", "pipe", "tile", "glue", "hose"]
-    n, d = 24, 16
+    n, d = 24, 384  # MiniLM's width: the index probes the query embedder it names against the vectors
     titles = [f"{words[i % 8]} {words[(3 * i) % 8]} model {i}" for i in range(n)]
     emb = rng.normal(size=(n, d)).astype(np.float32)
     pq.write_table(pa.table({"ad_id": pa.array(range(n), pa.int64()), "title": titles,
