@@ -13,6 +13,8 @@ code entries equal those of at least one relevant ad (grade >= 2.67).
     .venv/bin/python bench/ids.py embed --catalogue 5000        # MiniLM, cached under --work
     .venv/bin/python bench/ids.py measure --catalogue 5000 [--rq-levels 3 --rq-codebook 256]
     .venv/bin/python bench/ids.py --smoke     # CPU, seconds: 240 example ads, random vectors, every design
+    .venv/bin/python bench/ids.py agreement --index B/index_5000_text_tuned --query-emb B/query_emb_5000_tuned.npz \
+        --qrels B/qrels_test_5000.json   # prefix@d of a built index (ids from a tuned encoder vs MiniLM's)
 
 ``--catalogue 5000``: the titles and test qrels of the bundle (``.carry/bundle``); ``all``: the 54,667
 products of ``../shared/data/home_depot_relevance/train.csv`` and their test qrels (adbatch.eval.datasets).
@@ -249,6 +251,31 @@ def seed_smoke_vectors(work: Path) -> None:
         np.save(work / sub / f"{0:06d}.npy", vec / np.linalg.norm(vec, axis=1, keepdims=True), allow_pickle=False)
 
 
+def cmd_agreement(args: argparse.Namespace) -> dict:
+    """``prefix@d`` of a built index (its stored vectors and codes) for queries given as vectors: how far the ids agree
+    with where the queries land, without a trained model. ``--query-emb``: an ``.npz`` of ``queries`` / ``emb`` in the
+    index's query space (``bench/train_eval.py prepare`` / ``tune-queries`` write them); ``--qrels``: test qrels JSON."""
+    from safetensors.numpy import load_file
+
+    from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
+    from adbatch.index.build import load_index
+
+    index = load_index(args.index)
+    ad_emb = load_file(str(Path(args.index) / "embeddings.safetensors"))["embeddings"].astype(np.float32)
+    ad_paths = [tuple(c[:-1]) for c in index.ad_codes.column("code").to_pylist()]  # cluster path: code less leaf slot
+    z = np.load(args.query_emb, allow_pickle=False)
+    vec = {str(q): v for q, v in zip(z["queries"], z["emb"].astype(np.float32))}
+    qrels = json.loads(Path(args.qrels).read_text())
+    row_of = {str(a): r for r, a in enumerate(index.ad_ids)}
+    queries = sorted(q for q in qrels if q in vec)
+    relevant = [[row_of[a] for a, g in qrels[q].items() if g >= HOME_DEPOT_RELEVANT and a in row_of] for q in queries]
+    q_emb = np.stack([vec[q] / max(np.linalg.norm(vec[q]), 1e-12) for q in queries])
+    out = {"index": str(args.index), "query_emb": str(args.query_emb), "queries": len(queries),
+           **prefix_agreement(hierarchy_paths(ad_emb, ad_paths, q_emb), ad_paths, relevant, (1, 2, 3))}
+    print(json.dumps(out))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=os.environ.get("ADBATCH_BENCH_DIR", "/tmp/adbatch_bench_ids"))
@@ -262,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--catalogue", choices=("5000", "all", "smoke"), default="5000")
     m.add_argument("--rq", nargs="*", default=["3:256", "3:64", "4:16"], metavar="L:K",
                    help="residual designs: rq_levels:rq_codebook")
+    g = sub.add_parser("agreement", help="prefix@d of a built index for queries given as vectors (e.g. ids from a "
+                                         "tuned encoder vs MiniLM's)")
+    g.add_argument("--index", required=True)
+    g.add_argument("--query-emb", required=True, help=".npz with queries / emb in the index's query space")
+    g.add_argument("--qrels", required=True, help="test qrels JSON {query: {ad_id: grade}}")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.smoke:
@@ -271,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("a command (embed | measure) or --smoke is required")
     if args.cmd == "embed":
         cmd_embed(args)
+    elif args.cmd == "agreement":
+        cmd_agreement(args)
     else:
         cmd_measure(args)
     return 0

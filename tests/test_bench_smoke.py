@@ -93,3 +93,36 @@ def test_smoke(script, tmp_path):
     done = subprocess.run(cmd, cwd=REPO, env=dict(ENV, OUT=str(tmp_path)), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert check(done.stdout, tmp_path), done.stdout[-3000:]
+
+
+def test_ids_agreement_places_each_query_in_its_ads_clusters(tmp_path):
+    """bench/ids.py agreement: a query whose vector is its relevant ad's own lands on that ad's whole path
+    (prefix@d = 1 at every depth); one placed at another topic's ad does not (issue 55: ids from a tuned encoder)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from adbatch.index.build import load_index
+    from test_generate_support import tiny_index_dir
+
+    sys.path.insert(0, str(BENCH))
+    import ids as bench_ids
+
+    index_dir = tiny_index_dir(tmp_path)
+    index = load_index(index_dir)
+    emb = load_file(str(index_dir / "embeddings.safetensors"))["embeddings"].astype(np.float32)
+    codes = index.ad_codes.column("code").to_pylist()
+    far = [max(range(len(codes)), key=lambda r: -float(emb[r] @ emb[i])) for i in range(6)]  # least similar ad
+    queries = [f"q{i}" for i in range(6)] + [f"far{i}" for i in range(6)]
+    vecs = np.concatenate([emb[:6], emb[far]])
+    np.savez(tmp_path / "q.npz", queries=np.asarray(queries), emb=vecs)
+    qrels = {q: {str(index.ad_ids[i % 6]): 3.0} for i, q in enumerate(queries)}
+    (tmp_path / "qrels.json").write_text(json.dumps(qrels))
+    args = bench_ids.argparse.Namespace(index=str(index_dir), query_emb=str(tmp_path / "q.npz"),
+                                        qrels=str(tmp_path / "qrels.json"))
+    own = bench_ids.cmd_agreement(args)
+    assert own["queries"] == 12 and own["prefix@1"] < 1.0
+    qrels = {q: v for q, v in qrels.items() if q.startswith("q")}
+    (tmp_path / "qrels.json").write_text(json.dumps(qrels))
+    assert bench_ids.cmd_agreement(args)["prefix@1"] == bench_ids.cmd_agreement(args)["prefix@2"] == 1.0
