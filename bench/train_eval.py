@@ -566,6 +566,10 @@ def smoke(out: Path) -> None:
                 IndexConfig(columns=CorpusConfig(text="title", embedding="embedding"),
                             embedding=EmbeddingConfig(query_embedder="default"),
                             cluster=ClusterConfig(branching=4, leaf_size=6)), progress=False)
+    # the train stage's query tuning as a catalogue without labels gets it (span pseudo-queries); replaces the
+    # stand-in vectors above with the tuned embedder's
+    main(["tune-queries", "--bundle", str(bundle), "--catalogue", "smoke", "--work", str(out / "work"),
+          "--withhold-labels"])
     main(["channels", "--bundle", str(bundle), "--catalogue", "smoke", "--out", str(out / "channels"),
           "--work", str(out / "work"), "--smoke", "--batch", "4", "--speed-batch", "8", "--prior-weights", "1",
           "--beams-list", "10", "--skip-compress", "--train-json", '{"fusion_queries": 4}'])
@@ -682,7 +686,7 @@ def tune_queries(args: argparse.Namespace) -> None:
     from adbatch.eval.metrics import HOME_DEPOT_RELEVANT, mrr_at_k, recall_at_k, relevant_set
     from adbatch.index.dense import DenseRetriever, embedder_identity
     from adbatch.training import TrainConfig
-    from adbatch.training.query_tuning import tune_query_embedder
+    from adbatch.training.query_tuning import tune_query_embedder, tuning_pairs
 
     bundle, cat, sfx = Path(args.bundle), args.catalogue, ids_suffix(args)
     data = load_bundle(bundle, cat, sfx)
@@ -691,7 +695,12 @@ def tune_queries(args: argparse.Namespace) -> None:
     valid = [(q, a) for q, grades in data["valid"].items() for a, g in grades.items() if g >= HOME_DEPOT_RELEVANT]
     folder = Path(args.work) / f"query_embedder_{cat}{sfx}"
     t0 = time.perf_counter()
-    record = tune_query_embedder(base, data["labelled"], TrainConfig().query_tuning, folder, valid=valid, progress=True)
+    # what the train stage tunes on (its _tune_query_embedder): the labelled pairs, or with too few of them
+    # (--withhold-labels: a catalogue without labels) span pseudo-queries of the ads' titles
+    cfg = TrainConfig().query_tuning
+    texts = [str(data["ad_texts"].get(a) or "") for a in index.ad_ids]
+    pairs, valid, source = tuning_pairs(index.ad_ids, texts, [] if args.withhold_labels else data["labelled"], valid, cfg)
+    record = tune_query_embedder(base, pairs, cfg, folder, valid=valid, progress=True) if pairs else None
     wall = round(time.perf_counter() - t0, 1)
     tuned = base.with_query_embedder(embedder_identity(str(folder))) if record else base
 
@@ -703,7 +712,8 @@ def tune_queries(args: argparse.Namespace) -> None:
         return {"recall@10": round(float(np.mean([recall_at_k(r, s, 10) for r, s in zip(ranked, rel)])), 4),
                 "mrr@10": round(float(np.mean([mrr_at_k(r, s, 10) for r, s in zip(ranked, rel)])), 4)}
 
-    summary = {"record": record, "wall_s": wall, "test": {"base": test_metrics(base), "tuned": test_metrics(tuned)}}
+    summary = {"record": record, "source": source, "wall_s": wall,
+               "test": {"base": test_metrics(base), "tuned": test_metrics(tuned)}}
     queries = sorted(set(data["qrels"]) | set(data["valid"]))
     np.savez(bundle / f"query_tuned_{cat}{sfx}.npz", queries=np.asarray(queries),
              emb=tuned.embed(queries).numpy().astype(np.float16))
@@ -1534,6 +1544,8 @@ def main(argv: list[str] | None = None) -> None:
     tq.add_argument("--catalogue", default="5000")
     tq.add_argument("--scheme", default="text", choices=SCHEMES)
     tq.add_argument("--ids", default="minilm", choices=("minilm", "tuned"), help="which index (see channels --ids)")
+    tq.add_argument("--withhold-labels", action="store_true",
+                    help="a catalogue without labelled queries: the train stage's fallback (span pseudo-queries)")
     tq.add_argument("--work", default="/tmp/adbatch_channels", help="where the tuned folder is written")
     fs = sub.add_parser("fusion-study", help="issue 41: fusions over a channels run's candidates.npz (CPU)")
     fs.add_argument("--candidates", required=True, help="candidates.npz of a channels run")
