@@ -30,10 +30,18 @@ once, so a cut run keeps its rows):
 9. ``tuned-block<N>`` (any N: 0 or >= 2): the ``tuned`` model again with ``CreativeConfig.prompt_ngram_block
    = N`` (0 = off; the default is 6): how the prompt-copy share trades against ROUGE when the decoder may
    not repeat shorter runs of the prompt.
+10. ``tuned-nodelex``: the separate shape trained on unmasked pairs (``CreativeTuneConfig.delex = off``; the
+   default ``tuned`` masks the company name and the fields' entities, issue 57).
+11. ``tuned-checked`` / ``base-checked``: the tuned / base model with 4 beams as candidates
+   (``CreativeConfig(strategy=beam, num_beams=4, candidates=4)``): the generator writes the best that passes its
+   checks (``adbatch.serving.checks``); the invented-entity and flagged shares and headlines/s against
+   ``tuned`` / ``base`` show what the candidates buy and cost.
 
 Metrics per row (``adbatch.eval.report``, as ``adbatch eval``): ROUGE-1/2/L F1 x 100 (rouge-score), BLEU
 (sacrebleu), METEOR exact+stem (nltk), distinct-1/2, copy >= 50 % of the prompt (against the text of the
-prompt the model read), empty share, and headlines/s (generation only; model load and one warm-up batch
+prompt the model read), empty share, truthfulness (``adbatch.eval.truthfulness``: invented-entity share, the
+ad's name right among the headlines that use it; against each row's advertiser, description, industry and
+url), the share of written headlines the generation checks flagged (``adbatch.serving.checks``), and headlines/s (generation only; model load and one warm-up batch
 excluded). A metric whose package is not importable is skipped and named in the output
 (``skipped_metrics``). Then a 10-row sample table.
 
@@ -91,8 +99,10 @@ def metric_support() -> dict[str, str | None]:
     return out
 
 
-def quality(hyps: list[str], refs: list[str], prompt_texts: list[str], support: dict[str, str | None]) -> dict[str, Any]:
-    """Every creative metric of ``adbatch.eval.report`` whose package is importable."""
+def quality(hyps: list[str], refs: list[str], prompt_texts: list[str], support: dict[str, str | None],
+            ads: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every creative metric of ``adbatch.eval.report`` whose package is importable; with ``ads`` (each
+    headline's ad record) the truthfulness shares of :func:`adbatch.eval.truthfulness.truthfulness` too."""
     from adbatch.eval.report import (corpus_bleu, distinct_n, empty_share, meteor_exact_stem, prompt_copy_share,
                                 prompt_echo_share, rouge_f1)
 
@@ -106,6 +116,10 @@ def quality(hyps: list[str], refs: list[str], prompt_texts: list[str], support: 
     out.update({"distinct1": distinct_n(hyps, 1), "distinct2": distinct_n(hyps, 2),
                 "copy_share": prompt_copy_share(hyps, prompt_texts),
                 "echo_share": prompt_echo_share(hyps, prompt_texts), "empty_share": empty_share(hyps)})
+    if ads is not None:
+        from adbatch.eval.truthfulness import truthfulness
+
+        out.update(truthfulness(hyps, ads))
     return out
 
 
@@ -165,9 +179,12 @@ def evaluate(spec: Any, rows: list[dict[str, Any]], batch: int, max_new_tokens: 
         torch.cuda.synchronize()
     secs = time.perf_counter() - t1
     hyps = [(h[0] if h else "") for a in answers for h in a.column("headlines").to_pylist()]
+    flagged = [bool(f and f[0]) for a in answers for f in a.column("flags").to_pylist()]
     prompts = [creative_prompt_text({k: r[k] for k in AD_FIELDS}, style=gen.prompt_style) for r in rows]
-    row = {"prompt": gen.prompt_style.value, "examples": len(hyps), **quality(hyps, [r["reference"] for r in rows],
-                                                                           prompts, support),
+    ads = [{k: r.get(k) for k in (*AD_FIELDS, "url")} for r in rows]
+    row = {"prompt": gen.prompt_style.value, "delex": gen.delex.value, "examples": len(hyps),
+           **quality(hyps, [r["reference"] for r in rows], prompts, support, ads),
+           "flagged_share": sum(flagged) / max(len(flagged), 1),
            "headlines_per_s": len(hyps) / secs, "ms_per_headline": 1000.0 * secs / max(len(hyps), 1),
            "generate_s": round(secs, 3), "load_s": round(load_s, 3), "batch": batch, "device": gen.device}
     del gen
@@ -202,12 +219,15 @@ def compress(src: Path, out: Path, device: str) -> dict[str, Any]:
 
 
 def tune(src: str, pairs: Any, out: Path, device: str, epochs: float | None, lr: float | None,
-         smoke: bool, qat_start: float | None = None) -> dict[str, Any]:
+         smoke: bool, qat_start: float | None = None, delex: str | None = None) -> dict[str, Any]:
     """The separate shape: :func:`tune_creatives` with the library defaults (+ overrides); ``qat_start``:
-    the creative fine-tune's own QAT config turned on, from this share of the steps on."""
+    the creative fine-tune's own QAT config turned on, from this share of the steps on; ``delex``: the
+    masking (None = the default)."""
     from adbatch.training.creatives import CreativeTuneConfig, tune_creatives
 
     cfg = CreativeTuneConfig(enabled=True)
+    if delex is not None:
+        cfg = cfg.replace(delex=delex)
     train = cfg.train.replace(**{k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None})
     if qat_start is not None:
         train = train.replace(qat=train.qat.replace(enabled=True, start_fraction=qat_start))
@@ -215,7 +235,7 @@ def tune(src: str, pairs: Any, out: Path, device: str, epochs: float | None, lr:
         train = train.replace(batch_tokens=1024)
     _, _, summary = tune_creatives(pairs, out, cfg.replace(train=train), init_model=src, device=device, progress=False)
     _free()
-    return {"train": summary["train"], "data": summary["data"], "config": train.to_dict()}
+    return {"train": summary["train"], "data": summary["data"], "config": train.to_dict(), "delex": cfg.delex.value}
 
 
 def tune_shared(src: str, pairs: Any, index_dir: Path, out: Path, device: str, epochs: float, smoke: bool) -> dict[str, Any]:
@@ -308,7 +328,8 @@ def markdown(state: dict[str, Any]) -> str:
     cols = [("phase", "variant"), ("prompt", "prompt"), ("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"),
             ("rougeL", "ROUGE-L"), ("bleu", "BLEU"), ("meteor", "METEOR"), ("distinct1", "dist-1"),
             ("distinct2", "dist-2"), ("copy_share", "copy>=50%"), ("echo_share", "echo"),
-            ("empty_share", "empty"),
+            ("empty_share", "empty"), ("invented_share", "invented"), ("name_right_share", "name right"),
+            ("flagged_share", "flagged"),
             ("headlines_per_s", "headlines/s"), ("examples", "rows")]
 
     def fmt(v: Any) -> str:
@@ -404,10 +425,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         evaluate_into("base", ModelSpec(model=str(base_folder)))
 
     def p_tuned(name: str, keep_copies: bool = False, epochs: float | None = args.epochs,
-                qat_start: float | None = None) -> Callable[[], None]:
+                qat_start: float | None = None, delex: str | None = None) -> Callable[[], None]:
         def run() -> None:
             p = train_pairs(train_csv, test_rows, keep_copies=True) if keep_copies else pairs
-            t = tune(str(base_folder), p, folders[name], device, epochs, args.lr, args.smoke, qat_start=qat_start)
+            t = tune(str(base_folder), p, folders[name], device, epochs, args.lr, args.smoke, qat_start=qat_start,
+                     delex=delex)
             state["extra"][name] = {**t, "pairs": p.stats}
             evaluate_into(name, ModelSpec(model=str(folders[name])),
                           {"train_s": t["train"]["seconds"], "train_steps": t["train"]["steps"]})
@@ -432,13 +454,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         evaluate_into("shared", ModelSpec(model=str(folders["shared"])),
                       {"train_s": t["train"]["seconds"], "train_steps": t["train"]["steps"]})
 
-    def p_block(name: str, block: int) -> Callable[[], None]:
+    def p_block(name: str, block: int | None, creative: dict[str, Any] | None = None) -> Callable[[], None]:
+        """The tuned model again with ``prompt_ngram_block = block`` or other CreativeConfig overrides."""
+        over = creative if creative is not None else {"prompt_ngram_block": block}
+
         def run() -> None:
             if not Path(folders["tuned"]).is_dir():
                 raise RuntimeError("tuned model not available (phase not run)")
-            evaluate_into(name, ModelSpec(model=str(folders["tuned"])), {"prompt_ngram_block": block},
-                          creative={"prompt_ngram_block": block})
+            evaluate_into(name, ModelSpec(model=str(folders["tuned"])), dict(over), creative=over)
         return run
+
+    def p_checked_base() -> None:
+        evaluate_into("base-checked", ModelSpec(model=str(base_folder)), None,
+                      creative={"strategy": "beam", "num_beams": 4, "candidates": 4})
 
     from adbatch.training.quant_aware import QuantAwareConfig
 
@@ -449,7 +477,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tuned-keep-copies": p_tuned("tuned-keep-copies", keep_copies=True), "shared": p_shared,
         "tuned-e4": p_tuned("tuned-e4", epochs=2 * (args.epochs or default_epochs)),
         "tuned-qat": p_tuned("tuned-qat", qat_start=QuantAwareConfig().start_fraction),
-        "tuned-qat-compressed": p_compressed("tuned-qat-compressed", "tuned-qat")}
+        "tuned-qat-compressed": p_compressed("tuned-qat-compressed", "tuned-qat"),
+        "tuned-nodelex": p_tuned("tuned-nodelex", delex="off"),
+        "tuned-checked": p_block("tuned-checked", None, {"strategy": "beam", "num_beams": 4, "candidates": 4}),
+        "base-checked": p_checked_base}
     wanted = [p.strip() for p in args.phases.split(",") if p.strip()]
     for name in wanted:
         block = name.removeprefix("tuned-block")

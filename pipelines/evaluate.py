@@ -224,6 +224,7 @@ def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path
                          "advertiser": table.column("advertiser"),
                          "description": table.column("description"), "industry": table.column("industry")})
     fields = requests.select(["advertiser", "description", "industry"]).to_pylist()
+    ads = table.select(["advertiser", "description", "industry", "url"]).to_pylist()
     model = cfg.model or model
     compressed = cfg.compressed or compressed
     variants = [("dense", ModelSpec(model=model))]
@@ -245,10 +246,13 @@ def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path
             continue
         ans = pa.concat_tables(answers)
         hyps = [(h[0] if h else "") for h in ans.column("headlines").to_pylist()]
+        flagged = [bool(f and f[0]) for f in ans.column("flags").to_pylist()]  # the written (first) headline's checks
         outputs[name] = hyps
         # the text each headline was written from (the prompt this model reads): what the copy share compares against
         prompt_texts = [creative_prompt_text(r, style=gen.prompt_style) for r in fields]
-        rows.append({"variant": name, **creative_quality(hyps, refs, prompt_texts), "examples": len(hyps),
+        # truthfulness against each ad's own record (its url too: the headline may name what the ad says anywhere)
+        rows.append({"variant": name, **creative_quality(hyps, refs, prompt_texts, ads=ads),
+                     "flagged_share": sum(flagged) / max(len(flagged), 1), "examples": len(hyps),
                      "requests_per_s": len(hyps) / secs, "ms_per_request": 1000.0 * secs / len(hyps),
                      "note": f"{cfg.creative.strategy.value}, max {cfg.creative.max_new_tokens} tokens"})
         log.info("creatives %s: %s", name, rows[-1])

@@ -82,7 +82,8 @@ def test_prompt_echo_flags_the_instruction_repeated():
 
 def test_report_lists_every_creative_metric_and_samples(tmp_path):
     row = {"variant": "dense", "rouge1": 12.5, "rouge2": 3.25, "rougeL": 11.0, "bleu": 1.5, "meteor": 0.1,
-           "distinct1": 0.7, "distinct2": 0.9, "copy_share": 0.5, "echo_share": 0.25, "empty_share": 0.0, "examples": 10,
+           "distinct1": 0.7, "distinct2": 0.9, "copy_share": 0.5, "echo_share": 0.25, "empty_share": 0.0,
+           "invented_share": 0.2, "name_right_share": None, "name_use_share": 0.1, "flagged_share": 0.3, "examples": 10,
            "requests_per_s": 2.0, "ms_per_request": 500.0, "note": "greedy"}
     samples = [{"advertiser": f"adv {i}", "reference": f"ref {i}", "outputs": {"dense": f"out {i}"}}
                for i in range(10)]
@@ -91,9 +92,12 @@ def test_report_lists_every_creative_metric_and_samples(tmp_path):
                                                   "rows": [row], "samples": samples}})
     text = files["report"].read_text()
     for col in ("ROUGE-1", "ROUGE-2", "ROUGE-L", "BLEU", "distinct-1", "distinct-2",
-                "copy: >= 50% of words from prompt", "echo of prompt", "empty", "requests/s"):
+                "copy: >= 50% of words from prompt", "echo of prompt", "empty", "invented entity",
+                "ad's name right (of uses)", "uses ad's name", "flagged by the checks", "requests/s"):
         assert f" {col} |" in text
-    assert "| dense | 12.500 | 3.250 | 11.000 | 1.500 | 0.100 | 0.700 | 0.900 | 0.500 | 0.250 | 0.000 | 10 |" in text
+    # no headline used the ad's name: its right share is undefined, shown as a dash
+    assert ("| dense | 12.500 | 3.250 | 11.000 | 1.500 | 0.100 | 0.700 | 0.900 | 0.500 | 0.250 | 0.000 | 0.200 | – | "
+            "0.100 | 0.300 | 10 |") in text
     assert "first 10 of 994 rows" in text and "35.58 / 18.47 / 33.32" in text
     assert sum(line.startswith("| adv ") for line in text.splitlines()) == 10
 
@@ -114,8 +118,10 @@ def test_eval_creatives_on_real_test_rows(shared_data, tmp_path):
     (row,) = res["rows"]
     for k in ("rouge1", "rouge2", "rougeL", "bleu"):
         assert 0.0 <= row[k] <= 100.0
-    for k in ("meteor", "distinct1", "distinct2", "copy_share", "empty_share"):
+    for k in ("meteor", "distinct1", "distinct2", "copy_share", "empty_share", "invented_share", "name_use_share",
+              "flagged_share"):
         assert 0.0 <= row[k] <= 1.0
+    assert row["name_right_share"] is None or 0.0 <= row["name_right_share"] <= 1.0
     assert row["examples"] == 4 and row["requests_per_s"] > 0
     assert len(res["samples"]) == 4 and all(s["reference"] and "dense" in s["outputs"] for s in res["samples"])
 

@@ -125,8 +125,9 @@ def test_separate_shape_trains_saves_and_serves_with_the_tuned_prompt(tok, tmp_p
     assert set(ex.kinds.tolist()) == {3} and len(ex) == 5
     plen = int(ex.prompt_lens[0])
     assert ex.tokens[:plen].tolist() == encode_creative_prompt(tok, pairs.fields[0], style=CreativePrompt.TUNED)
-    cfg = CreativeTuneConfig(enabled=True, train=CreativeTrainConfig(epochs=30, lr=3e-3, batch_tokens=1024, log_every=1,
-                                                             warmup_fraction=0.0))
+    # unmasked (delex off): the tuned prompt as written; the masked default is tested below and in test_creative_truth
+    cfg = CreativeTuneConfig(enabled=True, delex="off", train=CreativeTrainConfig(epochs=30, lr=3e-3, batch_tokens=1024,
+                                                                            log_every=1, warmup_fraction=0.0))
     out = tmp_path / "creative_model"
     _, _, summary = tune_creatives(pairs, out, cfg, model=tiny(tok), tokenizer=tok.__class__.from_pretrained(
         tok.name_or_path), device="cpu", progress=False)
@@ -147,6 +148,25 @@ def test_separate_shape_trains_saves_and_serves_with_the_tuned_prompt(tok, tmp_p
     direct = generate_creatives(gen.model, gen.tokenizer, [encode_creative_prompt(
         gen.tokenizer, pairs.fields[0], style=CreativePrompt.TUNED)], CreativeConfig(max_new_tokens=8))
     assert text == direct[0][0][0] and text.strip() and pairs.headlines[0].startswith(text.strip())
+
+
+def test_masked_fine_tune_declares_its_masking_and_records_it(tok, tmp_path):
+    from adbatch.serving.delex import DelexMode, delex_of
+    from transformers import AutoModelForCausalLM
+
+    pairs = headline_pairs(ROWS, HeadlinePairsConfig())
+    cfg = CreativeTuneConfig(enabled=True, train=CreativeTrainConfig(max_steps=1, batch_tokens=512, warmup_fraction=0.0))
+    assert cfg.delex is DelexMode.ENTITIES  # the default
+    out = tmp_path / "masked_model"
+    tune_creatives(pairs, out, cfg, model=tiny(tok), tokenizer=tok.__class__.from_pretrained(tok.name_or_path),
+                   device="cpu", progress=False)
+    record = json.loads((out / "adbatch_training.json").read_text())
+    assert record["creative"]["delex"] == "entities" and record["creative"]["config"]["delex"] == "entities"
+    assert delex_of(AutoModelForCausalLM.from_pretrained(out)) is DelexMode.ENTITIES
+    # the shared shape builds its examples unmasked: its record says so
+    from adbatch.training.creatives import creative_record
+
+    assert creative_record(cfg.replace(shape=CreativeTuneShape.SHARED), pairs)["delex"] == "off"
 
 
 def test_creative_fine_tune_with_qat_records_the_grid_compress_follows(tok, tmp_path):

@@ -160,7 +160,8 @@ def test_creatives_local(assets, tmp_path):
                                creatives={"strategy": "greedy", "max_new_tokens": 4}))
     out = _read_out(tmp_path / "out", "creatives")
     assert res["counts"]["answered"] == 5
-    assert out.column_names == ["request_id", "ad_id", "variant", "headline", "score"]
+    assert out.column_names == ["request_id", "ad_id", "variant", "headline", "score", "flags"]
+    assert all(isinstance(f, list) for f in out.column("flags").to_pylist())  # every headline: its checks' outcome
     assert out.column("request_id").to_pylist() == [f"c{i}" for i in range(5)]
     assert out.column("ad_id").to_pylist() == [f"ad-{i}" for i in range(5)]
     assert set(out.column("variant").to_pylist()) == {0}

@@ -122,7 +122,7 @@ def test_creative_requests_need_an_ad_field(tmp_path):
 def test_output_schemas_have_the_contract_columns():
     assert TARGETS_OUT_SCHEMA.names[:8] == ["request_id", "rank", "ad_id", "score", "score_generative", "score_dense",
                                             "channel", "code"]
-    assert CREATIVES_OUT_SCHEMA.names == ["request_id", "ad_id", "variant", "headline", "score"]
+    assert CREATIVES_OUT_SCHEMA.names == ["request_id", "ad_id", "variant", "headline", "score", "flags"]
 
 
 def _invalid_utf8_strings(values):

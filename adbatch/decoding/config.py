@@ -137,6 +137,12 @@ class CreativeConfig(ConfigBase):
                                        metadata={"help": "greedy | sample | beam"})
     max_new_tokens: int = field(default=32, metadata={"help": "tokens generated at most"})
     num_return: int = field(default=1, metadata={"help": "texts returned per prompt"})
+    # 0 (= num_return) by default: today's throughput (the GPU has not measured what more costs); with sample or
+    # beam, more candidates let the generator write a passing headline instead of a flagged one (docs/generate.md)
+    candidates: int = field(default=0, metadata={
+        "help": "texts decoded per prompt, of which the creatives generator writes the num_return best that pass "
+                "its checks (adbatch.serving.checks; failing ones only when too few pass, flagged); 0 = num_return; "
+                "else >= num_return, 1 for greedy, <= num_beams for beam"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus mass kept when sampling"})
     num_beams: int = field(default=4, metadata={"help": f"beams per prompt (strategy beam); at most {MAX_BEAMS} "
@@ -156,6 +162,11 @@ class CreativeConfig(ConfigBase):
         "help": "formats a compressed creative model's layers may run in per row bucket on a GPU: int4 | fp8 "
                 "(TargetSearchConfig.linear_formats; fp8 is not measured on headline quality)"})
 
+    @property
+    def num_candidates(self) -> int:
+        """Texts decoded per prompt: ``candidates``, or ``num_return`` when it is 0."""
+        return self.candidates or self.num_return
+
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError(f"CreativeConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -173,6 +184,17 @@ class CreativeConfig(ConfigBase):
         if self.strategy is CreativeStrategy.GREEDY and self.num_return != 1:
             raise ConfigError("CreativeConfig.num_return must be 1 for strategy greedy "
                               f"(got {self.num_return}); use sample or beam for several")
+        if self.candidates and self.candidates < self.num_return:
+            raise ConfigError(f"CreativeConfig.candidates must be 0 or >= num_return ({self.candidates} < "
+                              f"{self.num_return})")
+        if self.candidates < 0:
+            raise ConfigError(f"CreativeConfig.candidates must be >= 0, got {self.candidates}")
+        if self.strategy is CreativeStrategy.GREEDY and self.candidates > 1:
+            raise ConfigError(f"CreativeConfig.candidates must be 1 for strategy greedy (got {self.candidates}); use "
+                              "sample or beam for several")
+        if self.strategy is CreativeStrategy.BEAM and self.candidates > self.num_beams:
+            raise ConfigError("CreativeConfig.candidates must be <= num_beams for strategy beam "
+                              f"({self.candidates} > {self.num_beams})")
         if any(not s for s in self.stop_strings):
             raise ConfigError("CreativeConfig.stop_strings must not contain an empty string")
         if self.prompt_ngram_block < 0 or self.prompt_ngram_block == 1:

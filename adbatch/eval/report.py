@@ -17,6 +17,12 @@ Creative metrics (one implementation each, used by ``adbatch eval`` and the nigh
   instruction line, or copy ``>= 50 %`` of the prompt's own words in one verbatim run (issue 18's "copy >= 50 % of the prompt").
   This is the failure of an untuned model echoing its input; 0 % of the slogan references do it.
 - empty share (:func:`empty_share`): outputs with no word.
+- truthfulness (:func:`adbatch.eval.truthfulness.truthfulness`, when the ads' fields are given): the share of
+  outputs that name an entity (a name, place, acronym, number, or a changed word of the ad's name) absent
+  from their ad's own fields (``invented_share``), the share that use the ad's name (``name_use_share``)
+  and, of those, the share that keep it right (``name_right_share``). The rules are in that module's
+  docstring; 16.6 % of the slogan test set's 994 human references name an entity their ad's fields lack by
+  it (the data's own ``unsupported`` label: 11.8 %; the two agree on 88.5 % of the rows).
 
 METEOR here is the *exact + stem* variant: nltk's implementation (unigram alignment, F-mean with
 recall weight, fragmentation penalty) with the WordNet synonym stage switched off, because nltk
@@ -29,7 +35,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +174,23 @@ def empty_share(outputs: Sequence[str]) -> float:
     return sum(not _tokens(o) for o in outputs) / len(outputs) if outputs else 0.0
 
 
-def creative_quality(outputs: Sequence[str], references: Sequence[str], prompts: Sequence[str]) -> dict[str, float]:
+def creative_quality(outputs: Sequence[str], references: Sequence[str], prompts: Sequence[str],
+                     ads: Sequence[Mapping[str, Any]] | None = None) -> dict[str, float | None]:
     """Every creative metric of the report for one variant: ``rouge1``, ``rouge2``, ``rougeL``, ``bleu``,
     ``meteor``, ``distinct1``, ``distinct2``, ``copy_share``, ``echo_share``, ``empty_share`` (``prompts``:
-    the text each output was generated from, for the copy and echo shares)."""
-    return {**rouge_f1(outputs, references), "bleu": corpus_bleu(outputs, references),
-            "meteor": meteor_exact_stem(outputs, references), "distinct1": distinct_n(outputs, 1),
-            "distinct2": distinct_n(outputs, 2), "copy_share": prompt_copy_share(outputs, prompts),
-            "echo_share": prompt_echo_share(outputs, prompts), "empty_share": empty_share(outputs)}
+    the text each output was generated from, for the copy and echo shares) and, when ``ads`` (each output's
+    ad fields) are given, ``invented_share``, ``name_use_share``, ``name_right_share``
+    (:func:`adbatch.eval.truthfulness.truthfulness`)."""
+    out: dict[str, float | None] = {
+        **rouge_f1(outputs, references), "bleu": corpus_bleu(outputs, references),
+        "meteor": meteor_exact_stem(outputs, references), "distinct1": distinct_n(outputs, 1),
+        "distinct2": distinct_n(outputs, 2), "copy_share": prompt_copy_share(outputs, prompts),
+        "echo_share": prompt_echo_share(outputs, prompts), "empty_share": empty_share(outputs)}
+    if ads is not None:
+        from adbatch.eval.truthfulness import truthfulness
+
+        out.update(truthfulness(outputs, ads))
+    return out
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -222,6 +237,8 @@ CREATIVE_COLS = [("variant", "variant"), ("rouge1", "ROUGE-1"), ("rouge2", "ROUG
                  ("bleu", "BLEU"), ("meteor", "METEOR (exact+stem)"), ("distinct1", "distinct-1"),
                  ("distinct2", "distinct-2"), ("copy_share", "copy: >= 50% of words from prompt"),
                  ("echo_share", "echo of prompt"), ("empty_share", "empty"),
+                 ("invented_share", "invented entity"), ("name_right_share", "ad's name right (of uses)"),
+                 ("name_use_share", "uses ad's name"), ("flagged_share", "flagged by the checks"),
                  ("examples", "examples"), ("requests_per_s", "requests/s"),
                  ("ms_per_request", "ms/request"), ("note", "note")]
 
@@ -274,7 +291,11 @@ def write_report(out: Path, results: dict[str, Any]) -> dict[str, Path]:
                   "longest verbatim word run from the prompt is >= half their words (38 % of the human "
                   "references on this test set); echo: share of outputs that carry a field label of the prompt "
                   "(\"Advertiser:\") or copy >= half of the prompt's own words; empty: share of outputs with no "
-                  "word", ""]
+                  "word",
+                  "- invented entity: share of outputs naming a name, place, acronym, number or changed word of the "
+                  "ad's name absent from the ad's own fields (adbatch.eval.truthfulness; 16.6 % of the human references); "
+                  "ad's name right: of the outputs that use the ad's name, the share that keep it unchanged; flagged: "
+                  "share of written headlines that failed a generation check (adbatch.serving.checks)", ""]
         rows = c.get("rows", [])
         lines += [_table(rows, CREATIVE_COLS), ""]
         ok = [r for r in rows if r.get("bleu") is not None]

@@ -322,6 +322,7 @@ CREATIVE_ANSWER_SCHEMA = pa.schema([
     ("error", pa.string()),
     ("headlines", pa.list_(pa.string())),
     ("scores", pa.list_(pa.float32())),
+    ("flags", pa.list_(pa.list_(pa.string()))),  # per headline: the checks it failed (adbatch.serving.checks)
 ])
 
 
@@ -523,10 +524,15 @@ def _warn_cut_ad_text(rows: Sequence[dict[str, Any]]) -> None:
 
 
 class CreativeGenerator(_GeneratorBase):
-    """Ad/product record -> headline variants (free-text generation).
+    """Ad/product record -> headline variants (free-text generation), each checked.
 
     Each call maps a ``pa.Table`` of validated creative requests (``request_id, ad_id`` + ad fields)
-    to a table of :data:`CREATIVE_ANSWER_SCHEMA`.
+    to a table of :data:`CREATIVE_ANSWER_SCHEMA`. Per ad the decoder writes ``creative.num_candidates``
+    texts; placeholders are restored when the model learned masked pairs (:func:`adbatch.serving.delex.delex_of`:
+    its prompts are masked the same way); every text is checked (:func:`adbatch.serving.checks.creative_flags`,
+    against the ad's own fields) and the ``num_return`` best that pass are kept, failing ones only when too few
+    pass, with their flags (:func:`adbatch.serving.checks.choose`): no request loses its headlines to the
+    checks, and none is written without its checks' outcome.
     """
 
     task = GenerateTask.CREATIVES
@@ -538,25 +544,40 @@ class CreativeGenerator(_GeneratorBase):
             raise TypeError(f"creative must be a CreativeConfig, got {type(creative).__name__}")
         super().__init__(spec, config or GenerateConfig())
         self.creative = creative
+        # the decoder returns every candidate; the checks choose num_return of them
+        self.decoding = creative.replace(num_return=creative.num_candidates)
+        from adbatch.serving.delex import delex_of
         from adbatch.serving.prompts import creative_prompt_of
 
         # the prompt the model declares it was fine-tuned on (adbatch.training.creatives), else few-shot
         self.prompt_style = creative_prompt_of(self.model)
+        self.delex = delex_of(self.model)  # the masking the fine-tune learned (off for an untuned model)
 
     def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         from adbatch.decoding import generate_creatives
-        from adbatch.serving.prompts import encode_creative_prompt
+        from adbatch.serving.checks import choose, creative_flags
+        from adbatch.serving.delex import delexicalise, restore
+        from adbatch.serving.prompts import creative_prompt_text, encode_creative_prompt
 
-        prompts = [encode_creative_prompt(self.tokenizer, r, style=self.prompt_style) for r in rows]
+        masked = [delexicalise(r, self.delex) for r in rows]
+        prompts = [encode_creative_prompt(self.tokenizer, m.fields if m.slots else r, style=self.prompt_style)
+                   for r, m in zip(rows, masked)]
         _warn_cut_ad_text(rows)
-        results = generate_creatives(self.model, self.tokenizer, prompts, self.creative)
-        return [{"request_id": r["request_id"], "ad_id": r["ad_id"], "error": None,
-                 "headlines": [t for t, _ in res], "scores": [float(s) for _, s in res]}
-                for r, res in zip(rows, results)]
+        results = generate_creatives(self.model, self.tokenizer, prompts, self.decoding)
+        out = []
+        for r, m, res in zip(rows, masked, results):
+            prompt_text = creative_prompt_text(r, style=self.prompt_style)
+            cands = [(restore(t, m.slots), float(s)) for t, s in res]
+            flags = [[f.value for f in creative_flags(t, r, prompt_text)] for t, _ in cands]
+            keep = choose(cands, flags, self.creative.num_return)
+            out.append({"request_id": r["request_id"], "ad_id": r["ad_id"], "error": None,
+                        "headlines": [cands[i][0] for i in keep], "scores": [cands[i][1] for i in keep],
+                        "flags": [flags[i] for i in keep]})
+        return out
 
     def _failed(self, row: dict[str, Any], reason: str) -> dict[str, Any]:
         return {"request_id": row["request_id"], "ad_id": row["ad_id"], "error": reason,
-                "headlines": [], "scores": []}
+                "headlines": [], "scores": [], "flags": []}
 
 
 def answers_to_output(task: GenerateTask, answers: pa.Table) -> tuple[pa.Table, pa.Table]:
@@ -589,12 +610,18 @@ def answers_to_output(task: GenerateTask, answers: pa.Table) -> tuple[pa.Table, 
                 out["verify_mode"].append(a["verify_mode"])
                 out["batch_beams_verified"].append(a["beams_verified"])
         else:
-            for v, (text, score) in enumerate(zip(a["headlines"], a["scores"])):
+            flags = a.get("flags")
+            if flags is None or len(flags) != len(a["headlines"]):
+                # every written headline carries its checks' outcome: an answer without it is a bug, not a pass
+                raise ValueError(f"creative answer {a['request_id']!r} has {len(a['headlines'])} headlines but "
+                                 f"flags {flags!r}")
+            for v, (text, score, fl) in enumerate(zip(a["headlines"], a["scores"], flags)):
                 out["request_id"].append(a["request_id"])
                 out["ad_id"].append(a["ad_id"])
                 out["variant"].append(v)
                 out["headline"].append(text)
                 out["score"].append(score)
+                out["flags"].append(list(fl))
     schema = TARGETS_OUT_SCHEMA if task is GenerateTask.TARGETS else CREATIVES_OUT_SCHEMA
     return (pa.Table.from_pydict(out, schema=schema),
             pa.Table.from_pylist(rejected, schema=REJECTED_SCHEMA))
@@ -606,8 +633,12 @@ def generator_fingerprint(task: GenerateTask, decoding: Any, config: GenerateCon
     from adbatch.serving.prompts import CREATIVE_PROMPT_VERSION, TARGETING_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
 
     # creatives: both renderings' versions (the model decides which one it reads; its hash is in the key too)
+    from adbatch.serving.checks import CHECKS_VERSION
+    from adbatch.serving.delex import DELEX_VERSION
+
+    # creatives: the checks' and the masking's rule versions too (they decide which headline is written)
     prompt = (TARGETING_PROMPT_VERSION if task is GenerateTask.TARGETS
-              else f"{CREATIVE_PROMPT_VERSION}/tuned{TUNED_CREATIVE_PROMPT_VERSION}")
+              else f"{CREATIVE_PROMPT_VERSION}/tuned{TUNED_CREATIVE_PROMPT_VERSION}/checks{CHECKS_VERSION}/delex{DELEX_VERSION}")
     return sha256_json({"task": task.value, "decoding": decoding.to_dict(),
                         "max_query_tokens": config.max_query_tokens, "prompt_version": prompt,
                         # an approximate dense search may rank other ads: part of what decides the answers

@@ -7,7 +7,8 @@ Two tasks read Parquet requests and write Parquet outputs whose schemas are defi
   batch_beams_verified``).
 - ``creatives``: in ``request_id, ad_id`` + ad/product fields (any of
   :data:`adbatch.serving.prompts.CREATIVE_FIELDS`) -> out :data:`CREATIVES_OUT_SCHEMA` (one row per request
-  and variant: ``request_id, ad_id, variant, headline, score``).
+  and variant: ``request_id, ad_id, variant, headline, score, flags``; ``flags`` lists the checks the headline
+  failed, :class:`adbatch.serving.checks.CreativeFlag` values, empty when it passed them all).
 
 Validation happens before any model loads. A problem with the *file* (missing, not Parquet,
 corrupt, a required column absent or of a type that cannot hold the value) raises
@@ -87,6 +88,8 @@ CREATIVES_OUT_SCHEMA = pa.schema(
         pa.field("variant", pa.int32(), nullable=False),  # 0-based, best first for beam search
         pa.field("headline", pa.string(), nullable=False),
         pa.field("score", pa.float32(), nullable=False),  # mean log-prob per generated token
+        # the checks the headline failed (adbatch.serving.checks.CreativeFlag values); empty = passed all
+        pa.field("flags", pa.list_(pa.string()), nullable=False),
     ]
 )
 
