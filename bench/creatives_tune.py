@@ -30,8 +30,8 @@ once, so a cut run keeps its rows):
 9. ``tuned-block<N>`` (any N: 0 or >= 2): the ``tuned`` model again with ``CreativeConfig.prompt_ngram_block
    = N`` (0 = off; the default is 6): how the prompt-copy share trades against ROUGE when the decoder may
    not repeat shorter runs of the prompt.
-10. ``tuned-nodelex``: the separate shape trained on unmasked pairs (``CreativeTuneConfig.delex = off``; the
-   default ``tuned`` masks the company name and the fields' entities, issue 57).
+10. ``tuned-delex`` / ``tuned-delex-company``: the separate shape trained on masked pairs (``CreativeTuneConfig.delex =
+   entities`` / ``company``; the default ``tuned`` trains on the text as written, issue 57).
 11. ``tuned-checked`` / ``base-checked``: the tuned / base model with 4 beams as candidates
    (``CreativeConfig(strategy=beam, num_beams=4, candidates=4)``): the generator writes the best that passes its
    checks (``adbatch.serving.checks``); the invented-entity and flagged shares and headlines/s against
@@ -478,7 +478,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tuned-e4": p_tuned("tuned-e4", epochs=2 * (args.epochs or default_epochs)),
         "tuned-qat": p_tuned("tuned-qat", qat_start=QuantAwareConfig().start_fraction),
         "tuned-qat-compressed": p_compressed("tuned-qat-compressed", "tuned-qat"),
-        "tuned-nodelex": p_tuned("tuned-nodelex", delex="off"),
+        "tuned-delex": p_tuned("tuned-delex", delex="entities"),
+        "tuned-delex-company": p_tuned("tuned-delex-company", delex="company"),
         "tuned-checked": p_block("tuned-checked", None, {"strategy": "beam", "num_beams": 4, "candidates": 4}),
         "base-checked": p_checked_base}
     wanted = [p.strip() for p in args.phases.split(",") if p.strip()]

@@ -35,15 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fp8_common import AMAX_FLOOR, FP8_DTYPE, FP8_MAX  # the format's constants (re-exported here)
+
 __all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Layout", "Fp8Weight", "quantize_weight_fp8", "quantize_rows_fp8",
            "quantize_rows_fp8_reference", "fp8_linear", "fp8_linear_reference", "fp8_supported",
            "relative_error"]
-
-FP8_DTYPE = torch.float8_e4m3fn
-#: largest finite e4m3fn value: scales map each row's / channel's amax onto it
-FP8_MAX = 448.0
-#: floor of a row's amax (an all-zero row gets a finite scale and quantizes to zeros)
-AMAX_FLOOR = 1e-12
 
 
 class Fp8Layout(str, enum.Enum):

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_linear import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from kernels.fp8_common import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 
 __all__ = ["quantize_rows_fp8_triton"]
 

@@ -222,26 +222,26 @@ def test_compressed_layers_routed_dense_run_fused_copies_with_the_same_results()
     """A plan that routes every compressed unit to its dense copy: q/k/v and gate/up are one unit each
     (one GEMM of one concatenated copy), and the step's log-probs equal the packed path's."""
     from adbatch.compress import CompressConfig, compress_
-    from adbatch.decoding.engine import LinearChoice
+    from adbatch.decoding.linear_plan import LinearChoice
 
     model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
     compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", group_policy="uniform",
                                     dense_dtype="float32"))
 
     packed = DecodeEngine(model)
-    assert packed._packed_modules and not packed._fused  # nothing dense to fuse up front
+    assert packed.linears.packed_modules and not packed.linears.fused  # nothing dense to fuse up front
     n_layers = model.config.num_hidden_layers
-    assert len(packed._units) == 4 * n_layers  # q/k/v, o, gate/up, down per layer
+    assert len(packed.linears.units) == 4 * n_layers  # q/k/v, o, gate/up, down per layer
     want = _two_steps(packed)
     routed = DecodeEngine(model)
     for key in routed.plan_keys(4):
         routed.plan.choice[key] = "dense"
-    routed._plan_linears(4)
+    routed.linears.route_bucket(4)
     attn = model.model.layers[0].self_attn
-    choice, qkv = routed._route[id(attn.q_proj)]
+    choice, qkv = routed.linears.route[id(attn.q_proj)]
     assert choice is LinearChoice.DENSE and qkv.shape[0] == sum(m.out_features for m in (attn.q_proj, attn.k_proj,
                                                                                         attn.v_proj))
-    assert id(attn.k_proj) not in routed._route  # a member of the q/k/v unit, not a unit of its own
+    assert id(attn.k_proj) not in routed.linears.route  # a member of the q/k/v unit, not a unit of its own
     torch.testing.assert_close(_two_steps(routed), want, atol=1e-4, rtol=1e-4)
 
 
@@ -249,7 +249,7 @@ def test_packed_plan_runs_each_qkv_and_gate_up_unit_as_one_stacked_launch(monkey
     """A plan that serves every unit packed: q/k/v and gate/up each run one launch over their members' packed
     weights stacked (not one per member), o/down their own; the step's log-probs equal the members' path."""
     from adbatch.compress import CompressConfig, compress_
-    from adbatch.decoding.engine import LinearChoice
+    from adbatch.decoding.linear_plan import LinearChoice
     from kernels.nm_int4 import PackedNMInt4
 
     model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
@@ -259,13 +259,13 @@ def test_packed_plan_runs_each_qkv_and_gate_up_unit_as_one_stacked_launch(monkey
     routed = DecodeEngine(model)
     for key in routed.plan_keys(4):
         routed.plan.choice[key] = "packed"
-    routed._plan_linears(4)
+    routed.linears.route_bucket(4)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    choice, qkv = routed._route[id(attn.q_proj)]
+    choice, qkv = routed.linears.route[id(attn.q_proj)]
     assert choice is LinearChoice.PACKED and isinstance(qkv, PackedNMInt4)
     assert qkv.out_features == attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
-    assert routed._route[id(mlp.gate_proj)][1].out_features == 2 * mlp.gate_proj.out_features
-    assert routed._route[id(attn.o_proj)] == (LinearChoice.PACKED, None)  # a unit of one: its own weight
+    assert routed.linears.route[id(mlp.gate_proj)][1].out_features == 2 * mlp.gate_proj.out_features
+    assert routed.linears.route[id(attn.o_proj)] == (LinearChoice.PACKED, None)  # a unit of one: its own weight
     member_calls = []
     for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
         monkeypatch.setattr(m, "forward", lambda *a, **k: member_calls.append(1))
@@ -278,9 +278,9 @@ def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(mon
     ``F.linear`` on the copy, not the packed kernel or the dense copy, with the packed path's results.
     On a CPU torch has no semi-structured tensors: a dense stand-in for the copy checks the routing,
     and without the stand-in such a plan is refused by name."""
-    import adbatch.decoding.engine as engine_mod
+    import adbatch.decoding.linear_plan as plan_mod
     from adbatch.compress import CompressConfig, compress_
-    from adbatch.decoding.engine import SPARSE_MIN_ROWS, LinearChoice
+    from adbatch.decoding.linear_plan import SPARSE_MIN_ROWS, LinearChoice
 
     model = make_tiny_llama(vocab_size=64, heads=4, kv_heads=2)
     compress_(model, CompressConfig(score="magnitude", pattern_policy="uniform", uniform_pattern="2:4",
@@ -288,26 +288,26 @@ def test_sparse_plan_routes_2to4_layers_through_their_semi_structured_copies(mon
 
     want = _two_steps(DecodeEngine(model))
     copies = []
-    monkeypatch.setattr(engine_mod, "semi_structured_copy", lambda w: copies.append(w) or w.clone())
+    monkeypatch.setattr(plan_mod, "semi_structured_copy", lambda w: copies.append(w) or w.clone())
     routed = DecodeEngine(model)
-    assert all(u.sparse for u in routed._units)
+    assert all(u.sparse for u in routed.linears.units)
     for key in routed.plan_keys(4):
         routed.plan.choice[key] = "sparse"
-    routed._plan_linears(4)
-    assert {c for c, _ in routed._route.values()} == {LinearChoice.SPARSE}
-    assert len(copies) == len(routed._units) == len(routed._route)
+    routed.linears.route_bucket(4)
+    assert {c for c, _ in routed.linears.route.values()} == {LinearChoice.SPARSE}
+    assert len(copies) == len(routed.linears.units) == len(routed.linears.route)
     packed_calls = []
-    for m in routed._packed_modules:
+    for m in routed.linears.packed_modules:
         monkeypatch.setattr(m, "forward", lambda *a, **k: packed_calls.append(1))
     torch.testing.assert_close(_two_steps(routed), want, atol=1e-4, rtol=1e-4)
     assert not packed_calls
     monkeypatch.undo()
     refused = DecodeEngine(model)
-    refused._copies.clear()  # the model's engines share copies: drop the stand-ins the first one built
+    refused.linears.copies.clear()  # the model's engines share copies: drop the stand-ins the first one built
     for key in refused.plan_keys(8):
         refused.plan.choice[key] = "sparse"
     with pytest.raises(RuntimeError, match="sparse copy"):
-        refused._plan_linears(8)
+        refused.linears.route_bucket(8)
     assert SPARSE_MIN_ROWS >= 256  # cuSPARSELt lost to cuBLAS at 256 rows on the H200 (0.37x)
 
 

@@ -101,11 +101,13 @@ def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_co
     but none with LinearFormats.INT4."""
     import kernels.int4_tuner as tuner
     from adbatch.decoding import LinearFormats
-    from adbatch.decoding.engine import FP8_MIN_SPEEDUP, DecodeEngine, LinearChoice
+    import adbatch.decoding.linear_plan as plan_mod
+    from adbatch.decoding.engine import DecodeEngine
+    from adbatch.decoding.linear_plan import FP8_MIN_SPEEDUP, LinearChoice
 
     model = _compressed_tiny("4:4")
     engine = DecodeEngine(model, formats=LinearFormats.FP8)
-    unit = engine._units[0]
+    unit = engine.linears.units[0]
     assert len(unit.mods) == 3  # q/k/v
     fake_us = {LinearChoice.PACKED: 30.0, LinearChoice.DENSE: 20.0, LinearChoice.FP8: 10.0}
     err_scale = {"v": 1.0}
@@ -114,14 +116,14 @@ def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_co
         return fake_us[fake_timer.current] / 1e3
 
     monkeypatch.setattr(tuner, "time_graphed_ms", fake_timer)
-    real_run = DecodeEngine._run_copy
+    real_run = plan_mod.run_copy
 
     def run_copy(route, x, bias, x_fp8=None):
         fake_timer.current = route[0]
         y = real_run(route, x, bias, x_fp8)
         return y * err_scale["v"] if route[0] is LinearChoice.FP8 else y
 
-    monkeypatch.setattr(DecodeEngine, "_run_copy", staticmethod(run_copy))
+    monkeypatch.setattr(plan_mod, "run_copy", run_copy)
     real_fwd = [m.forward for m in unit.mods]
 
     def packed_fwd(i):
@@ -136,18 +138,18 @@ def test_plan_takes_the_fastest_accurate_format_and_refuses_an_inaccurate_fp8_co
     def timed(eng, rows):
         key = unit.key + (rows,)
         eng.plan.choice.pop(key, None)
-        eng._copies.clear()
+        eng.linears.copies.clear()
         # the fake timer reads the format of the last candidate run: run each once first
         real_timer = fake_timer
         monkeypatch.setattr(tuner, "time_graphed_ms", lambda fn, l2: (fn(), real_timer(fn, l2))[1])
-        eng._time_unit(unit, key, rows)
+        eng.linears.time_unit(unit, key, rows)
         return key
 
     key = timed(engine, 16)
     assert engine.plan.choice[key] is LinearChoice.FP8
     assert engine.plan.errors[key][LinearChoice.FP8] < 0.06
     assert set(engine.plan.timings[key]) == {LinearChoice.PACKED, LinearChoice.DENSE, LinearChoice.FP8}
-    assert (id(unit.mods[0]), LinearChoice.FP8) in engine._copies  # the winner's copy is kept
+    assert (id(unit.mods[0]), LinearChoice.FP8) in engine.linears.copies  # the winner's copy is kept
 
     err_scale["v"] = 1.5  # a broken copy: 50 % off
     key = timed(engine, 16)
@@ -182,11 +184,12 @@ def test_fp8_routing_runs_qkv_and_gate_up_as_one_fp8_gemm_and_keeps_the_step_nea
     want = _two_steps(DecodeEngine(model))
     routed = DecodeEngine(model)
     routed.force_format(LinearChoice.FP8)
-    routed._plan_linears(4)
+    routed.linears.route_bucket(4)
     n_layers = model.config.num_hidden_layers
-    assert {c for c, _ in routed._route.values()} == {LinearChoice.FP8} and len(routed._route) == 4 * n_layers
+    route = routed.linears.route
+    assert {c for c, _ in route.values()} == {LinearChoice.FP8} and len(route) == 4 * n_layers
     attn = model.model.layers[0].self_attn
-    assert routed._route[id(attn.q_proj)][1].out_features == attn.q_proj.out_features + 2 * attn.k_proj.out_features
+    assert route[id(attn.q_proj)][1].out_features == attn.q_proj.out_features + 2 * attn.k_proj.out_features
     got = _two_steps(routed)
     assert relative_error(got.exp(), want.exp()) < 0.05
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.75
@@ -198,15 +201,16 @@ def test_fp8_units_take_their_rows_quantized_by_the_norm_that_wrote_them(monkeyp
     """Where q/k/v and gate/up run as one FP8 copy, the norm before them also quantizes its rows and the copy
     takes them (no second quantization of the same rows); o_proj and down (inputs from attention / the
     activation) quantize their own."""
-    import adbatch.decoding.engine as eng_mod
-    from adbatch.decoding.engine import DecodeEngine, LinearChoice
+    import adbatch.decoding.linear_plan as plan_mod
+    from adbatch.decoding.engine import DecodeEngine
+    from adbatch.decoding.linear_plan import LinearChoice
 
     model = _compressed_tiny("4:4")
     routed = DecodeEngine(model)
     routed.force_format(LinearChoice.FP8)
-    routed._plan_linears(4)  # (a GPU plans at each pass's bucket; the CPU serves the route it is given)
+    routed.linears.route_bucket(4)  # (a GPU plans at each pass's bucket; the CPU serves the route it is given)
     given = []
-    real = eng_mod.fp8_linear
+    real = plan_mod.fp8_linear
 
     def spy(x, w, fast_accum=True, x_fp8=None):
         given.append((w.out_features, x_fp8 is not None))
@@ -215,7 +219,7 @@ def test_fp8_units_take_their_rows_quantized_by_the_norm_that_wrote_them(monkeyp
             assert torch.equal(x_fp8[0].float(), q.float()) and torch.equal(x_fp8[1], s)
         return real(x, w, fast_accum, x_fp8)
 
-    monkeypatch.setattr(eng_mod, "fp8_linear", spy)
+    monkeypatch.setattr(plan_mod, "fp8_linear", spy)
     _two_steps(routed)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     qkv = attn.q_proj.out_features + 2 * attn.k_proj.out_features
@@ -232,7 +236,7 @@ def test_forced_sparse_fp8_is_refused_where_the_device_cannot_build_it():
     routed = DecodeEngine(_compressed_tiny("2:4"))
     routed.force_format(LinearChoice.SPARSE_FP8)
     with pytest.raises(RuntimeError, match="sparse_fp8 copy"):
-        routed._plan_linears(4)
+        routed.linears.route_bucket(4)
 
 
 # ------------------------------------------------------------------------------------------ CUDA

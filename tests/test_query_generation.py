@@ -254,7 +254,7 @@ def test_warm_start_tunes_the_generator_from_the_recorded_generator_model_not_th
     """A warm start's starting model learned an index (it writes index sequences): the generator comes from
     the generator model its record names (else the default model), never from a copy of it."""
     from adbatch.artifacts import write_json_atomic
-    from adbatch.training import _query_generator
+    from adbatch.training.index_training import _query_generator
 
     warm = tmp_path / "last_night"
     write_json_atomic(warm / "adbatch_training.json", {"trained_on_index": "abc",

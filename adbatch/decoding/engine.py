@@ -22,47 +22,40 @@ the 30-layer default model is a few hundred small kernels, and eager launches co
 at beam-search row counts.
 
 The forward reuses the HF modules' weights and submodules (norms, projections, MLP, rotary): dense
-``nn.Linear`` or :class:`adbatch.compress.CompressedLinear` alike. Per row bucket the engine times the
-packed kernel against a dense copy of each compressed layer shape (:class:`LinearPlan`) and keeps
-the faster, so a compressed model is never slower than its dense form at any bucket it serves. At
-large buckets (>= :data:`SPARSE_MIN_ROWS` rows: many queries x beams on a large model, where no
-weight-only kernel can win) a 2:4 or 1:4 layer is also timed as a semi-structured sparse copy on
-Hopper's / Ampere's sparse tensor cores (:func:`semi_structured_copy`). With :attr:`LinearFormats.FP8`
-(at every bucket) two compute formats join: an FP8 copy (per-channel weight scales,
-per-row dynamic activation scales; :mod:`kernels.fp8_linear`) and, for 2:4 / 1:4 layers, a 2:4 FP8 copy
-on the sparse tensor cores -- each only where its output passes :data:`FP8_MAX_REL_ERROR` against the
-bf16 copy on the timing input. Projections that read one input (q/k/v, gate/up) and all chose the
-same copy format run one fused GEMM (one activation quantization for FP8).
+``nn.Linear`` or :class:`adbatch.compress.CompressedLinear` alike. Which copy serves a linear (dense q/k/v and
+gate/up concatenated into one GEMM; per row bucket, for a compressed layer, the packed kernel or a bf16 / 2:4
+bf16 / FP8 / 2:4 FP8 copy, by measurement and an accuracy gate) is a plan of its own,
+:class:`adbatch.decoding.linear_plan.LinearPlanner` (``engine.linears``; its measurements ``engine.plan``):
+the engine asks it to route each pass's bucket before the pass runs, and runs every projection through it.
 
 Supported decoder families: Llama (SmolLM2), Mistral, Qwen2, Qwen3 (q/k norms), Gemma 3 (q/k norms,
 sandwich norms, sliding-window layers, scaled embeddings). Others are refused with a clear error.
 
-Why one module of ~900 lines: :class:`DecodeEngine` is one object over one set of preallocated
-buffers; prefill, step, tree pass, graph capture and the per-bucket linear plan all index the same
-tensors and the same captured-graph table, so splitting it would spread one state across files.
+Why one module of ~850 lines: :class:`DecodeEngine` is one object over one set of preallocated
+buffers; prefill, step, tree pass and graph capture all index the same tensors and the same
+captured-graph table, so splitting it would spread one state across files. The per-bucket linear plan
+indexes the model's linear modules instead, and lives in :mod:`adbatch.decoding.linear_plan`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from adbatch.decoding.config import LinearFormats, TargetSearchConfig
+from adbatch.decoding.config import LinearFormats
+# the plan's names stay importable from here (bench scripts and callers named them when they lived here)
+from adbatch.decoding.linear_plan import (_MODEL_COPIES, DEFAULT_LINEAR_FORMATS, FP8_CHOICES,  # noqa: F401
+                                          LinearChoice, LinearPlan, LinearPlanner, semi_structured_copy)
 from adbatch.models import eval_mode, submodules
 from kernels import fused_ops as fo
-from kernels.fp8_linear import (Fp8Layout, fp8_linear, fp8_supported, quantize_rows_fp8, quantize_weight_fp8,
-                                relative_error)
-from kernels.nm_int4 import concat_packed, dequantize_nm_int4
-from kernels.packed_linear import nm_int4_linear
 from kernels.decode_attention import (RowGather, decode_attention, decode_attention_reference,
                                       decode_attention_rows, gather_suffix, row_gather)
 
@@ -150,122 +143,6 @@ class _Ops:
         return fo.rms_norm_reference(x, weight, eps, unit_offset)
 
 
-# ------------------------------------------------------------------------------------------ linears
-#: buckets from which a 2:4 / 1:4 layer is also timed as a semi-structured sparse copy. cuSPARSELt on the
-#: H200 vs cuBLAS fp16 at 8192x28672 (issue 20's measurements): 0.37x at 256 rows, 1.17x at 1,024, 1.44x at
-#: 4,096; below 512 rows building and timing the copy costs and never pays
-SPARSE_MIN_ROWS = 512
-#: layer patterns a semi-structured (2:4) copy can hold: 1:4 is 2:4 with one more zero per group of four
-SPARSE_PATTERNS = ("2:4", "1:4")
-#: largest relative error (Frobenius, vs the layer's bf16 copy on the timing input) an FP8 copy may have to
-#: be served; e4m3 with per-channel / per-row scales lands near 0.03-0.04 on Gaussian inputs (the public
-#: 2:4 FP8 kernel: 0.038), a broken scale or an outlier-ridden layer far above
-FP8_MAX_REL_ERROR = 0.08
-#: an FP8 format is served only where it is at least this much faster than the fastest format that keeps the
-#: INT4 model's numerics (packed, a bf16 / 2:4 bf16 copy): it changes them, and a lead inside the timer's noise
-#: lost in place -- the 135M shape's plan took FP8 for gate/up by 3-12 % (10,240 rows: 57.5 vs 60.8 us) and its
-#: search ran at 0.91x / 0.96x dense at 1,024 / 2,048 queries (H100, 2026-12-06)
-FP8_MIN_SPEEDUP = 1.10
-
-
-class LinearChoice(str, enum.Enum):
-    """How one compressed layer runs at one bucket."""
-
-    PACKED = "packed"        #: the packed INT4 / N:M kernel (kernels.packed_linear); a q/k/v or gate/up unit of
-    #: one pattern runs as one launch over its members stacked (kernels.nm_int4.concat_packed)
-    DENSE = "dense"          #: a bf16 / fp16 copy of the dequantized weight (cuBLAS)
-    SPARSE = "sparse"        #: a semi-structured 2:4 copy in the activation dtype (cuSPARSELt / CUTLASS)
-    FP8 = "fp8"              #: an FP8 copy, activations quantized per row (torch._scaled_mm)
-    SPARSE_FP8 = "sparse_fp8"  #: a 2:4 FP8 copy on the sparse tensor cores (torchao's CUTLASS kernel)
-
-
-#: the formats that quantize activations (accuracy-checked, and served only by FP8_MIN_SPEEDUP)
-FP8_CHOICES = (LinearChoice.FP8, LinearChoice.SPARSE_FP8)
-
-
-@dataclass
-class LinearPlan:
-    """Per compressed layer shape and row bucket: which :class:`LinearChoice`, by measurement.
-
-    ``choice[(N, K, pattern, rows)]`` is a :class:`LinearChoice`; ``timings`` keeps the measured
-    microseconds per candidate (graph-replayed medians, the kernel tuner's own timer) behind each choice,
-    and ``errors`` the FP8 candidates' relative errors vs the bf16 copy (a candidate over
-    :data:`FP8_MAX_REL_ERROR` is not served, whatever its time).
-    """
-
-    choice: dict[tuple, LinearChoice] = field(default_factory=dict)
-    timings: dict[tuple, dict[LinearChoice, float]] = field(default_factory=dict)
-    errors: dict[tuple, dict[LinearChoice, float]] = field(default_factory=dict)
-
-
-def semi_structured_copy(w: torch.Tensor) -> torch.Tensor | None:
-    """``w`` (fp16 / bf16 ``[N, K]`` on CUDA, at most 2 nonzeros in every 4 consecutive columns) as a
-    :func:`torch.sparse.to_sparse_semi_structured` tensor (cuSPARSELt where torch has it, else CUTLASS):
-    half the values plus 2-bit metadata, ~0.56x of the dense copy's bytes. ``F.linear(x, copy)`` then
-    runs on the sparse tensor cores. None where this GPU / torch / shape cannot (the reason is logged)."""
-    try:
-        from torch.sparse import to_sparse_semi_structured
-
-        return to_sparse_semi_structured(w.contiguous())
-    except (RuntimeError, ValueError, NotImplementedError, ImportError, AttributeError) as exc:
-        log.info("no semi-structured sparse copy of a %s %s weight: %s", tuple(w.shape), w.dtype, exc)
-        return None
-
-
-def _is_packed(mod: Any) -> bool:
-    return hasattr(mod, "packed") and hasattr(mod, "qweight")
-
-
-def _pattern(mod: Any) -> str:
-    """A packed module's N:M pattern as its string value (``"2:4"``)."""
-    return str(getattr(mod.pattern, "value", mod.pattern))
-
-
-def _group_bias(group: tuple[Any, ...]) -> tuple[bool, torch.Tensor | None]:
-    """Whether ``group``'s projections can run as one GEMM as far as their biases go (all or none have one),
-    and the concatenated bias (None: none)."""
-    biases = [getattr(m, "bias", None) for m in group]
-    if all(b is None for b in biases):
-        return True, None
-    if any(b is None for b in biases):
-        return False, None
-    return True, torch.cat([b.detach() for b in biases], 0)
-
-
-@dataclass(eq=False)
-class _Unit:
-    """Compressed projections the plan times and routes as one: a group that reads one input (q/k/v or
-    gate/up, every member compressed) runs as one GEMM of its members' concatenated copies -- one activation
-    quantization for FP8 -- or its members' packed kernels; any other compressed layer is a unit of one."""
-
-    mods: tuple[Any, ...]
-    sizes: tuple[int, ...]          # out_features per member (the fused output's split)
-    bias: torch.Tensor | None       # the members' biases concatenated (all or none have one)
-
-    @property
-    def key(self) -> tuple:
-        """``(N, K, pattern)``: summed out_features, in_features, the members' patterns joined by '+'."""
-        return (sum(self.sizes), int(self.mods[0].in_features), "+".join(_pattern(m) for m in self.mods))
-
-    @property
-    def sparse(self) -> bool:
-        """Every member 2:4 or sparser: a semi-structured (2:4) copy holds the unit."""
-        return all(_pattern(m) in SPARSE_PATTERNS for m in self.mods)
-
-    @property
-    def stackable(self) -> bool:
-        """Several members of one pattern: their packed weights stack into one (one launch, not one per
-        member: at 8 rows on the 8B shape q/k/v take 14.8 us stacked vs 28.4 us as three launches, H100)."""
-        return len(self.mods) > 1 and len({_pattern(m) for m in self.mods}) == 1
-
-
-#: per model, the copies of its compressed units its engines built (see DecodeEngine._copies)
-_MODEL_COPIES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, LinearChoice], Any]]" = weakref.WeakKeyDictionary()
-
-#: what the engine plans among when its caller names nothing: TargetSearchConfig.linear_formats's default (the knob)
-DEFAULT_LINEAR_FORMATS: LinearFormats = TargetSearchConfig.__dataclass_fields__["linear_formats"].default
-
-
 # ------------------------------------------------------------------------------------------ engine
 @dataclass
 class _Graph:
@@ -286,11 +163,6 @@ class DecodeEngine:
 
     def __init__(self, model: Any, fused: bool | None = None, formats: LinearFormats | None = None) -> None:
         check_supported(model)
-        #: the formats the per-bucket plan may choose among (a compressed model's layers only)
-        self.formats = LinearFormats(formats or DEFAULT_LINEAR_FORMATS)
-        #: serve every compressed layer in this one format at every bucket, unplanned (accuracy
-        #: measurements of a format; None = the measured plan)
-        self.forced: LinearChoice | None = None
         # no reference to the model itself: _ENGINES keys engines by it weakly, and an engine holding it would keep
         # a deleted model -- its weights, cache and captured graphs -- alive for the life of the process
         self.cfg = model.config
@@ -312,13 +184,11 @@ class DecodeEngine:
         if getattr(self.cfg, "model_type", "") == "mistral" and window:
             self.window = [int(window)] * len(self.layers)  # Mistral: every layer slides
         self.vocab = int(getattr(self.head, "out_features", 0) or self.cfg.vocab_size)
-        self.plan = LinearPlan()
-        # copies of compressed units some bucket chose, by (id of the unit's first module, format); kept
-        # across buckets (building one costs a dequantization, FP8 ones a quantization too) and shared by the
-        # model's engines of other linear_formats (an 8B model's bf16 copies are 14 GB)
-        self._copies: dict[tuple[int, LinearChoice], Any] = _MODEL_COPIES.setdefault(model, {})
-        # the routing of the pass being run: id of a unit's first module -> (format, its copy or None)
-        self._route: dict[int, tuple[LinearChoice, Any]] = {}
+        #: which copy serves each linear (a compressed one: per row bucket, measured); the copies are shared by the
+        #: model's engines of other linear_formats
+        self.linears = LinearPlanner(model, self._groups(), formats, self.device, self.dtype)
+        self.formats: LinearFormats = self.linears.formats
+        self.plan: LinearPlan = self.linears.plan
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._tree_pool = None
@@ -333,13 +203,6 @@ class DecodeEngine:
         self.store_fused = self.ops.fused and not hasattr(attn0, "q_norm") and not self.head_dim & (self.head_dim - 1)
         act = str(getattr(self.cfg, "hidden_act", None) or getattr(self.cfg, "hidden_activation", "silu"))
         self.act = act if act in ("silu", "gelu_pytorch_tanh") else None  # None: the module's own act_fn
-        self._fused: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
-        self._fuse_dense_projections()
-        self._routed_rows: int | None = None  # the bucket _route was planned for
-        self._fp8_refused: set[Fp8Layout] = set()
-        self._packed_modules = [m for m in model.modules() if _is_packed(m)]
-        self._units = self._compressed_units()
-        self._unit_of = {id(u.mods[0]): u for u in self._units}
         #: ``(x, (q, s))``: the rows the last norm wrote and, where one FP8 copy reads them, their FP8 quantization
         #: from the same kernel (:meth:`_add_norm`); :meth:`_projections` hands it to that copy for that ``x`` only
         self._x_fp8: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -361,12 +224,20 @@ class DecodeEngine:
         accuracy measurement of one format; ``SPARSE_FP8`` / ``SPARSE`` fall back to ``FP8`` / ``DENSE`` on
         dense-pattern layers), or the measured plan again (None). Drops the captured graphs: they hold the
         old routing."""
-        self.forced = None if choice is None else LinearChoice(choice)
+        self.linears.force(choice)
         self._graphs.clear()
         self._pool = self._tree_pool = self._host_pool = self._prefill_pool = None
         self._seen_keys = {}
         self._eager_keys = set()
-        self._route, self._routed_rows = {}, None
+
+    def plan_keys(self, rows: int) -> list[tuple]:
+        """The :attr:`plan` keys ``(N, K, pattern, rows)`` a pass at ``rows`` rows routes by."""
+        return self.linears.keys(rows)
+
+    # the plan's state under the names bench scripts read (bench/sparse_copy_check.py, bench/large_rows.py)
+    _route = property(lambda self: self.linears.route)
+    _copies = property(lambda self: self.linears.copies)
+    _packed_modules = property(lambda self: self.linears.packed_modules)
 
     # -------------------------------------------------------------- buffers
     def reserve(self, queries: int, beams: int, prompt_width: int, suffix: int) -> None:
@@ -418,27 +289,6 @@ class DecodeEngine:
         return n
 
     # -------------------------------------------------------------- building blocks
-    def _linear(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
-        route = self._route.get(id(mod))
-        if route is None or route[1] is None:  # not compressed, or packed in the module's own weight
-            return mod(x)
-        return self._run_copy(route, x, getattr(mod, "bias", None))
-
-    @staticmethod
-    def _run_copy(route: tuple[LinearChoice, Any], x: torch.Tensor, bias: torch.Tensor | None,
-                  x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``x [..., K]`` through a unit's copy in its format -> ``[..., N]`` (rows contiguous); ``x_fp8``: ``x``'s
-        rows already quantized for an FP8 copy (see :func:`kernels.fp8_linear.fp8_linear`)."""
-        choice, copy = route
-        if choice is LinearChoice.PACKED:  # a unit's members stacked into one packed weight
-            return nm_int4_linear(x, copy, bias)
-        if choice is LinearChoice.DENSE:
-            return F.linear(x, copy, bias)
-        if choice is LinearChoice.SPARSE:  # the sparse GEMM's result is a transposed view: the fused ops need rows
-            y = F.linear(x.reshape(-1, x.shape[-1]), copy, bias)
-            return y.contiguous().reshape(*x.shape[:-1], -1)
-        return fp8_linear(x, copy, x_fp8=x_fp8)  # FP8 / SPARSE_FP8 (the bias lives in the copy)
-
     def _rotary(self, x: torch.Tensor, pos: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[N, T, D]`` for positions ``pos: Long[N, T]``."""
         rot = self.dec.rotary_emb
@@ -465,35 +315,10 @@ class DecodeEngine:
         """Each layer's projections that read the same input: (q, k, v) and (gate, up)."""
         return [g for layer in self.layers for g in (self._qkv_group(layer), self._gate_up_group(layer))]
 
-    def _fuse_dense_projections(self) -> None:
-        """Concatenate each layer's dense q/k/v and gate/up weights into one matrix (one GEMM
-        instead of three / two: at beam-search row counts the launches cost more than the math).
-        A copy: the model's own parameters stay untouched. Compressed layers are planned as units."""
-        for group in self._groups():
-            fusable, bias = _group_bias(group)
-            if fusable and all(type(m) is torch.nn.Linear for m in group):
-                self._fused[id(group[0])] = (torch.cat([m.weight.detach() for m in group], 0), bias,
-                                             tuple(int(m.out_features) for m in group))
-
-    def _group_route(self, group: tuple[Any, ...]) -> tuple[LinearChoice, Any] | None:
-        """The route of ``group`` (q/k/v or gate/up) where it runs as one unit's copy (one GEMM / launch), else None."""
-        unit = self._unit_of.get(id(group[0]))
-        if id(group[0]) in self._fused or unit is None or len(unit.mods) != len(group):
-            return None
-        route = self._route.get(id(group[0]))
-        return route if route is not None and route[1] is not None else None
-
     def _projections(self, group: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
-        fused = self._fused.get(id(group[0]))
-        route = self._group_route(group)
-        if route is not None:  # one GEMM / launch of the members' copy
-            x_fp8 = self._x_fp8[1] if self._x_fp8 is not None and self._x_fp8[0] is x else None
-            unit = self._unit_of[id(group[0])]
-            return list(self._run_copy(route, x, unit.bias, x_fp8).split(unit.sizes, dim=-1))
-        if fused is None:
-            return [self._linear(m, x) for m in group]
-        w, b, sizes = fused
-        return list(F.linear(x, w, b).split(sizes, dim=-1))
+        """``group``'s outputs for ``x``, with the FP8 rows the norm that wrote ``x`` quantized (:meth:`_add_norm`)."""
+        x_fp8 = self._x_fp8[1] if self._x_fp8 is not None and self._x_fp8[0] is x else None
+        return self.linears.projections(group, x, x_fp8)
 
     @staticmethod
     def _norm_params(mod: Any) -> tuple[torch.Tensor, float, bool] | None:
@@ -519,7 +344,7 @@ class DecodeEngine:
         if p is None:
             h = h if a is None else h + a
             return h, mod(h)
-        route = None if feeds is None else self._group_route(feeds)
+        route = None if feeds is None else self.linears.group_route(feeds)
         if route is not None and route[0] in FP8_CHOICES:
             h, x, x_fp8 = self.ops.add_rms_norm_fp8(h, a, *p)
             self._x_fp8 = (x, x_fp8)
@@ -535,7 +360,7 @@ class DecodeEngine:
         two row-wise kernels per layer besides the GEMMs, attention, rotary and the activation."""
         h, x = self._add_norm(h, None, self.layers[0].input_layernorm, self._qkv_group(self.layers[0]))
         for li, layer in enumerate(self.layers):
-            a = self._linear(layer.self_attn.o_proj, attend(li, layer, x))
+            a = self.linears.linear(layer.self_attn.o_proj, attend(li, layer, x))
             if self.gemma:  # sandwich norms: the branch output is normed before the residual add
                 h, x = self._add_norm(h, self._norm(layer.post_attention_layernorm, a), layer.pre_feedforward_layernorm,
                                       self._gate_up_group(layer))
@@ -581,14 +406,14 @@ class DecodeEngine:
     def _mlp(self, mlp: Any, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._projections((mlp.gate_proj, mlp.up_proj), x)
         hidden = mlp.act_fn(gate) * up if self.act is None else self.ops.gated_act(gate, up, self.act)
-        return self._linear(mlp.down_proj, hidden)
+        return self.linears.linear(mlp.down_proj, hidden)
 
     def _rope_all(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str, tuple]:
         return {t: self._rotary(h, pos, t) for t in set(self.layer_types)}
 
     def head_lse(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden [N, H]`` (final-normed) -> ``(logits [N, V], lse Float32[N])``."""
-        logits = self._linear(self.head, hidden)
+        logits = self.linears.linear(self.head, hidden)
         if self.ops.fused:  # the kernel reads the logits' own dtype: no float32 temporary
             return logits, self.ops.rows_lse(logits)
         n = logits.shape[0]
@@ -630,7 +455,7 @@ class DecodeEngine:
         self.in_prompt[:Qb].copy_(torch.from_numpy(ids))
         if not self.graphs_enabled:
             return (*self._prefill_body(Qb, Lw, pad_id), Qb)
-        self._plan_linears(bucket_queries(Qb * Lw))  # eager passes choose packed vs dense at their own row count too
+        self.linears.route_bucket(bucket_queries(Qb * Lw))  # eager passes choose packed vs dense at their own row count too
         key = ("prefill", Qb, Lw, pad_id)
         g = self._graphs.get(key)
         if g is not None:
@@ -790,7 +615,7 @@ class DecodeEngine:
         # step eagerly (this IS the step: its ancestry update and K/V writes are real), then capture
         # it for the next uses (capture records kernels, it does not run them). Every step graph
         # shares one memory pool (they replay one at a time).
-        self._plan_linears(R)
+        self.linears.route_bucket(R)
         out = self._step_body(Qb)
         self._capture_into(key, lambda: self._step_body(Qb), "_pool")
         return out
@@ -860,166 +685,6 @@ class DecodeEngine:
         self.capture_seconds += time.perf_counter() - t0
         return graph, outs
 
-    # -------------------------------------------------------------- linear formats, per bucket
-    def _compressed_units(self) -> list[_Unit]:
-        """The compressed layers as plan units: each q/k/v or gate/up group whose members are all compressed
-        (and all or none have a bias) is one unit, every other compressed layer a unit of its own."""
-        packed = {id(m) for m in self._packed_modules}
-        units, grouped = [], set()
-        for group in self._groups():
-            fusable, bias = _group_bias(group)
-            if fusable and all(id(m) in packed for m in group):
-                units.append(_Unit(tuple(group), tuple(int(m.out_features) for m in group), bias))
-                grouped.update(id(m) for m in group)
-        units += [_Unit((m,), (int(m.out_features),), getattr(m, "bias", None))
-                  for m in self._packed_modules if id(m) not in grouped]
-        return units
-
-    def plan_keys(self, rows: int) -> list[tuple]:
-        """The :attr:`plan` keys ``(N, K, pattern, rows)`` a pass at ``rows`` rows routes by."""
-        return list(dict.fromkeys(u.key + (rows,) for u in self._units))
-
-    def _unit_weight(self, unit: _Unit) -> torch.Tensor:
-        """The unit's dequantized weight ``[sum N, K]`` in the engine's dtype."""
-        ws = [dequantize_nm_int4(m.packed, self.dtype) for m in unit.mods]
-        return ws[0] if len(ws) == 1 else torch.cat(ws, 0)
-
-    def _make_copy(self, unit: _Unit, choice: LinearChoice, w: torch.Tensor) -> Any:
-        """``unit``'s copy in ``choice``'s format from its dequantized weight ``w``; None where this device
-        cannot (the reason is logged once per format). Packed units: :meth:`_packed_copy`."""
-        if choice is LinearChoice.DENSE:
-            return w
-        if choice is LinearChoice.SPARSE:
-            return semi_structured_copy(w)
-        layout = Fp8Layout.DENSE if choice is LinearChoice.FP8 else Fp8Layout.SPARSE_24
-        why = fp8_supported(self.device, layout)
-        if why is None:
-            try:
-                return quantize_weight_fp8(w, layout, unit.bias)
-            except (RuntimeError, ValueError, ImportError) as exc:
-                why = str(exc).splitlines()[0]
-        if layout not in self._fp8_refused:
-            self._fp8_refused.add(layout)
-            log.info("no %s copies of compressed layers: %s", layout.value, why)
-        return None
-
-    def _packed_copy(self, unit: _Unit) -> Any:
-        """A stackable unit's members' packed weights stacked into one (the kept copy, else a new one: the
-        caller keeps it where the plan serves it); None for a unit that runs its members' own weights."""
-        if not unit.stackable:
-            return None
-        stacked = self._copies.get((id(unit.mods[0]), LinearChoice.PACKED))
-        return concat_packed([m.packed for m in unit.mods]) if stacked is None else stacked
-
-    def _candidates(self, unit: _Unit, rows: int) -> list[LinearChoice]:
-        """The formats ``unit`` may run in at ``rows`` rows under :attr:`formats`."""
-        out = [LinearChoice.PACKED, LinearChoice.DENSE]
-        if unit.sparse and rows >= SPARSE_MIN_ROWS:
-            out.append(LinearChoice.SPARSE)
-        # FP8 at every bucket: at 8 rows (one 8B query's beams) 2:4 FP8 beat the packed 2:4 INT4 kernel on
-        # q/k/v, gate/up and down (10.9 / 33.4 / 21.3 vs 16.1 / 55.1 / 28.9 us; H100, 2026-12-06), although
-        # it reads ~1.6x the bytes: the GEMV's dequantization, not HBM, bounds it there
-        if self.formats is LinearFormats.FP8:
-            out += [LinearChoice.FP8] + ([LinearChoice.SPARSE_FP8] if unit.sparse else [])
-        return out
-
-    def _time_unit(self, unit: _Unit, key: tuple, rows: int) -> None:
-        """Time every candidate format of ``unit`` at ``rows`` rows (graph-replayed, random normal input)
-        and record the fastest accurate one in :attr:`plan` (copies of the winner are kept)."""
-        from kernels.int4_tuner import time_graphed_ms
-
-        x = torch.randn(rows, key[1], device=self.device, dtype=self.dtype)
-        w = self._unit_weight(unit)
-        timed: dict[LinearChoice, float] = {}
-        errors: dict[LinearChoice, float] = {}
-        kept: dict[LinearChoice, Any] = {}
-        ref = x_fp8 = None
-        for choice in self._candidates(unit, rows):
-            if choice is LinearChoice.PACKED:
-                stacked = self._packed_copy(unit)
-                fn = ((lambda: [m(x) for m in unit.mods]) if stacked is None else
-                      (lambda r=(choice, stacked): self._run_copy(r, x, unit.bias)))
-                if stacked is not None:
-                    kept[choice] = stacked
-            else:
-                copy_ = self._copies.get((id(unit.mods[0]), choice))
-                copy_ = self._make_copy(unit, choice, w) if copy_ is None else copy_
-                if copy_ is None:
-                    continue
-                # a q/k/v or gate/up unit served FP8 reads its rows quantized by the norm before it (_add_norm): time
-                # what runs, the GEMM on rows quantized beforehand (once per unit); a unit of one quantizes its own
-                if choice in FP8_CHOICES and len(unit.mods) > 1 and x_fp8 is None:
-                    x_fp8 = quantize_rows_fp8(x)
-                xq = x_fp8 if choice in FP8_CHOICES else None
-                fn = (lambda r=(choice, copy_), xq=xq: self._run_copy(r, x, unit.bias, xq))
-                kept[choice] = copy_
-            if choice in FP8_CHOICES:
-                ref = F.linear(x, w, unit.bias) if ref is None else ref
-                try:
-                    errors[choice] = relative_error(fn(), ref)
-                except RuntimeError as exc:
-                    log.info("%s copy of %s not run: %s", choice.value, key[:3], str(exc).splitlines()[0])
-                    continue
-                if not errors[choice] <= FP8_MAX_REL_ERROR:  # also refuses nan
-                    log.info("%s copy of %s refused: relative error %.4f > %.2f", choice.value, key[:3],
-                             errors[choice], FP8_MAX_REL_ERROR)
-                    continue
-            try:
-                timed[choice] = 1e3 * time_graphed_ms(fn, "warm")
-            except RuntimeError as exc:  # e.g. a kernel that cannot be graph-captured
-                log.info("%s copy of %s not timed: %s", choice.value, key[:3], str(exc).splitlines()[0])
-        best = min(timed, key=timed.get)
-        exact = {c: t for c, t in timed.items() if c not in FP8_CHOICES}
-        if best not in exact and exact and timed[best] * FP8_MIN_SPEEDUP > min(exact.values()):
-            best = min(exact, key=exact.get)
-        self.plan.timings[key], self.plan.errors[key], self.plan.choice[key] = timed, errors, best
-        if best in kept:
-            self._copies[(id(unit.mods[0]), best)] = kept[best]
-        log.info("linear %s at %d rows: %s -> %s", key[:3], rows,
-                 ", ".join(f"{c.value} {t:.1f} us" for c, t in timed.items()), best.value)
-
-    def _forced_choice(self, unit: _Unit) -> LinearChoice:
-        choice = self.forced
-        if not unit.sparse and choice is LinearChoice.SPARSE_FP8:
-            return LinearChoice.FP8  # a dense-pattern layer has no 2:4 form
-        if not unit.sparse and choice is LinearChoice.SPARSE:
-            return LinearChoice.DENSE
-        return choice
-
-    def _plan_linears(self, rows: int) -> None:
-        """For every compressed unit, time its candidate formats at ``rows`` rows (graph-replayed) once per
-        unit shape and route the unit's calls accordingly for the pass that follows (a step being captured,
-        a prefill or a tree pass: eager ones plan at their row count's power-of-two bucket)."""
-        if not self._units or rows == self._routed_rows:  # the routing depends on the bucket alone
-            return
-        route: dict[int, tuple[LinearChoice, Any]] = {}
-        planned = True
-        for unit in self._units:
-            key = unit.key + (rows,)
-            if self.forced is not None:
-                choice = self._forced_choice(unit)
-            else:
-                if key not in self.plan.choice:
-                    if self.device.type != "cuda":  # nothing to time without graphs: a given plan only
-                        planned = False
-                        continue
-                    self._time_unit(unit, key, rows)
-                choice = LinearChoice(self.plan.choice[key])
-            if choice is LinearChoice.PACKED:
-                copy_ = self._packed_copy(unit)  # None: the members run their own packed weights
-            else:
-                copy_ = self._copies.get((id(unit.mods[0]), choice))
-                if copy_ is None:  # a given plan, another unit of the same shape, or a forced format
-                    copy_ = self._make_copy(unit, choice, self._unit_weight(unit))
-                    if copy_ is None:
-                        raise RuntimeError(f"the plan serves {key[:3]} at {rows} rows as a {choice.value} copy, "
-                                           "which this device cannot build")
-            if copy_ is not None:
-                self._copies[(id(unit.mods[0]), choice)] = copy_
-            route[id(unit.mods[0])] = (choice, copy_)
-        self._route = route
-        self._routed_rows = rows if planned else None
-
     # -------------------------------------------------------------- tree pass
     def tree_width(self, fed: int, steps: int = 1) -> int:
         """Tree tokens per beam a pass runs at: where passes are graph-captured (few shapes), ``fed`` rounded
@@ -1075,7 +740,7 @@ class DecodeEngine:
         if g is not None:
             g.graph.replay()
             return g.logits[:n], g.lse[:n]
-        self._plan_linears(bucket_queries(Vb * Fn))
+        self.linears.route_bucket(bucket_queries(Vb * Fn))
         body = lambda: self._tree_body(inputs["rows"], inputs["t"], inputs["tokens"], inputs["pos"], inputs["vis"])  # noqa: E731
         out = body()  # the first pass of this shape runs eagerly, then is captured for the next
         # tree graphs have their own pool: a tree pass must not overwrite the step's outputs

