@@ -574,14 +574,17 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
         from adbatch.eval.report import empty_share, prompt_copy_share, prompt_echo_share
 
         req_file = ((_read(work / "generate" / "creatives" / "manifest.json") or {}).get("config") or {}).get("requests")
-        made = [r for r in pq.read_table(outputs["creatives"], columns=["ad_id", "variant", "headline"]).to_pylist()
-                if r["variant"] == 0]
+        made = [r for r in pq.read_table(outputs["creatives"]).to_pylist() if r["variant"] == 0]
         ad_of = {}
         if req_file and Path(req_file).is_file():
             ad_of = {r["ad_id"]: r for r in pq.read_table(req_file).to_pylist()}
-        lines.append("creatives (ad -> headline; in brackets the ad's own title):")
+        lines.append("creatives (ad -> headline; in brackets the ad's own title; FLAGGED: the checks it failed):")
         lines += [f"  {(ad_of.get(r['ad_id']) or {}).get('advertiser') or r['ad_id']} -> {r['headline']!r} "
-                  f"[{titles.get(r['ad_id'], '?')}]" for r in made[:ads]]
+                  f"[{titles.get(r['ad_id'], '?')}]" + (f" FLAGGED: {', '.join(r['flags'])}" if r.get("flags") else "")
+                  for r in made[:ads]]
+        flagged = sum(bool(r.get("flags")) for r in made)
+        lines.append(f"  {flagged} of {len(made)} headlines flagged by the checks (invented entity, changed name, echo, "
+                     "copy, length, repetition; the flags column)")
         known = [r for r in made if r["ad_id"] in ad_of]
         if known:
             heads = [r["headline"] for r in known]

@@ -154,7 +154,8 @@ def test_refresh_prints_samples_and_what_the_budget_reached(tmp_path):
                              "channel": ["dense", "both", "generative", "both", "dense", "dense"]}),
                    work / "generate/targets/targets/part-0.parquet")
     pq.write_table(pa.table({"ad_id": ["a1", "a3"], "variant": [0, 0],
-                             "headline": ["Bread Worth Waking Up For", "Advertiser: Sunco"]}),
+                             "headline": ["Bread Worth Waking Up For", "Advertiser: Sunco"],
+                             "flags": [[], ["echo"]]}),
                    work / "generate/creatives/creatives/part-0.parquet")
     (work / "model" / "adbatch_training.json").write_text(json.dumps(
         {"train": {"steps": 2, "epochs_done": 0.0016, "tokens_per_s": 76.4, "stopped_early": True}}))
@@ -167,7 +168,9 @@ def test_refresh_prints_samples_and_what_the_budget_reached(tmp_path):
                          "  'fresh bread'", "    1. a1: Bread Daily [both]", "    2. a2: Shoes For Life [dense]",
                          "    3. a3: Sun Power [generative]"]
     assert "1 distinct top-1 ads over 2 queries; the most common, a1, tops 2" in text
-    assert "  Acme Bakery -> 'Bread Worth Waking Up For' [Bread Daily]" in text
+    assert "  Acme Bakery -> 'Bread Worth Waking Up For' [Bread Daily]\n" in text + "\n"
+    assert "  Sunco -> 'Advertiser: Sunco' [Sun Power] FLAGGED: echo" in text
+    assert "  1 of 2 headlines flagged by the checks" in text
     assert ("  2 headlines: 50% echo the prompt (a field label, or half of its words), 50% take half of their own "
             "words from it, 0% empty") in text
     assert lines[-1].startswith("this budget reached: 2 optimizer steps (0.16% of an epoch at 76 tokens/s, "
