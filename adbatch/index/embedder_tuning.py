@@ -97,16 +97,17 @@ def query_rows(ad_ids: Sequence[Hashable], pairs: Sequence[tuple[str, Hashable]]
     return queries, [sorted(rows[q]) for q in queries]
 
 
-def recall_at_10(query_emb: np.ndarray, ad_emb: np.ndarray, rows: Sequence[Sequence[int]]) -> float:
+def recall_at_10(query_emb: Any, ad_emb: Any, rows: Sequence[Sequence[int]]) -> float:
     """Mean recall@10 of exact inner-product search: ``query_emb`` ``[Q, D]`` and ``ad_emb`` ``[N, D]`` (both
-    unit rows), ``rows``: each query's relevant ad rows."""
+    unit rows; numpy arrays or torch tensors, on one device), ``rows``: each query's relevant ad rows."""
     import torch
 
     from adbatch.eval.metrics import recall_at_k
 
     if not len(rows):
         return float("nan")
-    top = (torch.from_numpy(query_emb) @ torch.from_numpy(ad_emb).T).topk(min(10, ad_emb.shape[0]), dim=1)
+    q, a = torch.as_tensor(query_emb), torch.as_tensor(ad_emb)
+    top = (q @ a.T).topk(min(10, a.shape[0]), dim=1)
     return float(np.mean([recall_at_k(t, set(r), 10) for t, r in zip(top.indices.tolist(), rows)]))
 
 
@@ -138,8 +139,10 @@ def tune_embedder(texts: Sequence[str], ad_ids: Sequence[Hashable], labelled: Se
                      len(queries), config.min_queries)
         return TunedEmbedding(embed(base_folder), None, None)
     t0 = time.perf_counter()
-    base_emb = embed(base_folder)
     v_queries, v_rows = query_rows(ad_ids, valid)
+    # the base's vectors only matter to the gate (and as its fallback): without validation queries the tuned
+    # encoder is kept, and a catalogue-wide embedding pass would be wasted
+    base_emb = embed(base_folder) if v_queries else None
     model = open_sentence_encoder(base_folder, device)
     model.max_seq_length = max_seq_length  # as the index embeds the ads (EmbeddingConfig.max_seq_length)
     base_valid = recall_at_10(_encode(model, v_queries), base_emb, v_rows) if v_queries else float("nan")
@@ -174,6 +177,48 @@ def _encode(model: Any, texts: list[str]) -> np.ndarray:
     return np.ascontiguousarray(v, dtype=np.float32)
 
 
+def tune_steps(model: Any, n: int, *, epochs: float, batch_size: int, lr: float, seed: int,
+               batch_loss: Callable[[list[int], random.Random], Any], desc: str,
+               progress: bool = False) -> tuple[list[float], int]:
+    """The training loop the encoder tunings share (this module's and :mod:`adbatch.training.query_tuning`'s):
+    ``ceil(epochs * ceil(n / batch_size))`` AdamW steps at ``lr`` (10 % linear warm-up, then linear decay); each
+    epoch shuffles ``range(n)`` (a ``random.Random(seed)``) and cuts it into batches; ``batch_loss(batch, rng)``
+    returns the batch's scalar loss (``rng`` is the loop's, for any sampling the loss does). Trains ``model`` in
+    place and leaves it in eval mode; returns (a ~20-point loss curve, steps)."""
+    import torch
+
+    rng = random.Random(seed)
+    total = max(1, math.ceil(epochs * math.ceil(n / batch_size)))
+    warm = max(1, total // 10)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * max(0.0, 1 - s / total))
+    order = list(range(n))
+    losses: list[Any] = []
+    model.train()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="step")
+    while len(losses) < total:
+        rng.shuffle(order)
+        for start in range(0, n, batch_size):
+            if len(losses) >= total:
+                break
+            loss = batch_loss(order[start:start + batch_size], rng)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.detach())
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    model.eval()
+    return [round(float(x), 4) for x in torch.stack(losses).cpu()[:: max(1, len(losses) // 20)]], total
+
+
 def _train(model: Any, texts: list[str], queries: list[str], rows: list[list[int]], config: EmbedderTuneConfig,
            progress: bool) -> tuple[list[float], int]:
     """In-batch-negative training of ``model`` in place; returns (a 20-point loss curve, steps)."""
@@ -182,51 +227,22 @@ def _train(model: Any, texts: list[str], queries: list[str], rows: list[list[int
     from sentence_transformers.util import batch_to_device
 
     device = model.device
-    rng = random.Random(config.seed)
-    steps_per_epoch = math.ceil(len(queries) / config.batch_size)
-    total = max(1, math.ceil(config.epochs * steps_per_epoch))
-    warm = max(1, total // 10)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * max(0.0, 1 - s / total))
     preprocess = getattr(model, "preprocess", None) or model.tokenize
-    order = list(range(len(queries)))
-    losses: list[Any] = []
-    model.train()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc="tune index encoder", unit="step")
-    step = 0
-    while step < total:
-        rng.shuffle(order)
-        for start in range(0, len(order), config.batch_size):
-            if step >= total:
-                break
-            batch = order[start:start + config.batch_size]
-            # one sampled positive per query feeds the ad side; every relevant ad that lands in the batch is a
-            # target (not a negative) of its query
-            ads = list(dict.fromkeys(rng.choice(rows[i]) for i in batch))                  # U distinct rows
-            col = {r: j for j, r in enumerate(ads)}
-            q = F.normalize(model(batch_to_device(preprocess([queries[i] for i in batch]), device))
-                            ["sentence_embedding"].float(), dim=-1)                        # [B, D]
-            a = F.normalize(model(batch_to_device(preprocess([texts[r] for r in ads]), device))
-                            ["sentence_embedding"].float(), dim=-1)                        # [U, D]
-            target = torch.zeros(len(batch), len(ads), device=device)                      # [B, U]
-            for b, i in enumerate(batch):
-                hits = [col[r] for r in rows[i] if r in col]
-                target[b, hits] = 1.0 / len(hits)
-            loss = -(target * F.log_softmax(q @ a.T / config.temperature, dim=1)).sum(1).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(loss.detach())
-            step += 1
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
-    model.eval()
-    curve = [round(float(x), 4) for x in torch.stack(losses).cpu()[:: max(1, len(losses) // 20)]]
-    return curve, total
+    def batch_loss(batch: list[int], rng: random.Random) -> Any:
+        # one sampled positive per query feeds the ad side; every relevant ad that lands in the batch is a
+        # target (not a negative) of its query
+        ads = list(dict.fromkeys(rng.choice(rows[i]) for i in batch))                      # U distinct rows
+        col = {r: j for j, r in enumerate(ads)}
+        q = F.normalize(model(batch_to_device(preprocess([queries[i] for i in batch]), device))
+                        ["sentence_embedding"].float(), dim=-1)                            # [B, D]
+        a = F.normalize(model(batch_to_device(preprocess([texts[r] for r in ads]), device))
+                        ["sentence_embedding"].float(), dim=-1)                            # [U, D]
+        target = torch.zeros(len(batch), len(ads), device=device)                          # [B, U]
+        for b, i in enumerate(batch):
+            hits = [col[r] for r in rows[i] if r in col]
+            target[b, hits] = 1.0 / len(hits)
+        return -(target * F.log_softmax(q @ a.T / config.temperature, dim=1)).sum(1).mean()
+
+    return tune_steps(model, len(queries), epochs=config.epochs, batch_size=config.batch_size, lr=config.lr,
+                      seed=config.seed, batch_loss=batch_loss, desc="tune index encoder", progress=progress)

@@ -632,11 +632,11 @@ def generator_fingerprint(task: GenerateTask, decoding: Any, config: GenerateCon
     prompt's rendering version included: a resumed run must not keep answers to another prompt."""
     from adbatch.serving.prompts import CREATIVE_PROMPT_VERSION, TARGETING_PROMPT_VERSION, TUNED_CREATIVE_PROMPT_VERSION
 
-    # creatives: both renderings' versions (the model decides which one it reads; its hash is in the key too)
     from adbatch.serving.checks import CHECKS_VERSION
     from adbatch.serving.delex import DELEX_VERSION
 
-    # creatives: the checks' and the masking's rule versions too (they decide which headline is written)
+    # creatives: both renderings' versions (the model decides which one it reads; its hash is in the key too), and
+    # the checks' and the masking's rule versions (they decide which headline is written)
     prompt = (TARGETING_PROMPT_VERSION if task is GenerateTask.TARGETS
               else f"{CREATIVE_PROMPT_VERSION}/tuned{TUNED_CREATIVE_PROMPT_VERSION}/checks{CHECKS_VERSION}/delex{DELEX_VERSION}")
     return sha256_json({"task": task.value, "decoding": decoding.to_dict(),

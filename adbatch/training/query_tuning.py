@@ -29,14 +29,15 @@ base embedder's identity (the tuned one only fits the space of the ad vectors it
 from __future__ import annotations
 
 import logging
-import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Hashable, Sequence
 
 from adbatch.config import ConfigBase, ConfigError
+# the index stage's encoder tuning shares these: the queries' ad rows, recall@10, the training loop
+from adbatch.index.embedder_tuning import query_rows as query_targets
+from adbatch.index.embedder_tuning import recall_at_10, tune_steps
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +82,6 @@ class QueryTuneConfig(ConfigBase):
                               "max_seq_length >= 4")
 
 
-def query_targets(index_ad_ids: Sequence[Hashable], labelled: Sequence[tuple[str, Hashable]]
-                  ) -> tuple[list[str], list[list[int]]]:
-    """Distinct queries of ``labelled`` (query, ad_id) pairs, sorted, with the index rows of their ads
-    (pairs naming an ad the index does not hold are dropped)."""
-    row_of = {a: r for r, a in enumerate(index_ad_ids)}
-    rows: dict[str, set[int]] = {}
-    for q, a in labelled:
-        r = row_of.get(a)
-        if r is not None:
-            rows.setdefault(q, set()).add(r)
-    queries = sorted(rows)
-    return queries, [sorted(rows[q]) for q in queries]
-
-
 def span_pairs(index_ad_ids: Sequence[Hashable], texts: Sequence[str], per_ad: int, seed: int,
                max_ads: int | None = None) -> list[tuple[str, Hashable]]:
     """(span pseudo-query, ad_id) pairs: ``per_ad`` word spans of each ad's text (``texts`` in index row order;
@@ -124,17 +111,15 @@ def tuning_pairs(index_ad_ids: Sequence[Hashable], texts: Sequence[str], labelle
 
 
 def _recall_at_10(embedder: Any, queries: list[str], rows: list[list[int]], ads: Any, batch_size: int) -> float:
+    """recall@10 of ``embedder``'s vectors of ``queries`` against ``ads`` (``[N, D]`` unit rows, on their device)."""
     import torch
-
-    from adbatch.eval.metrics import recall_at_k
 
     if not queries:
         return float("nan")
     with torch.inference_mode():
         q = embedder.encode(queries, batch_size=batch_size, convert_to_tensor=True, normalize_embeddings=True,
                             show_progress_bar=False).to(ads.device, ads.dtype)
-        top = (q @ ads.T).topk(min(10, ads.shape[0]), dim=1).indices.tolist()
-    return sum(recall_at_k(t, set(r), 10) for t, r in zip(top, rows)) / len(queries)
+    return recall_at_10(q, ads, rows)
 
 
 def tune_query_embedder(dense: Any, labelled: Sequence[tuple[str, Hashable]], config: QueryTuneConfig, out_dir: Path,
@@ -175,61 +160,34 @@ def _tune(model: Any, queries: list[str], rows: list[list[int]], v_queries: list
     ads = dense.matrix.float()                                                # [N, D] fp32, unit rows
     base_valid = _recall_at_10(model, v_queries, v_rows, ads, config.batch_size)
     gen = torch.Generator().manual_seed(config.seed)
-    rng = random.Random(config.seed)
-    steps_per_epoch = math.ceil(len(queries) / config.batch_size)
-    total = max(1, math.ceil(config.epochs * steps_per_epoch))
-    warm = max(1, total // 10)
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * max(0.0, 1 - s / total))
     preprocess = getattr(model, "preprocess", None) or model.tokenize
     n_ads = ads.shape[0]
     sampled = n_ads > config.max_softmax_ads
-    order = list(range(len(queries)))
-    losses = []
-    model.train()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc="tune query embedder", unit="step")
-    step = 0
-    while step < total:
-        rng.shuffle(order)
-        for start in range(0, len(order), config.batch_size):
-            if step >= total:
-                break
-            batch = order[start:start + config.batch_size]
-            feats = batch_to_device(preprocess([queries[i] for i in batch]), device)
-            q = F.normalize(model(feats)["sentence_embedding"].float(), dim=-1)            # [B, D]
-            pos_rows = [rows[i] for i in batch]
-            if sampled:
-                neg = torch.randint(n_ads, (config.max_softmax_ads,), generator=gen)
-                pos = torch.tensor(sorted({r for rs in pos_rows for r in rs}))
-                cand = torch.cat([pos, neg[~torch.isin(neg, pos)]]).to(device)         # [C]
-                col = {int(r): j for j, r in enumerate(pos.tolist())}
-                logits = q @ ads[cand].T / config.temperature                            # [B, C]
-                pos_rows = [[col[r] for r in rs] for rs in pos_rows]
-            else:
-                logits = q @ ads.T / config.temperature                                  # [B, N]
-            target = torch.zeros_like(logits)
-            b_idx = torch.tensor([b for b, rs in enumerate(pos_rows) for _ in rs], device=device)
-            r_idx = torch.tensor([r for rs in pos_rows for r in rs], device=device)
-            w = torch.tensor([1.0 / len(rs) for rs in pos_rows for _ in rs], device=device)
-            target[b_idx, r_idx] = w
-            loss = -(target * F.log_softmax(logits, dim=1)).sum(1).mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(loss.detach())
-            step += 1
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
-    model.eval()
+    def batch_loss(batch: list[int], _rng: Any) -> Any:
+        feats = batch_to_device(preprocess([queries[i] for i in batch]), device)
+        q = F.normalize(model(feats)["sentence_embedding"].float(), dim=-1)                # [B, D]
+        pos_rows = [rows[i] for i in batch]
+        if sampled:
+            neg = torch.randint(n_ads, (config.max_softmax_ads,), generator=gen)
+            pos = torch.tensor(sorted({r for rs in pos_rows for r in rs}))
+            cand = torch.cat([pos, neg[~torch.isin(neg, pos)]]).to(device)             # [C]
+            col = {int(r): j for j, r in enumerate(pos.tolist())}
+            logits = q @ ads[cand].T / config.temperature                                # [B, C]
+            pos_rows = [[col[r] for r in rs] for rs in pos_rows]
+        else:
+            logits = q @ ads.T / config.temperature                                      # [B, N]
+        target = torch.zeros_like(logits)
+        b_idx = torch.tensor([b for b, rs in enumerate(pos_rows) for _ in rs], device=device)
+        r_idx = torch.tensor([r for rs in pos_rows for r in rs], device=device)
+        w = torch.tensor([1.0 / len(rs) for rs in pos_rows for _ in rs], device=device)
+        target[b_idx, r_idx] = w
+        return -(target * F.log_softmax(logits, dim=1)).sum(1).mean()
+
+    loss_curve, total = tune_steps(model, len(queries), epochs=config.epochs, batch_size=config.batch_size,
+                                   lr=config.lr, seed=config.seed, batch_loss=batch_loss,
+                                   desc="tune query embedder", progress=progress)
     tuned_valid = _recall_at_10(model, v_queries, v_rows, ads, config.batch_size)
-    loss_curve = [round(float(x), 4) for x in torch.stack(losses).cpu()[:: max(1, len(losses) // 20)]]
     record = {"dir": QUERY_EMBEDDER_DIR, "base": dict(dense.identity), "queries": len(queries),
               "valid_queries": len(v_queries), "steps": total, "config": config.to_dict(),
               "valid_recall@10": {"base": round(base_valid, 4), "tuned": round(tuned_valid, 4)},
