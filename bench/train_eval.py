@@ -379,12 +379,13 @@ def _channels_setup(args: argparse.Namespace) -> tuple:
 
 
 #: the arms of ``channels --ablation`` (issue 41 item 4): TrainConfig overrides merged over the run's config;
-#: ``rank`` / ``rank_gen`` also take ``--rank-json``. The device has no MiniLM and the bundle holds vectors of the
-#: validation / test queries only, so the teacher places a training query at its source ad's vector
-#: (``teacher_query = source_ad``) unless ``--rank-json`` says otherwise
+#: ``rank`` / ``rank_gen`` also take ``--rank-json``. The device has no query encoder: ``tune-queries`` stored the
+#: tuned embedder's vectors of the labelled and span training queries, so ``rank`` ranks against the real teacher
+#: (``teacher_query = embed``, the product's default); the generated queries have no stored vector, so ``rank_gen``
+#: places a query at its source ad's vector (``source_ad``) unless ``--rank-json`` says otherwise
 ABLATION_ARMS = {
     "ce": {"rank": {"enabled": False}},
-    "rank": {"rank": {"enabled": True, "teacher_query": "source_ad", "sources": ["labelled", "spans"]}},
+    "rank": {"rank": {"enabled": True, "sources": ["labelled", "spans"]}},
     # the teacher-labelled generated queries: the generator's queries join training (mix: spans + generated)
     # and rank against the teacher's top-k
     "rank_gen": {"pseudo_queries": {"source": "mix"},
@@ -575,6 +576,10 @@ def smoke(out: Path) -> None:
           "--beams-list", "10", "--skip-compress", "--train-json", '{"fusion_queries": 4}'])
     main(["fusion-study", "--candidates", str(out / "channels" / "candidates.npz"), "--bundle", str(bundle),
           "--catalogue", "smoke", "--out", str(out / "channels" / "fusion_study.md")])
+    # the rank arm: its teacher embeds the training queries from the vectors tune-queries stored
+    main(["channels", "--ablation", "--arms", "rank", "--bundle", str(bundle), "--catalogue", "smoke",
+          "--out", str(out / "ablation"), "--work", str(out / "work"), "--smoke", "--batch", "4",
+          "--speed-batch", "0", "--train-json", '{"fusion_queries": 4}'])
 
 
 def _results_file(args: argparse.Namespace) -> tuple[Path, str, dict[str, Any], Any]:
@@ -715,8 +720,15 @@ def tune_queries(args: argparse.Namespace) -> None:
     summary = {"record": record, "source": source, "wall_s": wall,
                "test": {"base": test_metrics(base), "tuned": test_metrics(tuned)}}
     queries = sorted(set(data["qrels"]) | set(data["valid"]))
-    np.savez(bundle / f"query_tuned_{cat}{sfx}.npz", queries=np.asarray(queries),
-             emb=tuned.embed(queries).numpy().astype(np.float16))
+    # the rank phase's teacher embeds its training queries (labelled + the train stage's span pseudo-queries,
+    # rank_loss.spans_of with the defaults) with this embedder: the device has none, so their vectors travel too
+    from adbatch.training.rank_loss import spans_of
+
+    teach = sorted({q for q, _ in data["labelled"]} | {q for q, _ in spans_of(texts, TrainConfig().pseudo_queries)}
+                   - set(queries))
+    np.savez(bundle / f"query_tuned_{cat}{sfx}.npz", queries=np.asarray(queries + teach),
+             emb=tuned.embed(queries + teach).numpy().astype(np.float16))
+    summary["teacher_queries"] = len(teach)
     if sfx:  # the index's own (tuned) encoder's vectors: the device has no encoder (channels' "dense untuned")
         np.savez(bundle / f"query_emb_{cat}{sfx}.npz", queries=np.asarray(queries),
                  emb=base.embed(queries).numpy().astype(np.float16))
