@@ -96,7 +96,7 @@ def main() -> None:
         plans += plan_table({fmt: eng}, f"{fmt.value} formats: per unit shape and bucket (graph-replayed us of every "
                                          "format timed; FP8 copies' relative error vs the bf16 copy) -> choice") + [""]
         sizes: dict[str, int] = {}
-        for (_, choice), c in eng._copies.items():
+        for (_, choice), c in eng.linears.copies.items():
             sizes[choice.value] = sizes.get(choice.value, 0) + copy_bytes(c)
         kept[fmt.value] = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()) or "none"
         del eng

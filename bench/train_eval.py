@@ -720,12 +720,15 @@ def tune_queries(args: argparse.Namespace) -> None:
     summary = {"record": record, "source": source, "wall_s": wall,
                "test": {"base": test_metrics(base), "tuned": test_metrics(tuned)}}
     queries = sorted(set(data["qrels"]) | set(data["valid"]))
-    # the rank phase's teacher embeds its training queries (labelled + the train stage's span pseudo-queries,
-    # rank_loss.spans_of with the defaults) with this embedder: the device has none, so their vectors travel too
-    from adbatch.training.rank_loss import spans_of
+    # the rank phase's teacher embeds its ranking queries (the ablation's rank arm: labelled + span pseudo-queries,
+    # the train defaults' pick) with this embedder: the device has none, so their vectors travel too
+    from adbatch.training.rank_loss import RankSource, pick_rank_queries, spans_of
 
-    teach = sorted({q for q, _ in data["labelled"]} | {q for q, _ in spans_of(texts, TrainConfig().pseudo_queries)}
-                   - set(queries))
+    train_cfg = TrainConfig()
+    picked = pick_rank_queries(train_cfg.rank.replace(sources=(RankSource.LABELLED, RankSource.SPANS)),
+                               {a: r for r, a in enumerate(index.ad_ids)}, labelled=data["labelled"],
+                               spans=spans_of(texts, train_cfg.pseudo_queries))
+    teach = sorted(set(picked) - set(queries))
     np.savez(bundle / f"query_tuned_{cat}{sfx}.npz", queries=np.asarray(queries + teach),
              emb=tuned.embed(queries + teach).numpy().astype(np.float16))
     summary["teacher_queries"] = len(teach)

@@ -93,7 +93,7 @@ PLANS = {
                       wheels=("gguf", "rouge-score", "nltk"), gguf=True, folders=("slogan",),
                       imports=("gguf", "rouge_score", "nltk", "sacrebleu")),
     "kernels": Plan("scripts/device_kernel_check.sh run (CUDA kernel tests + bench/kernels.py), bench/decode.py, "
-                    "bench/step_profile.py, bench/large_rows.py, bench/sparse_copy_check.py, bench/compress_8b.py",
+                    "bench/step_profile.py, bench/large_rows.py, bench/compress_8b.py",
                     folders=("pytest", "baseline_decoding"), imports=()),
 }
 #: the names scripts/prepare_device_carry.sh took before plans had names

@@ -234,11 +234,6 @@ class DecodeEngine:
         """The :attr:`plan` keys ``(N, K, pattern, rows)`` a pass at ``rows`` rows routes by."""
         return self.linears.keys(rows)
 
-    # the plan's state under the names bench scripts read (bench/sparse_copy_check.py, bench/large_rows.py)
-    _route = property(lambda self: self.linears.route)
-    _copies = property(lambda self: self.linears.copies)
-    _packed_modules = property(lambda self: self.linears.packed_modules)
-
     # -------------------------------------------------------------- buffers
     def reserve(self, queries: int, beams: int, prompt_width: int, suffix: int) -> None:
         """Make room for ``queries`` query rows of ``beams`` slots, prompts of ``prompt_width``

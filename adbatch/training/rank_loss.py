@@ -55,7 +55,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -282,22 +282,14 @@ class RankQueries:
         return len(self.prompts)
 
 
-def rank_queries(tokenizer: Any, index: Any, dense: Any, config: RankLossConfig, *,
-                 targets: Sequence[Sequence[int]], max_query_tokens: int,
-                 labelled: Iterable[tuple[str, Hashable]] = (), spans: Iterable[tuple[str, int]] = (),
-                 generated: Iterable[tuple[str, Hashable]] = ()) -> RankQueries:
-    """The ranking queries of ``config.sources`` among the run's training queries, with the teacher's top-k.
-
-    ``index``: an ``AdIndex`` (``ad_ids``, ``trie``); ``dense``: a
-    :class:`~adbatch.index.dense.DenseRetriever` over it (its ``matrix`` ``[N, D]`` and, for
-    ``teacher_query = embed``, its ``embed``); ``labelled`` / ``generated``: ``(query, ad_id)`` pairs;
-    ``spans``: ``(query, row)`` pairs; ``targets``: each row's target tokens. Queries of one text are
-    merged (their positives united); at most ``config.max_queries`` are kept, drawn in turn from each
-    source (shuffled with ``config.seed``) so a large source does not crowd out the labelled one.
-    """
-    from adbatch.serving.prompts import encode_targeting_prompts
-
-    row_of = {a: r for r, a in enumerate(index.ad_ids)}
+def pick_rank_queries(config: RankLossConfig, row_of: Mapping[Hashable, int], *,
+                      labelled: Iterable[tuple[str, Hashable]] = (), spans: Iterable[tuple[str, int]] = (),
+                      generated: Iterable[tuple[str, Hashable]] = ()) -> dict[str, tuple[RankSource, list[int]]]:
+    """Which training queries rank: ``{query: (source, positive rows)}``, in the phase's order. Queries of one
+    text are merged (their positives united); at most ``config.max_queries`` are kept, drawn in turn from each of
+    ``config.sources`` (shuffled with ``config.seed``) so a large source does not crowd out the labelled one.
+    ``row_of``: ad id -> index row; ``spans`` are ``(query, row)`` pairs already. Depends on nothing but its
+    arguments: a benchmark embeds exactly these queries where the teacher's encoder is (the device has none)."""
     chosen = set(config.sources)
     by_source: dict[RankSource, dict[str, list[int]]] = {s: {} for s in RankSource}
     feeds = [(RankSource.LABELLED, ((q, row_of.get(a)) for q, a in labelled)),
@@ -322,6 +314,25 @@ def rank_queries(tokenizer: Any, index: Any, dense: Any, config: RankLossConfig,
                 cursors[s] += 1
                 if q not in picked:  # a text in two sources keeps the first source's label
                     picked[q] = (s, by_source[s][q][:config.max_positives])
+    return picked
+
+
+def rank_queries(tokenizer: Any, index: Any, dense: Any, config: RankLossConfig, *,
+                 targets: Sequence[Sequence[int]], max_query_tokens: int,
+                 labelled: Iterable[tuple[str, Hashable]] = (), spans: Iterable[tuple[str, int]] = (),
+                 generated: Iterable[tuple[str, Hashable]] = ()) -> RankQueries:
+    """The ranking queries of ``config.sources`` among the run's training queries (:func:`pick_rank_queries`),
+    with the teacher's top-k.
+
+    ``index``: an ``AdIndex`` (``ad_ids``, ``trie``); ``dense``: a
+    :class:`~adbatch.index.dense.DenseRetriever` over it (its ``matrix`` ``[N, D]`` and, for
+    ``teacher_query = embed``, its ``embed``); ``labelled`` / ``generated``: ``(query, ad_id)`` pairs;
+    ``spans``: ``(query, row)`` pairs; ``targets``: each row's target tokens.
+    """
+    from adbatch.serving.prompts import encode_targeting_prompts
+
+    picked = pick_rank_queries(config, {a: r for r, a in enumerate(index.ad_ids)}, labelled=labelled, spans=spans,
+                               generated=generated)
     queries = list(picked)
     if not queries:
         raise ValueError(f"rank loss: no ranking queries from sources {[s.value for s in config.sources]} "
@@ -339,7 +350,7 @@ def rank_queries(tokenizer: Any, index: Any, dense: Any, config: RankLossConfig,
     teacher_rows = (q_emb @ ad_emb.T).topk(k, dim=1).indices  # [Q, k]
     prompts = encode_targeting_prompts(tokenizer, queries, max_query_tokens=max_query_tokens)
     stats = {"queries": len(queries), "teacher_query": config.teacher_query.value,
-             "by_source": {s.value: int((source == i).sum()) for i, s in enumerate(src_order) if s in chosen},
+             "by_source": {s.value: int((source == i).sum()) for i, s in enumerate(src_order) if s in config.sources},
              # how often the teacher's top-k holds a labelled / source ad (a check of the teacher's agreement)
              "teacher_hits_positive": round(sum(bool(set(p) & set(t)) for p, t in zip(positives, teacher_rows.tolist()))
                                             / len(queries), 4)}
