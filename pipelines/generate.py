@@ -44,9 +44,9 @@ from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_ma
 from adbatch.config import LOG_FORMAT, ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, FusionMode, TargetSearchConfig
 from adbatch.index.dense import DenseBackend
-from adbatch.serving.generators import (DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec,
-                                TargetGenerator, answers_to_output, check_model_index, default_batch_size,
-                                generator_fingerprint)
+from adbatch.serving.generators import (DEFAULT_ANSWER_CACHE, DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice,
+                                       GenerateConfig, ModelSpec, TargetGenerator, answers_to_output,
+                                       check_model_index, default_batch_size, generator_fingerprint)
 from adbatch.serving.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, list_request_files,
                                       output_schema, validate_requests)
 from pipelines.stage import StageContract
@@ -103,6 +103,8 @@ class GenerateJobConfig(ConfigBase):
     max_query_tokens: int = dataclasses.field(default=48, metadata={"help": "query tokens in the prompt"})
     dense_backend: DenseBackend = dataclasses.field(
         default=DenseBackend.EXACT, metadata={"help": "dense channel search: exact | faiss_flat | faiss_hnsw (GenerateConfig)"})
+    answer_cache: int = dataclasses.field(default=DEFAULT_ANSWER_CACHE, metadata={
+        "help": "targets: distinct queries each actor keeps answers of, so a repeated query is decoded once (0 = off)"})
     overwrite: bool = dataclasses.field(
         default=False, metadata={"help": "replace an --out folder that holds a different run"})
     progress: bool = dataclasses.field(default=True, metadata={"help": "show progress bars"})
@@ -144,7 +146,8 @@ class GenerateJobConfig(ConfigBase):
 
     def generate_config(self, num_threads: int = 0) -> GenerateConfig:
         return GenerateConfig(batch_size=self.batch_size, device=self.device, num_threads=num_threads,
-                              max_query_tokens=self.max_query_tokens, dense_backend=self.dense_backend)
+                              max_query_tokens=self.max_query_tokens, dense_backend=self.dense_backend,
+                              answer_cache=self.answer_cache)
 
 
 def build_generator(task: GenerateTask, spec: ModelSpec, index: str | None,

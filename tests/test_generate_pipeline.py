@@ -184,7 +184,7 @@ def test_oom_halves_batch_size_and_answers_everything(assets, tmp_path, monkeypa
         return real(model, prompts, trie, config, cost_model=cost_model)
 
     monkeypatch.setattr(dec, "search_targets", fake_oom)
-    batch = pa.table({"request_id": [f"r{i}" for i in range(8)], "query": ["lamp bulb"] * 8})
+    batch = pa.table({"request_id": [f"r{i}" for i in range(8)], "query": [f"lamp bulb {i}" for i in range(8)]})
     with caplog.at_level(logging.WARNING, logger="adbatch.serving.generators"):
         answers = gen(batch)
     assert sizes == [8, 4, 2, 2, 2, 2]  # 8 fails, 4 fails, then batches of 2 succeed
@@ -194,6 +194,42 @@ def test_oom_halves_batch_size_and_answers_everything(assets, tmp_path, monkeypa
     assert all(len(a) == 2 for a in answers.column("ad_ids").to_pylist())
     assert "halving to 4" in caplog.text and "halving to 2" in caplog.text
     assert gen.stats()["oom_events"] == 2
+
+
+def test_repeated_queries_are_decoded_once(assets, monkeypatch):
+    """A query stream's head repeats: each distinct query is decoded once (in this batch or from the answers an
+    earlier batch left), every request still gets its own row, and the answers are the ones decoding each gives."""
+    search = TargetSearchConfig(num_beams=2, top_k=2, verify="off", fusion="generative")
+    gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"], search,
+                          GenerateConfig(batch_size=8, device="cpu", answer_cache=2))
+    import adbatch.decoding as dec
+
+    real = dec.search_targets
+    sizes = []
+
+    def counting(model, prompts, trie, config, cost_model=None):
+        sizes.append(len(prompts))
+        return real(model, prompts, trie, config, cost_model=cost_model)
+
+    monkeypatch.setattr(dec, "search_targets", counting)
+    queries = ["lamp", "bulb", "lamp", "lamp", "drill", "bulb"]
+    first = gen(pa.table({"request_id": [f"a{i}" for i in range(6)], "query": queries}))
+    assert sizes == [3]  # lamp, bulb, drill
+    assert first.column("request_id").to_pylist() == [f"a{i}" for i in range(6)]
+    ids = first.column("ad_ids").to_pylist()
+    assert ids[0] == ids[2] == ids[3] and ids[1] == ids[5] and all(len(a) == 2 for a in ids)
+    # the cache keeps the 2 most recent (bulb, drill: lamp is evicted); a later batch decodes lamp and saw only
+    second = gen(pa.table({"request_id": ["b0", "b1", "b2"], "query": ["drill", "lamp", "saw"]}))
+    assert sizes == [3, 2]
+    assert second.column("ad_ids").to_pylist()[:2] == [ids[4], ids[0]]
+    assert gen.stats()["decoded"] == 5 and gen.stats()["requests"] == 9
+    # the same answers as decoding every request (cache off)
+    plain = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"], search,
+                            GenerateConfig(batch_size=8, device="cpu", answer_cache=0))
+    again = plain(pa.table({"request_id": [f"a{i}" for i in range(6)], "query": queries}))
+    assert sizes[-1] == 6 and again.column("ad_ids").to_pylist() == ids
+    for a, b in zip(again.column("scores").to_pylist(), first.column("scores").to_pylist()):
+        assert a == pytest.approx(b, rel=1e-4)
 
 
 def test_batch_size_defaults_by_device(assets):

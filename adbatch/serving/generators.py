@@ -16,6 +16,7 @@ logs it, and retries the same requests; a request that fails even alone becomes 
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import enum
 import json
@@ -56,6 +57,11 @@ def default_batch_size(device: Any) -> int:
     return DEFAULT_BATCH_SIZE["cuda" if str(getattr(device, "type", device)).startswith("cuda") else "cpu"]
 
 
+#: answers a target generator keeps by query text: a query stream's head repeats (the same query thousands of
+#: times in one night's requests); ~1 KB of Python objects an answer, so ~64 MB an actor at this size
+DEFAULT_ANSWER_CACHE = 65_536
+
+
 @dataclasses.dataclass
 class GenerateConfig(ConfigBase):
     """Runtime knobs of one generator (not the decoding algorithm: that is the decoding config)."""
@@ -72,6 +78,10 @@ class GenerateConfig(ConfigBase):
     dense_backend: DenseBackend = dataclasses.field(
         default=DenseBackend.EXACT, metadata={"help": "dense channel search: exact (matmul + top-k on the device) | faiss_flat | "
                                            "faiss_hnsw (approximate, CPU; catalogues in the millions)"})
+    answer_cache: int = dataclasses.field(
+        default=DEFAULT_ANSWER_CACHE, metadata={
+            "help": "targets: distinct queries whose answers one generator keeps (least recently used out), so a "
+                    "query repeated in the requests is decoded once; 0 = decode every request"})
 
     def validate(self) -> None:
         if self.batch_size is not None and self.batch_size < 1:
@@ -80,6 +90,8 @@ class GenerateConfig(ConfigBase):
             raise ConfigError(f"GenerateConfig.num_threads must be >= 0, got {self.num_threads}")
         if self.max_query_tokens < 1:
             raise ConfigError(f"GenerateConfig.max_query_tokens must be >= 1, got {self.max_query_tokens}")
+        if self.answer_cache < 0:
+            raise ConfigError(f"GenerateConfig.answer_cache must be >= 0, got {self.answer_cache}")
 
 
 class ModelKind(str, enum.Enum):
@@ -391,13 +403,16 @@ class _GeneratorBase(abc.ABC):
                                         on_oom=_empty_cuda_cache)
         self.requests_done = 0
         self.busy_seconds = 0.0
+        # answers by _answer_key, least recently used first (targets only; see GenerateConfig.answer_cache)
+        self.answers: collections.OrderedDict[Any, dict[str, Any]] = collections.OrderedDict()
+        self.decoded = 0  # requests the model answered (the rest: repeats answered from self.answers)
 
     @property
     def batch_size(self) -> int:
         return self.batcher.batch_size
 
     def stats(self) -> dict[str, Any]:
-        return {"requests": self.requests_done, "busy_s": round(self.busy_seconds, 4),
+        return {"requests": self.requests_done, "decoded": self.decoded, "busy_s": round(self.busy_seconds, 4),
                 "load_s": round(self.load_seconds, 4), "batch_size": self.batch_size,
                 "oom_events": self.batcher.oom_events, "device": self.device}
 
@@ -405,7 +420,7 @@ class _GeneratorBase(abc.ABC):
         """Answers for one batch of validated requests (extra ``partition`` column passed through)."""
         t0 = time.perf_counter()
         rows = batch.to_pylist()
-        answers = self.batcher.run(rows, self._generate, self._failed)
+        answers = self._answer(rows)
         table = pa.Table.from_pylist(answers, schema=answer_schema(self.task))
         if "partition" in batch.column_names:
             table = table.append_column("partition", batch.column("partition"))
@@ -415,6 +430,41 @@ class _GeneratorBase(abc.ABC):
         self.busy_seconds += seconds
         self.requests_done += len(rows)
         return table
+
+    def _answer_key(self, row: dict[str, Any]) -> Any:
+        """What decides a request's answer besides the generator's fixed model and config (requests with equal
+        keys get equal answers, decoded once); None: every request is decoded (the default)."""
+        return None
+
+    def _answer(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One answer per row, in order. Rows whose key was answered before (in this batch or, while the cache
+        holds it, an earlier one) are not decoded again: the model sees each distinct key once, in full batches."""
+        keys = [self._answer_key(r) for r in rows] if self.config.answer_cache else [None] * len(rows)
+        known: dict[Any, dict[str, Any]] = {}  # key -> its answer: cached, or decoded in this batch
+        todo: dict[Any, int] = {}  # key -> the row decoded for it
+        run = []  # rows the model answers: those without a key, and the first row of each new key
+        for i, k in enumerate(keys):
+            if k is None:
+                run.append(i)
+            elif k in self.answers:
+                self.answers.move_to_end(k)
+                known[k] = self.answers[k]
+            elif k not in todo:
+                todo[k] = i
+                run.append(i)
+        decoded = dict(zip(run, self.batcher.run([rows[i] for i in run], self._generate, self._failed)))
+        self.decoded += len(run)
+        for k, i in todo.items():
+            known[k] = decoded[i]
+            if decoded[i]["error"] is None:  # an error (out of memory alone) is not kept: a later batch retries
+                self.answers[k] = decoded[i]
+        while len(self.answers) > self.config.answer_cache:
+            self.answers.popitem(last=False)
+        out = []
+        for i, (row, k) in enumerate(zip(rows, keys)):
+            a = decoded[i] if k is None else known[k]
+            out.append(a if a["request_id"] == row["request_id"] else {**a, "request_id": row["request_id"]})
+        return out
 
     @abc.abstractmethod
     def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -469,6 +519,9 @@ class TargetGenerator(_GeneratorBase):
         self.fusion = fusion_of_record(self.training_record)
         self.ranker = HybridRanker(self.model, self.tokenizer, self.index, search, dense=dense, fusion=self.fusion,
                                    max_query_tokens=self.config.max_query_tokens, cost_model=self.cost_model)
+
+    def _answer_key(self, row: dict[str, Any]) -> Any:
+        return row["query"]  # the ranking reads the query alone (each query's beams are its own)
 
     def _generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         import math
