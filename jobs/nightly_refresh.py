@@ -333,11 +333,25 @@ def _eval_paths_absolute(job: EvalJobConfig) -> EvalJobConfig:
         creatives=c.replace(csv=_abs(c.csv), compressed=_abs(c.compressed)))
 
 
+def _compress_job(config: RefreshConfig, model_dir: str | None) -> CompressJobConfig:
+    """The compress stage's job for the model at ``model_dir``. Without a calibration file it calibrates on what the
+    served model reads -- this refresh's ads (the texts its index was built from) and its labelled queries (else
+    span pseudo-queries) rendered as the targeting prompt + the ad's target."""
+    work = Path(config.work)
+    calib = _abs(config.compress.config.calib)
+    served = calib is None
+    return config.compress.config.replace(
+        model=model_dir, calib=calib, out=work / "compressed", index=work / "index" if served else None,
+        ads=_abs(config.index.config.ads) if served else None,
+        queries=_abs(config.train.config.queries) if served else None, num_cpus=config.num_cpus)
+
+
 def _check_inputs(config: RefreshConfig) -> dict[GenerateTask, list[Path]]:
     """Every input from outside the refresh, checked before Ray starts and before the first stage runs (a
     bad one found by the last stage wasted the hours of the first ones): the corpus's content, the request
-    files' schema and data pages, the base model folder, the labelled queries and the calibration file.
-    Inputs one stage makes for the next are checked by that stage. Returns the request files by task."""
+    files' schema and data pages, the base model folder, the labelled queries, and the pre-flights of the
+    index, compress and eval stages on the jobs the night will run. Inputs one stage makes for the next are
+    checked by that stage (its pre-flight runs again when it starts). Returns the request files by task."""
     from adbatch.models import check_model_folder, resolve_model
     from adbatch.serving.requests import check_request_data
 
@@ -361,9 +375,13 @@ def _check_inputs(config: RefreshConfig) -> dict[GenerateTask, list[Path]]:
             train_stage.read_labelled_queries(_abs(tjob.queries))
         if tjob.valid_queries is not None:
             train_stage.read_validation_qrels(_abs(tjob.valid_queries))
-    calib = _abs(config.compress.config.calib)
-    if config.compress.enabled and calib is not None and not calib.is_file():
-        raise FileNotFoundError(f"RefreshConfig.compress.config.calib: {config.compress.config.calib} not found")
+    if config.compress.enabled:
+        # the index (and a model trained tonight) are written by earlier stages of this night: checked when it runs
+        trained = config.train.enabled
+        compress_stage.preflight(_compress_job(config, str(Path(config.work) / "model") if trained else config.model),
+                                 upstream=("index", "model") if trained else ("index",))
+    if config.eval.enabled:  # reads nothing an earlier stage writes: the models are not checked (its rows say why)
+        eval_stage.preflight(_eval_paths_absolute(config.eval.config).replace(out=Path(config.work) / "eval"))
     return req_files
 
 
@@ -442,16 +460,8 @@ def _refresh_into(config: RefreshConfig, req_files: dict[GenerateTask, list[Path
     compressed_dir: Path | None = None
     creative_compressed: Path | None = None
     if config.compress.enabled:
-        compressed_dir = work / "compressed"
-        calib = _abs(config.compress.config.calib)
-        # without a calibration file: calibrate on what the served model reads -- this refresh's ads (the
-        # texts its index was built from) and its labelled queries (else span pseudo-queries) rendered as
-        # the targeting prompt + the ad's target
-        served = calib is None
-        comp_job = config.compress.config.replace(
-            model=model_dir, calib=calib, out=compressed_dir, index=index_dir if served else None,
-            ads=ads if served else None, queries=_abs(config.train.config.queries) if served else None,
-            num_cpus=config.num_cpus)
+        comp_job = _compress_job(config, model_dir)
+        compressed_dir = Path(comp_job.out)
         runner.run(Stage.COMPRESS, compress_stage.STAGE, comp_job)
         # the separate creative model, compressed with the same settings (a QAT-trained model is quantized on
         # the grid its record names); calibration on the compress stage's default texts

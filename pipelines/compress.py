@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from adbatch.artifacts import ArtifactKind
 from adbatch.config import ConfigBase, ConfigError
@@ -26,7 +26,8 @@ from pipelines.stage import StageContract
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompressJobConfig", "RayLayerExecutor", "run_compress", "compress_inputs", "STAGE"]
+__all__ = ["CompressJobConfig", "CompressPreflight", "preflight", "RayLayerExecutor", "run_compress", "compress_inputs",
+           "STAGE"]
 
 
 @dataclasses.dataclass
@@ -105,52 +106,110 @@ class RayLayerExecutor:
         return ray.get(refs)
 
 
+@dataclasses.dataclass
+class CompressPreflight:
+    """What :func:`preflight` read and checked: the calibration config of the run (``calib`` folded into its
+    ``path``), the model's local folder and training record (None: none, or the model is ``upstream``), the
+    calibration texts when they do not need the model's tokenizer (a file or the bundled example; None with
+    ``index``: rendered after the model is loaded) and the labelled queries (with ``index``)."""
+
+    calibration: CalibrationConfig
+    model_dir: Path | None = None
+    record: dict[str, Any] | None = None
+    texts: list[str] | None = None
+    queries: list = dataclasses.field(default_factory=list)
+
+
+#: the fields :func:`preflight` can be told an earlier stage of the same run writes (``upstream``)
+UPSTREAM_FIELDS = ("model", "index")
+
+
+def preflight(config: CompressJobConfig, upstream: Collection[str] = ()) -> CompressPreflight:
+    """Every outside input of a compress run, checked in the driver before its ``--out`` is claimed and before Ray
+    starts, each failing with its own line (a user error, exit status 2):
+
+    1. the job config validates (:meth:`CompressJobConfig.validate`); 2. ``out`` is not another stage's folder
+    (:func:`adbatch.artifacts.check_output_owner`; claimed again under its lock when the run starts); 3. the model:
+    a HF folder with ``config.json``, a GGUF file or the default (:func:`adbatch.models.classify_model_arg`), its
+    folder loadable without pickle or custom code (:func:`adbatch.models.check_model_folder`) and its training
+    record, when it has one, a JSON object; without ``index``: 4. the calibration texts, ``calib`` or the bundled
+    example (:func:`adbatch.compress.calibration.load_calibration_texts`: the file is there, ``.txt``/``.md`` or a
+    Parquet with ``text`` or ``title`` + ``description``, not empty); with ``index``: 5. the index folder is there,
+    is an index, and its files match its manifest; 6. the ad corpus its texts are read from (``ads``, else the
+    files its manifest lists) is there, with the index's columns; 7. the labelled queries (``query``, ``ad_id``, no
+    empty row); always: 8. the bundled example holds ``calibration.num_texts`` + ``eval_texts`` ads (the held-out
+    perplexity texts come from it).
+
+    ``upstream``: the fields (of :data:`UPSTREAM_FIELDS`) whose folders an earlier stage of the same run writes
+    (the refresh's train and index stages): not there yet, so their checks -- ``model``: 3; ``index``: 5 and 6,
+    whose corpus the index stage's own pre-flight reads -- wait for this stage's pre-flight when it runs."""
+    from adbatch.artifacts import ArtifactKind, artifact_kind, check_output_owner
+    from adbatch.compress.calibration import check_example_split, load_calibration_texts
+
+    unknown = set(upstream) - set(UPSTREAM_FIELDS)
+    if unknown:
+        raise ValueError(f"compress preflight: upstream names {sorted(unknown)}; known: {list(UPSTREAM_FIELDS)}")
+    config.validate()
+    check_output_owner(config.out, ArtifactKind.COMPRESS)
+    calib_cfg = config.calibration if config.calib is None else config.calibration.replace(path=config.calib)
+    found = CompressPreflight(calib_cfg)
+    if "model" not in upstream:
+        from adbatch.models import check_model_folder, resolve_model
+        from adbatch.training.checkpoint import read_training_record
+
+        found.model_dir = check_model_folder(resolve_model(config.model))  # resolve_model classifies the argument
+        found.record = read_training_record(found.model_dir)
+    if config.index is None:
+        found.texts = load_calibration_texts(calib_cfg)
+    else:
+        if "index" not in upstream:
+            from adbatch.compress.calibration import served_corpus_sources
+            from adbatch.index.build import load_index
+            from adbatch.index.corpus import check_corpus_schema
+
+            if not Path(config.index).is_dir():
+                raise FileNotFoundError(f"CompressJobConfig.index: index folder not found: {config.index}")
+            if artifact_kind(config.index) != ArtifactKind.INDEX.value:
+                raise ConfigError(f"CompressJobConfig.index: {config.index} is not an index folder (adbatch index "
+                                  "writes one)")
+            index = load_index(config.index)  # every file it lists, by its manifest's sha256
+            sources, columns = served_corpus_sources(config.index, index.manifest, config.ads)
+            for src in sources:
+                check_corpus_schema(src, columns)
+        if config.queries is not None:
+            from pipelines.train import read_labelled_queries
+
+            if not Path(config.queries).is_file():
+                raise FileNotFoundError(f"CompressJobConfig.queries: {config.queries} not found")
+            found.queries = read_labelled_queries(config.queries)
+    check_example_split(calib_cfg.num_texts, config.eval_texts)
+    return found
+
+
 def run_compress(config: CompressJobConfig) -> dict[str, Any]:
-    """Load, calibrate, compress (Ray), evaluate, save; returns a summary dict (printed by the CLI)."""
+    """Load, calibrate, compress (Ray), evaluate, save; returns a summary dict (printed by the CLI).
+
+    Its inputs are checked (:func:`preflight`) and the output folder claimed before Ray starts."""
     from adbatch.artifacts import ArtifactKind, StageTimer, claim_output
-    from adbatch.compress.calibration import load_calibration_texts
-    from adbatch.models import check_model_folder, classify_model_arg, resolve_model
 
     timer = StageTimer()
     t_start = time.perf_counter()
     out = Path(config.out)
-    calib_cfg = config.calibration
-    if config.calib is not None:
-        calib_cfg = calib_cfg.replace(path=config.calib)
-    # inputs checked before Ray starts and before the folder is claimed: the model argument names a
-    # model folder that can load (safetensors, no custom code), the calibration file reads
-    classify_model_arg(config.model)
-    check_model_folder(resolve_model(config.model))
-    with timer.phase("calibrate"):
-        if config.index is None:
-            texts = load_calibration_texts(calib_cfg)
-        else:  # needs the model's tokenizer: rendered after loading it, the inputs read here
-            from adbatch.index.build import load_index
-
-            load_index(config.index)
-            texts = None
-            if config.queries is not None:
-                from pipelines.train import read_labelled_queries
-
-                read_labelled_queries(config.queries)
+    with timer.phase("calibrate"):  # the inputs, the calibration texts among them, are read here
+        found = preflight(config)
     with claim_output(out, ArtifactKind.COMPRESS):
-        return _compress_into(config, out, calib_cfg, texts, timer, t_start)
+        return _compress_into(config, out, found, timer, t_start)
 
 
-def _served_texts(config: CompressJobConfig, tok: Any, calib_cfg: CalibrationConfig) -> list[str]:
+def _served_texts(config: CompressJobConfig, tok: Any, found: CompressPreflight) -> list[str]:
     """The ``--index`` calibration texts for the model's tokenizer ``tok``."""
     from adbatch.compress.calibration import served_calibration_texts
 
-    pairs = []
-    if config.queries is not None:
-        from pipelines.train import read_labelled_queries
-
-        pairs = read_labelled_queries(config.queries)
-    return served_calibration_texts(config.index, tok, calib_cfg, queries=pairs, ads=config.ads)
+    return served_calibration_texts(config.index, tok, found.calibration, queries=found.queries, ads=config.ads)
 
 
-def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationConfig, texts: list[str] | None,
-                   timer: Any, t_start: float) -> dict[str, Any]:
+def _compress_into(config: CompressJobConfig, out: Path, found: CompressPreflight, timer: Any,
+                   t_start: float) -> dict[str, Any]:
     """The part of :func:`run_compress` that starts Ray and writes: under the folder's claim."""
     import torch
 
@@ -159,8 +218,9 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
     from adbatch.compress.checkpoint import save_compressed
     from adbatch.compress.linear import SequentialExecutor, compress_, densify_
     from adbatch.compress.report import EvalSets, evaluate, plot_layers, run_ablations, size_report, write_report
-    from adbatch.models import load_causal_lm, resolve_model
+    from adbatch.models import load_causal_lm
 
+    calib_cfg, texts, src, record = found.calibration, found.texts, found.model_dir, found.record
     if config.use_ray:
         from pipelines.ray_runtime import init_ray
 
@@ -171,11 +231,9 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
         executor = SequentialExecutor(config.layer_device)
     with timer.phase("load"):
         model, tok = load_causal_lm(config.model, dtype=torch.float32, device="cpu")
-    src = resolve_model(config.model)
     from adbatch.compress.recipe import follow_training_qat
-    from adbatch.training.checkpoint import model_binding, read_training_record
+    from adbatch.training.checkpoint import model_binding
 
-    record = read_training_record(src)
     # the one compress config of this run (calibration, ablations, the checkpoint): a model trained with QAT
     # is quantized on the grid it trained on (uniform groups of its size), unless the config asks otherwise
     # (rule: adbatch.compress.recipe.follow_training_qat)
@@ -184,7 +242,7 @@ def _compress_into(config: CompressJobConfig, out: Path, calib_cfg: CalibrationC
         log.info("%s", qat_note)
     with timer.phase("calibrate"):
         if texts is None:
-            texts = _served_texts(config, tok, calib_cfg)
+            texts = _served_texts(config, tok, found)
         stats = calibrate(model, token_blocks(tok, texts, calib_cfg.seq_len), calib_cfg, compress_cfg.skip_modules)
     # held-out ads come from the other end of the same seeded permutation: disjoint from calibration
     _, held = example_corpus_split(calib_cfg.num_texts, config.eval_texts, calib_cfg.seed)

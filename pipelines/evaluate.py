@@ -25,8 +25,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from adbatch.artifacts import (ArtifactKind, StageTimer, build_manifest, claim_output, code_version, sha256_file,
-                               write_json_atomic, write_parquet_atomic)
+from adbatch.artifacts import (ArtifactKind, StageTimer, artifact_kind, build_manifest, check_output_owner,
+                               claim_output, code_version, sha256_file, write_json_atomic, write_parquet_atomic)
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.eval.datasets import HomeDepotConfig, QuerySplit
 from adbatch.decoding import CreativeConfig, FusionMode, TargetSearchConfig, VerifyMode
@@ -263,9 +263,51 @@ def eval_creatives(cfg: CreativesEvalConfig, model: str | None, compressed: Path
             "samples": samples}
 
 
+def _check_index(index: Path, name: str) -> None:
+    """``index`` (the field ``name``) is there, is an index folder, and its files match its manifest."""
+    from adbatch.index.build import load_index
+
+    if not Path(index).is_dir():
+        raise FileNotFoundError(f"{name}: index folder not found: {index}")
+    if artifact_kind(index) != ArtifactKind.INDEX.value:
+        raise ConfigError(f"{name}: {index} is not an index folder (adbatch index writes one)")
+    load_index(index)  # every file it lists, by its manifest's sha256
+
+
+def preflight(config: EvalJobConfig) -> None:
+    """Every outside input of an eval run whose mistake would end the run, checked in the driver before its
+    ``--out`` is claimed and before a model loads, each failing with its own line (a user error, exit status 2):
+
+    1. ``out`` is not another stage's folder (:func:`adbatch.artifacts.check_output_owner`; claimed again under its
+    lock when the run starts); with targeting on: 2. the Home Depot CSV, when it is there, has the columns it is
+    read by (:data:`adbatch.eval.datasets.HOME_DEPOT_COLUMNS`); 3. ``targeting.index`` and ``targeting.extra_index``,
+    when given, are there, are index folders, and their files match their manifests; with creatives on: 4. the
+    slogan CSV, when it is there, has its columns (:data:`adbatch.eval.datasets.SLOGAN_COLUMNS`).
+
+    Not refused here, as before: an evaluation data file that is not there (its section is reported skipped)
+    and a model or checkpoint that cannot load (its rows say why: tests/test_generate_eval.py). Nothing an earlier
+    stage of the refresh writes is read here, so the refresh runs this same pre-flight before its first stage."""
+    from adbatch.eval.datasets import (HOME_DEPOT_COLUMNS, HOME_DEPOT_ENCODING, SLOGAN_COLUMNS, SLOGAN_ENCODING,
+                                       check_csv_columns)
+
+    check_output_owner(config.out, ArtifactKind.EVAL)
+    t, c = config.targeting, config.creatives
+    if t.enabled:
+        if Path(t.home_depot.csv_path).is_file():
+            check_csv_columns(t.home_depot.csv_path, HOME_DEPOT_COLUMNS, HOME_DEPOT_ENCODING)
+        for name in ("index", "extra_index"):
+            if getattr(t, name) is not None:
+                _check_index(getattr(t, name), f"TargetingEvalConfig.{name}")
+    if c.enabled and Path(c.csv).is_file():
+        check_csv_columns(c.csv, SLOGAN_COLUMNS, SLOGAN_ENCODING)
+
+
 def run_eval(config: EvalJobConfig) -> dict[str, Any]:
-    """Evaluate and write ``out/report.md``, PNGs, ``results.json`` and ``manifest.json``."""
+    """Evaluate and write ``out/report.md``, PNGs, ``results.json`` and ``manifest.json``.
+
+    Its inputs are checked (:func:`preflight`) and the output folder claimed before a model loads."""
     out = Path(config.out)
+    preflight(config)
     with claim_output(out, ArtifactKind.EVAL):
         return _eval_into(config, out)
 

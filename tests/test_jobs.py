@@ -384,8 +384,9 @@ def test_refresh_reruns_eval_when_what_it_reads_changes(tmp_path, monkeypatch):
     monkeypatch.setattr(pipelines.stage, "model_hash", lambda model: "base" if model is None else sha256_paths(
         sorted(Path(model).glob("*.safetensors"))))
     slogans, hd = tmp_path / "slogans.csv", tmp_path / "hd.csv"
-    slogans.write_text("a,b\n1,2\n")
-    hd.write_text("x\n1\n")
+    # the columns the eval stage's pre-flight checks (the refresh runs it before the night); the rows are never read
+    slogans.write_text("desc,output,company,industry,url,alias\n1,2,c,i,u,a\n")
+    hd.write_text("id,product_uid,product_title,search_term,relevance\n1,2,t,s,3\n")
     override = tmp_path / "override_model"
     override.mkdir()
     (override / "model.safetensors").write_bytes(b"weights v1")
@@ -397,7 +398,7 @@ def test_refresh_reruns_eval_when_what_it_reads_changes(tmp_path, monkeypatch):
         "generate": {"targets_requests": None, "creatives_requests": None}})
     assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "ran"
     assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "skipped"
-    slogans.write_text("a,b\n1,3\n")  # the test file changed, same path
+    slogans.write_text("desc,output,company,industry,url,alias\n1,3,c,i,u,a\n")  # the test file changed, same path
     assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "ran"
     assert nr.run_refresh(cfg)["stages"]["eval"]["status"] == "skipped"
     (override / "model.safetensors").write_bytes(b"weights v2")  # the override model re-trained in place

@@ -53,7 +53,8 @@ from adbatch.models import eval_mode
 log = logging.getLogger(__name__)
 
 __all__ = ["LayerStats", "CalibrationStats", "calibrate", "load_calibration_texts", "served_calibration_texts",
-           "example_corpus_split", "token_blocks", "compressible_linears", "decoder_blocks",
+           "served_corpus_sources", "example_corpus_split", "check_example_split", "token_blocks",
+           "compressible_linears", "decoder_blocks",
            "choose_mode", "full_path_bytes", "free_memory_bytes", "EXAMPLE_CORPUS"]
 
 EXAMPLE_CORPUS = Path(__file__).resolve().parents[2] / "examples" / "slogan_ads.parquet"
@@ -123,18 +124,28 @@ def compressible_linears(model: torch.nn.Module, skip: tuple[str, ...] = ("lm_he
     return out
 
 
+def check_example_split(num_calib: int, num_heldout: int, path: Path = EXAMPLE_CORPUS) -> int:
+    """The number of ads of the bundled corpus (its footer only), refused (:class:`ConfigError`) when it holds
+    fewer than ``num_calib`` calibration + ``num_heldout`` held-out ads (:func:`example_corpus_split`)."""
+    import pyarrow.parquet as pq
+
+    n = pq.read_metadata(path).num_rows
+    if num_calib + num_heldout > n:
+        raise ConfigError(f"{path} has {n} ads; asked for {num_calib} calibration + {num_heldout} held-out "
+                          "(calibration.num_texts + eval_texts)")
+    return n
+
+
 def example_corpus_split(num_calib: int, num_heldout: int, seed: int = 0,
                          path: Path = EXAMPLE_CORPUS) -> tuple[list[str], list[str]]:
     """Disjoint ads from the bundled corpus: calibration texts ("title. description") and held-out
     texts (descriptions of other ads, never seen in calibration)."""
     import pyarrow.parquet as pq
 
+    n = check_example_split(num_calib, num_heldout, path)
     table = pq.read_table(path, columns=["title", "description"])
     titles = table.column("title").to_pylist()
     descs = table.column("description").to_pylist()
-    n = len(titles)
-    if num_calib + num_heldout > n:
-        raise ValueError(f"{path} has {n} ads; asked for {num_calib} calibration + {num_heldout} held-out")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     calib = [f"{(titles[i] or '').strip()}. {(descs[i] or '').strip()}" for i in perm[:num_calib]]
     held = [(descs[i] or "").strip() for i in perm[n - num_heldout:]]
@@ -175,6 +186,26 @@ def load_calibration_texts(config: CalibrationConfig) -> list[str]:
     return [texts[i] for i in order]
 
 
+def served_corpus_sources(index_dir: str | Path, manifest: dict[str, Any],
+                          ads: str | Path | None = None) -> tuple[list[Path], Any]:
+    """The corpus files the ad texts of :func:`served_calibration_texts` are read from (``ads``, default the
+    ``input_files`` of the index's ``manifest``, each of which must still be there) and the
+    :class:`adbatch.index.corpus.CorpusConfig` they are read with: the index's column mapping, texts only (a
+    corpus copy without the precomputed embedding column reads too); None = the corpus defaults."""
+    from adbatch.index.corpus import CorpusConfig
+
+    columns = (manifest.get("config") or {}).get("columns")
+    col_cfg = CorpusConfig.from_dict({**columns, "embedding": None, "embedding_dim": None}) if columns else None
+    sources = [Path(ads)] if ads is not None else [Path(p) for p in manifest.get("input_files") or []]
+    if not sources:
+        raise ConfigError(f"{index_dir}: the index manifest lists no input_files; pass the ad corpus (ads=)")
+    for src in sources:
+        if ads is None and not src.exists():
+            raise FileNotFoundError(f"{index_dir}: the ad corpus {src} the index was built from is not there; "
+                                    "pass it (ads=)")
+    return sources, col_cfg
+
+
 def served_calibration_texts(index_dir: str | Path, tokenizer: Any, config: CalibrationConfig,
                              queries: Sequence[tuple[str, Any]] = (), ads: str | Path | None = None,
                              query_share: float = 0.5, max_query_tokens: int = 48) -> list[str]:
@@ -193,7 +224,7 @@ def served_calibration_texts(index_dir: str | Path, tokenizer: Any, config: Cali
     ``tokenizer``: the one of the model being compressed (a model trained on a ``codes`` index has its
     code tokens, so a rendered ``<ad_L0_3>...`` target reads back as those tokens).
     """
-    from adbatch.index.corpus import CorpusConfig, read_corpus
+    from adbatch.index.corpus import read_corpus
     from adbatch.index.build import load_index
     from adbatch.serving.prompts import encode_targeting_prompt, special_tokens_around
     from adbatch.training.pseudo_queries import PseudoQueryConfig, span_pseudo_queries
@@ -201,19 +232,10 @@ def served_calibration_texts(index_dir: str | Path, tokenizer: Any, config: Cali
     if not 0.0 <= query_share <= 1.0:
         raise ConfigError(f"served_calibration_texts: query_share must be in [0, 1], got {query_share}")
     index = load_index(index_dir)
-    manifest = index.manifest
-    columns = (manifest.get("config") or {}).get("columns")
-    # the texts only: a corpus copy without the precomputed embedding column reads too
-    col_cfg = CorpusConfig.from_dict({**columns, "embedding": None, "embedding_dim": None}) if columns else None
-    sources = [Path(ads)] if ads is not None else [Path(p) for p in manifest.get("input_files") or []]
-    if not sources:
-        raise ConfigError(f"{index_dir}: the index manifest lists no input_files; pass the ad corpus (ads=)")
+    sources, col_cfg = served_corpus_sources(index_dir, index.manifest, ads)
     text_of: dict[Any, str] = {}
     title_of: dict[Any, str] = {}
     for src in sources:
-        if ads is None and not src.exists():
-            raise FileNotFoundError(f"{index_dir}: the ad corpus {src} the index was built from is not there; "
-                                    "pass it (ads=)")
         corpus = read_corpus(src, col_cfg)
         ids = corpus.table.column("ad_id").to_pylist()
         text_of.update(zip(ids, corpus.embedding_inputs()))

@@ -52,13 +52,29 @@ from adbatch.eval.metrics import HOME_DEPOT_RELEVANT
 log = logging.getLogger(__name__)
 
 HOME_DEPOT_COLUMNS = ("id", "product_uid", "product_title", "search_term", "relevance")
+HOME_DEPOT_ENCODING = "latin-1"
 SLOGAN_COLUMNS = ("desc", "output", "company", "industry", "url", "alias")
+SLOGAN_ENCODING = "utf-8"
 
 
 class QuerySplit(str, enum.Enum):
     TRAIN = "train"
     VALID = "valid"
     TEST = "test"
+
+
+def require_columns(csv_path: str | Path, fieldnames: Any, columns: tuple[str, ...]) -> None:
+    """Refuse (:class:`ConfigError`, naming the file) a CSV header ``fieldnames`` without every one of ``columns``."""
+    missing = [c for c in columns if c not in (fieldnames or [])]
+    if missing:
+        raise ConfigError(f"{csv_path}: missing column(s) {missing}; found {list(fieldnames or [])}")
+
+
+def check_csv_columns(csv_path: str | Path, columns: tuple[str, ...], encoding: str) -> None:
+    """The header of the CSV at ``csv_path`` (read in ``encoding``), checked for ``columns`` (:func:`require_columns`)
+    without reading a row: what a driver checks before a loader of this module reads the file."""
+    with Path(csv_path).open(encoding=encoding, newline="") as fh:
+        require_columns(csv_path, csv.DictReader(fh).fieldnames, columns)
 
 
 def normalize_query(query: str) -> str:
@@ -145,11 +161,9 @@ def read_home_depot_rows(csv_path: str | Path) -> tuple[dict[int, str], dict[str
     products: dict[int, str] = {}
     grades: dict[str, dict[int, float]] = {}
     variants = 0
-    with csv_path.open(encoding="latin-1", newline="") as fh:
+    with csv_path.open(encoding=HOME_DEPOT_ENCODING, newline="") as fh:
         reader = csv.DictReader(fh)
-        missing = [c for c in HOME_DEPOT_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{csv_path}: missing column(s) {missing}; found {reader.fieldnames}")
+        require_columns(csv_path, reader.fieldnames, HOME_DEPOT_COLUMNS)
         for line, row in enumerate(reader, start=2):
             try:
                 uid = int(row["product_uid"])
@@ -263,11 +277,9 @@ def load_slogan_test(csv_path: str | Path) -> Any:
     if not csv_path.is_file():
         raise FileNotFoundError(f"slogan CSV not found: {csv_path}")
     cols: dict[str, list[str]] = {k: [] for k in ("ad_id", "advertiser", "description", "industry", "url", "reference")}
-    with csv_path.open(encoding="utf-8", newline="") as fh:
+    with csv_path.open(encoding=SLOGAN_ENCODING, newline="") as fh:
         reader = csv.DictReader(fh)
-        missing = [c for c in SLOGAN_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{csv_path}: missing column(s) {missing}")
+        require_columns(csv_path, reader.fieldnames, SLOGAN_COLUMNS)
         for i, row in enumerate(reader):
             desc, ref = row["desc"].strip(), row["output"].strip()
             if not desc or not ref:

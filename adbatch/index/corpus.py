@@ -275,6 +275,15 @@ def _check_schema(paths: list[Path], cfg: CorpusConfig) -> tuple[str, int | None
     return id_kind, fixed_dim
 
 
+def check_corpus_schema(path: str | Path, config: CorpusConfig | None = None) -> list[Path]:
+    """The corpus's Parquet files (:func:`resolve_corpus_paths`), each file's schema checked against
+    ``config``'s column mapping without reading a row (what :func:`read_corpus` checks first): for a driver
+    checking a corpus that a later step reads in full."""
+    paths = resolve_corpus_paths(path)
+    _check_schema(paths, config or CorpusConfig())
+    return paths
+
+
 def read_corpus(path: str | Path, config: CorpusConfig | None = None) -> Corpus:
     """Read and validate a corpus. Schema errors raise; row errors land in ``Corpus.rejected``."""
     cfg = config or CorpusConfig()
