@@ -40,6 +40,8 @@ SMOKE = {
     "train_eval.py": (["--smoke-out", "{tmp}"], lambda out, tmp: {"dense", "dense untuned", "generative b10",
                                                                    "hybrid b10", "hybrid beam_floor b10"}
                       <= set(json.loads((tmp / "channels" / "results.json").read_text())["rows"])),
+    "scale_set.py": (["--out", "{tmp}"], lambda out, tmp: json.loads((tmp / "scale_set.json").read_text())["counts"]
+                     == {"ads": 200, "advertisers": 20, "target_requests": 1000, "creative_requests": 50}),
     "stable_ids.py": (["--out", "{tmp}"], lambda out, tmp: all(
         r["incremental_same_sequence"] == 1.0 for r in json.loads((tmp / "stable_ids.json").read_text()))),
     "step_profile.py": (["--out", "{tmp}/sp.md"], lambda out, tmp: "step ms (eager)" in (tmp / "sp.md").read_text()),
