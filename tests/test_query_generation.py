@@ -18,8 +18,8 @@ from adbatch.training.pseudo_queries import PseudoQueryConfig, QuerySource
 from adbatch.training.query_generation import (GENERATED_QUERIES_FILE, GeneratedQueries, NoLabelsPolicy,
                                                QueryGenConfig, QueryGenTrainConfig, build_generated_queries,
                                                clean_queries, generate_queries, generator_examples,
-                                               load_generated_queries, minilm_ranker, query_pairs, round_trip_filter,
-                                               write_generated_queries)
+                                               generation_key, load_generated_queries, minilm_ranker, query_pairs,
+                                               round_trip_filter, teacher_labelled, write_generated_queries)
 from conftest import make_tiny_llama
 from test_training import QUERIES, TITLES, fake_index
 
@@ -134,6 +134,47 @@ def test_round_trip_keeps_queries_that_lead_back_to_their_ad():
     assert kept.stats["round_trip_dropped"] == 1 and kept.stats["kept"] == 3
 
 
+def test_teacher_filters_and_labels_the_generated_queries():
+    """Issue 55 item 3: a query stays only if the teacher's top k holds its source ad, and then also labels the
+    teacher's best other ads; the origin follows its query; the generation key ignores the teacher's knobs (they
+    apply to the cached queries)."""
+    gen = GeneratedQueries(["drill", "lamp", "saw"], [1, 2, 3], ["tuned", "zero_shot", "tuned"], {"kept": 3})
+    teacher = {"drill": [4, 1, 5, 6], "lamp": [7, 8, 9, 2], "saw": [3, 1, 2, 4]}
+    seen = []
+
+    def ranker(queries):
+        seen.append(len(queries))
+        return [teacher[q] for q in queries]
+
+    out = teacher_labelled(gen, ranker, top_k=3, labels=2, batch_size=2)
+    assert seen == [2, 1]  # batched
+    # drill: source 1 at rank 2 -> kept, plus 4 and 5; lamp: 2 only at rank 4 -> dropped; saw: source first -> 1, 2
+    assert out.pairs() == [("drill", 1), ("drill", 4), ("drill", 5), ("saw", 3), ("saw", 1), ("saw", 2)]
+    assert out.origins == ["tuned"] * 6
+    assert out.stats["teacher_dropped"] == 1 and out.stats["teacher_kept"] == 2
+    assert out.stats["teacher_labels_added"] == 4
+    assert teacher_labelled(gen, ranker, top_k=3, labels=0).pairs() == [("drill", 1), ("saw", 3)]
+    key = lambda cfg: generation_key(None, [1, 2, 3], {1: "a", 2: "b", 3: "c"}, cfg, "g")  # noqa: E731
+    assert key(FAST) == key(FAST.replace(teacher_top_k=10, teacher_labels=3))
+
+
+def test_train_stage_labels_generated_queries_with_its_dense_teacher():
+    """The train stage's hook: the given dense retriever ranks the generated queries (a fake one here); an index
+    without a dense channel and no retriever leaves them as they are, with a warning."""
+    from types import SimpleNamespace
+
+    from adbatch.training.index_training import _teacher_labelled
+
+    idx = SimpleNamespace(ad_ids=[10, 11, 12, 13], manifest={})
+    gen = GeneratedQueries(["a", "b"], [10, 13], ["tuned", "tuned"], {"kept": 2})
+    order = {"a": [1, 0, 2, 3], "b": [0, 1, 2, 3]}  # rows; "b"'s ad (row 3) is outside the teacher's top 3
+    dense = SimpleNamespace(embed=lambda qs: list(qs),
+                            search=lambda qs, k: SimpleNamespace(rows=torch.tensor([order[q][:k] for q in qs])))
+    out = _teacher_labelled(gen, idx, QueryGenConfig(teacher_top_k=3, teacher_labels=1), dense, "cpu")
+    assert out.pairs() == [("a", 10), ("a", 11)]
+    assert _teacher_labelled(gen, idx, QueryGenConfig(teacher_top_k=3, teacher_labels=1), None, "cpu") is gen
+
+
 def test_cache_is_reused_for_the_same_inputs_and_invalidated_when_they_change(tok, tmp_path, monkeypatch):
     import adbatch.training.query_generation as qg
 
@@ -242,7 +283,7 @@ def test_no_labels_falls_back_to_spans_or_prompts_the_base_model(tok, tmp_path, 
 
 def test_query_gen_config_rejects_nonsense():
     for bad in (dict(queries_per_ad=0), dict(top_p=0.0), dict(temperature=0.0), dict(max_pairs=0),
-                dict(min_pairs=0), dict(train_layers=0)):
+                dict(min_pairs=0), dict(train_layers=0), dict(teacher_top_k=-1), dict(teacher_top_k=2, teacher_labels=2)):
         with pytest.raises(ConfigError):
             QueryGenConfig(**bad)
     assert QueryGenConfig.from_dict(FAST.to_dict()) == FAST

@@ -243,6 +243,27 @@ def _tune_query_embedder(index: Any, config: TrainConfig, labelled: list[tuple[s
     return {**tuned, "source": source}, base.with_query_embedder({"name": str(staging), "sha256": tuned["sha256"]})
 
 
+def _teacher_labelled(generated: Any, index: Any, query_gen: Any, dense: Any, device: str) -> Any:
+    """The generated queries filtered and labelled by the dense teacher (``dense``, else the index's own dense
+    channel; :func:`adbatch.training.query_generation.teacher_labelled`). An index without a dense channel has
+    no teacher: the queries keep their source ad alone, with a warning."""
+    from adbatch.index.dense import DenseRetriever, stored_dense
+    from adbatch.training.query_generation import teacher_labelled
+
+    if dense is None:
+        if not stored_dense(index.manifest):
+            log.warning("query_gen.teacher_top_k: the index has no dense channel to label the generated queries "
+                        "with; they keep their source ad alone")
+            return generated
+        dense = DenseRetriever(index, device)
+    k = query_gen.teacher_top_k
+
+    def ranker(queries: list[str]) -> list[list[Hashable]]:
+        return [[index.ad_ids[r] for r in row if r >= 0] for row in dense.search(dense.embed(queries), k).rows.tolist()]
+
+    return teacher_labelled(generated, ranker, k, query_gen.teacher_labels)
+
+
 def _rank_queries(tokenizer: Any, index: Any, config: TrainConfig, ad_texts: Mapping[Hashable, str],
                   labelled: list[tuple[str, Hashable]], generated: Any, dense: Any, device: str) -> Any:
     """The ranking queries of the rank phase (:func:`adbatch.training.rank_loss.rank_queries`) from this run's
@@ -357,6 +378,8 @@ def train_on_index(
             exclude_queries=[*exclude_queries, *(valid_qrels or {})], cache=cache,
             write_to=cache[-1] if cache else None, device=device, rank=rank, world_size=world_size, progress=progress)
         gen_info["generator_model"] = gen_source
+        if generated is not None and query_gen.teacher_top_k:
+            generated = _teacher_labelled(generated, index, query_gen, dense, device)
         if generated is None:  # no labels, no_labels = spans: the span pseudo-queries of this config instead
             config = config.replace(pseudo_queries=config.pseudo_queries.replace(source=QuerySource.SPANS))
     info = prepare_model_for_index(model, tokenizer, index, ad_texts)

@@ -120,6 +120,13 @@ class QueryGenConfig(ConfigBase):
     round_trip: bool = dataclasses.field(default=False, metadata={
         "help": "keep a query only if MiniLM + exact search over the catalogue ranks its ad in the top k"})
     round_trip_top_k: int = dataclasses.field(default=10, metadata={"help": "k of the round-trip filter"})
+    teacher_top_k: int = dataclasses.field(default=0, metadata={
+        "help": "label the generated queries with the dense teacher (the index's query embedder over its ad "
+                "vectors): keep a query only if the teacher's top k holds its source ad, and label it also with "
+                "the teacher's best other ads (teacher_labels); 0 = off, the source ad alone. Not measured on a "
+                "GPU yet (issue 55 item 3): off by default"})
+    teacher_labels: int = dataclasses.field(default=2, metadata={
+        "help": "with teacher_top_k: the teacher's best ads besides the source ad each kept query is labelled with"})
     generator_model: str | None = dataclasses.field(default=None, metadata={
         "help": "model the generator is tuned from; None = the training's starting model (on a warm start: "
                 "the generator model of the model it starts from)"})
@@ -128,6 +135,12 @@ class QueryGenConfig(ConfigBase):
         for name in ("queries_per_ad", "max_new_tokens", "batch_size", "round_trip_top_k", "min_pairs"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"QueryGenConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("teacher_top_k", "teacher_labels"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"QueryGenConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.teacher_top_k and self.teacher_labels >= self.teacher_top_k:
+            raise ConfigError(f"QueryGenConfig.teacher_labels ({self.teacher_labels}) must be < teacher_top_k "
+                              f"({self.teacher_top_k}): the labels are the teacher's top k besides the source ad")
         if not self.temperature > 0:
             raise ConfigError(f"QueryGenConfig.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -385,6 +398,36 @@ def round_trip_filter(generated: GeneratedQueries, ranker: Callable[[list[str]],
                             [generated.origins[i] for i in idx], stats, generated.key)
 
 
+def teacher_labelled(generated: GeneratedQueries, ranker: Callable[[list[str]], list[list[Hashable]]], top_k: int,
+                     labels: int, batch_size: int = 4096) -> GeneratedQueries:
+    """``generated`` filtered and labelled by a dense teacher (issue 55 item 3; DSI-QG filters its generated
+    queries with a ranker, PAG distils a dense teacher's ranking): ``ranker`` maps queries to the teacher's ranked
+    ad ids. A query whose source ad is not in the teacher's ``top_k`` is dropped (``teacher_dropped``); a kept one
+    keeps its source-ad row and gains one row, same query and origin, for each of the teacher's first ``labels``
+    other ads (``teacher_labels_added``): the model learns the teacher's neighbours of a query, not one ad alone."""
+    queries: list[str] = []
+    ads: list[Hashable] = []
+    origins: list[str] = []
+    dropped = 0
+    for s in range(0, len(generated), batch_size):
+        part = slice(s, s + batch_size)
+        ranked = ranker(generated.queries[part])
+        for q, ad, origin, top in zip(generated.queries[part], generated.ad_ids[part], generated.origins[part], ranked):
+            top = list(top)[:top_k]
+            if str(ad) not in {str(a) for a in top}:
+                dropped += 1
+                continue
+            rows = [ad, *[a for a in top if str(a) != str(ad)][:labels]]
+            queries += [q] * len(rows)
+            ads += rows
+            origins += [origin] * len(rows)
+    kept = len(generated) - dropped
+    stats = {**generated.stats, "teacher_dropped": dropped, "teacher_labels_added": len(queries) - kept,
+             "teacher_kept": kept}
+    log.info("teacher kept %d of %d generated queries and added %d labels", kept, len(generated), len(queries) - kept)
+    return GeneratedQueries(queries, ads, origins, stats, generated.key)
+
+
 # ---------------------------------------------------------------------------------------------
 # cache
 # ---------------------------------------------------------------------------------------------
@@ -417,8 +460,9 @@ def generation_key(pairs: QueryPairs | None, ad_ids: Sequence[Hashable], ad_text
     catalogue = hashlib.sha256()
     for a in ad_ids:
         catalogue.update(json.dumps([str(a), str(ad_texts.get(a) or "")]).encode())
-    # the decode batch size changes no query (each ad's samples are seeded on their own): not part of the key
-    knobs = {k: v for k, v in config.to_dict().items() if k != "batch_size"}
+    # the decode batch size changes no query (each ad's samples are seeded on their own), and the teacher's labels
+    # are applied to the cached queries after they are read: not part of the key
+    knobs = {k: v for k, v in config.to_dict().items() if k not in ("batch_size", "teacher_top_k", "teacher_labels")}
     return sha256_json({"pairs": pairs.content_hash() if pairs is not None else None,
                         "catalogue": catalogue.hexdigest(), "config": knobs, "generator": generator,
                         "prompt_version": QUERY_GEN_PROMPT_VERSION, "version": QUERY_GEN_VERSION})
