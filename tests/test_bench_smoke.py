@@ -26,7 +26,9 @@ SMOKE = {
     "fp8_layers.py": (["--out", "{tmp}/f.md"], lambda out, tmp: all(
         set(json.loads(x)["rel_err"]) == {"bf16", "int4_2:4", "fp8"} and json.loads(x)["rel_err"]["fp8"] < 0.06
         for x in (tmp / "f.jsonl").read_text().splitlines())),
-    "generate_gpu.py": (["--requests", "16", "--ads", "100", "--work", "{tmp}"], lambda out, tmp: "IDENTICAL" in out),
+    # the library vs the CLI, then the answer cache (answer_cache=0 vs the default) on Zipf-repeated requests
+    "generate_gpu.py": (["--requests", "16", "--ads", "100", "--work", "{tmp}"], lambda out, tmp: "top-10 ad ids: IDENTICAL"
+                        in out and "ad ids per request, answer_cache=0 vs cached:" in out and "| 65,536 | 16 |" in out),
     "host_cost.py": ([], lambda out, tmp: "| 2:4 INT4 copy |" in out and "| dense bf16 |" in out),
     "ids.py": (["--work", "{tmp}"], lambda out, tmp: all(f"| {d} |" in out for d in ("codes", "text", "rq 2x8"))),
     "index.py": ([], lambda out, tmp: "| 2,000 | 1 |" in out),
