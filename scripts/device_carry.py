@@ -86,6 +86,11 @@ PLANS = {
     "formats": Plan("bench/train_eval.py channels --formats (a trained model served in each linear format), "
                     "bench/decode.py --compressed and bench/large_rows.py with the 2:4 FP8 format",
                     wheels=("gguf", "torchao"), gguf=True, folders=("bundle",), imports=("gguf", "torchao")),
+    # issue 55's tuned-ids arms: the bundle's tuned-ids index alone (~14 MiB of its ~31), no torchao, so the GGUF's
+    # parts travel in 2 calls where `formats` takes 3
+    "ids-tuned": Plan("bench/train_eval.py channels --ablation --ids tuned --bundle .carry/bundle_tuned (the generative "
+                      "channel trained on ids from the tuned encoder)",
+                      wheels=("gguf",), gguf=True, folders=("bundle_tuned",), imports=("gguf",)),
     # the layer-level FP8 check and the public kernels it is compared with; the script installs .carry/anchors itself
     "fp8-check": Plan("scripts/device_fp8_check.sh (the FP8 tests on CUDA, bench/fp8_layers.py, the public kernels' "
                       "anchor script, bench/large_rows.py)", folders=("anchors",)),
@@ -282,6 +287,26 @@ def build_bundle() -> None:
     (folder / "BUILD_KEY").write_text(key + "\n")
 
 
+#: what of the bundle the tuned-ids arms read (bench/train_eval.py load_bundle / _channels_setup with --ids tuned)
+TUNED_BUNDLE_FILES = ("index_5000_text_tuned", "prepare.json", "qrels_test_5000.json", "qrels_valid_5000.json",
+                      "query_emb_5000_tuned.npz", "query_tuned_5000_tuned.npz", "query_tuning_5000_tuned.json",
+                      "titles_5000.parquet", "train_5000.parquet")
+
+
+def build_bundle_tuned() -> None:
+    """.carry/bundle_tuned: the files of .carry/bundle (built first) that the tuned-ids arms read."""
+    build_bundle()
+    src, folder = CARRY / "bundle", CARRY / "bundle_tuned"
+    key = (src / "BUILD_KEY").read_text().strip()
+    if is_fresh(folder, key):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for name in TUNED_BUNDLE_FILES:
+        (shutil.copytree if (src / name).is_dir() else shutil.copyfile)(src / name, folder / name)
+    (folder / "BUILD_KEY").write_text(key + "\n")
+
+
 def strip_index_encoders(bundle: Path, keep: Path) -> None:
     """Move each bundle index's own encoder folder (adbatch.index.dense.INDEX_EMBEDDER_DIR) under ``keep``: the
     device reads precomputed query vectors, and the folder alone would outweigh the call's 64 MiB."""
@@ -336,7 +361,8 @@ def build_anchors() -> None:
         (folder / "BUILD_KEY").write_text(key + "\n")
 
 
-FOLDER_BUILDERS = {"assets": build_assets, "bundle": build_bundle, "baseline_decoding": build_baseline,
+FOLDER_BUILDERS = {"assets": build_assets, "bundle": build_bundle, "bundle_tuned": build_bundle_tuned,
+                   "baseline_decoding": build_baseline,
                    "slogan": build_slogan, "pytest": build_pytest, "anchors": build_anchors}
 
 
