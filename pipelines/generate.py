@@ -125,6 +125,8 @@ class GenerateJobConfig(ConfigBase):
                 raise ConfigError(f"GenerateJobConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError(f"GenerateJobConfig.num_cpus must be >= 1, got {self.num_cpus}")
+        if self.answer_cache < 0:
+            raise ConfigError(f"GenerateJobConfig.answer_cache must be >= 0 (0 = off), got {self.answer_cache}")
 
     def check_paths(self) -> None:
         """The paths a run needs are given."""

@@ -414,3 +414,11 @@ print(sorted(m for m in ("torch", "transformers", "triton") if m in sys.modules)
     done = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_answer_cache_must_not_be_negative():
+    with pytest.raises(pg.ConfigError, match="answer_cache must be >= 0"):
+        pg.GenerateJobConfig(answer_cache=-1)
+    with pytest.raises(pg.ConfigError, match="answer_cache must be >= 0"):
+        GenerateConfig(answer_cache=-1)
+    assert pg.GenerateJobConfig(answer_cache=0).generate_config().answer_cache == 0
