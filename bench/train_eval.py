@@ -722,12 +722,11 @@ def tune_queries(args: argparse.Namespace) -> None:
     queries = sorted(set(data["qrels"]) | set(data["valid"]))
     # the rank phase's teacher embeds its ranking queries (the ablation's rank arm: labelled + span pseudo-queries,
     # the train defaults' pick) with this embedder: the device has none, so their vectors travel too
-    from adbatch.training.rank_loss import RankSource, pick_rank_queries, spans_of
+    from adbatch.training.rank_loss import pick_rank_queries, spans_of
 
-    train_cfg = TrainConfig()
-    picked = pick_rank_queries(train_cfg.rank.replace(sources=(RankSource.LABELLED, RankSource.SPANS)),
-                               {a: r for r, a in enumerate(index.ad_ids)}, labelled=data["labelled"],
-                               spans=spans_of(texts, train_cfg.pseudo_queries))
+    arm = TrainConfig.from_dict(_merged(TrainConfig().to_dict(), ABLATION_ARMS["rank"]))  # the arm's own config
+    picked = pick_rank_queries(arm.rank, {a: r for r, a in enumerate(index.ad_ids)}, labelled=data["labelled"],
+                               spans=spans_of(texts, arm.pseudo_queries))
     teach = sorted(set(picked) - set(queries))
     np.savez(bundle / f"query_tuned_{cat}{sfx}.npz", queries=np.asarray(queries + teach),
              emb=tuned.embed(queries + teach).numpy().astype(np.float16))

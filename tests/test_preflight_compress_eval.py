@@ -138,16 +138,21 @@ COMPRESS_BAD = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(COMPRESS_BAD))
-def test_compress_preflight_refuses_each_bad_input_with_its_line(case, assets, tmp_path):
+def _refused_with_its_line(preflight, make, expected, assets, tmp_path):
+    """``preflight`` of the config ``make`` builds fails with one line matching ``expected``, as a user error."""
     from jobs.config_cli import is_user_error
-    from pipelines.compress import preflight
 
-    make, expected = COMPRESS_BAD[case]
     cfg = make(assets, tmp_path)
     with pytest.raises((ValueError, FileNotFoundError), match=expected) as info:
         preflight(cfg)
     assert is_user_error(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(COMPRESS_BAD))
+def test_compress_preflight_refuses_each_bad_input_with_its_line(case, assets, tmp_path):
+    from pipelines.compress import preflight
+
+    _refused_with_its_line(preflight, *COMPRESS_BAD[case], assets, tmp_path)
 
 
 def test_compress_preflight_passes_good_configs_and_returns_what_it_read(assets, tmp_path):
@@ -216,14 +221,9 @@ EVAL_BAD = {
 
 @pytest.mark.parametrize("case", sorted(EVAL_BAD))
 def test_eval_preflight_refuses_each_bad_input_with_its_line(case, assets, tmp_path):
-    from jobs.config_cli import is_user_error
     from pipelines.evaluate import preflight
 
-    make, expected = EVAL_BAD[case]
-    cfg = make(assets, tmp_path)
-    with pytest.raises((ValueError, FileNotFoundError), match=expected) as info:
-        preflight(cfg)
-    assert is_user_error(info.value) and "\n" not in str(info.value)
+    _refused_with_its_line(preflight, *EVAL_BAD[case], assets, tmp_path)
 
 
 def test_eval_preflight_passes_what_the_run_reports_rather_than_refuses(assets, tmp_path):
