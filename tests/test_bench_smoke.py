@@ -42,6 +42,9 @@ SMOKE = {
     "train_eval.py": (["--smoke-out", "{tmp}"], lambda out, tmp: {"dense", "dense untuned", "generative b10",
                                                                    "hybrid b10", "hybrid beam_floor b10"}
                       <= set(json.loads((tmp / "channels" / "results.json").read_text())["rows"])),
+    # the refresh end to end on a tiny model over a 200-ad scale set (~2 min); every output checked
+    "night_scale.py": (["--work", "{tmp}/work", "--out", "{tmp}"], lambda out, tmp: "| generate_targets | ran |" in out
+                       and json.loads((tmp / "night_scale.json").read_text())["all_outputs_ok"]),
     "scale_set.py": (["--out", "{tmp}"], lambda out, tmp: json.loads((tmp / "scale_set.json").read_text())["counts"]
                      == {"ads": 200, "advertisers": 20, "target_requests": 1000, "creative_requests": 50}),
     "stable_ids.py": (["--out", "{tmp}"], lambda out, tmp: all(
