@@ -16,6 +16,8 @@ Targets:
     8b          (b) Llama-3-8B shape, 100k-ad tries, 8 beams, batches 1/16/64/256
     creatives   (c) --creatives: greedy headlines/s, HF generate vs generate_creatives
     compressed  (d) --compressed: off/auto on a 2:4 INT4 copy next to the dense model
+    first_batch (e) --compressed --first-batch: the first batch of a fresh engine of the copy with no saved
+                linear plan, with the saved plan, and with the saved plan after the engine's warm-up
   --smoke runs every gpu section with tiny models on the CPU (checks the script, times nothing).
 
 Every point: one untimed warm-up batch per method at the point's shape (graph capture, kernel
@@ -34,6 +36,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -206,6 +209,7 @@ def engine_runner(mod, model, trie: Trie, beams: int, k: int, verify: str, qbatc
         r = mod.search_targets(model, batch, trie, cfg, cost)
         # the baseline engine (bench/results' copy of the loop before issue 16) returns a plain dict
         return r.rows.tolist(), r.scores.tolist(), r.stats.flat() if hasattr(r.stats, "flat") else r.stats
+    run.config = cfg  # what a warm-up of this runner's engine plans for
     return run
 
 
@@ -429,6 +433,14 @@ SEARCH_COLS = [  # (header, key, digits); optional columns show only when some r
     ("top-k = dense", "same_topk_vs_dense", 2), ("best >= off", "best_ge_off", 2), ("steps", "steps", 0),
     ("beams verified", "beams_verified", 0), ("max tree", "tree_tokens_max", 0),
 ]
+FIRST_BATCH_COLS = [
+    ("scheme", "scheme", 0), ("method", "method", 0), ("beams", "beams", 0), ("query batch", "query_batch", 0),
+    ("first batch ms, no saved plan", "first_cold_ms", 1), ("first batch ms, saved plan", "first_saved_plan_ms", 1),
+    ("warm-up s (planning the rest)", "warm_up_plan_s", 2), ("warm-up s, saved plan", "warm_up_s", 2),
+    ("buckets warmed", "buckets_warmed", 0),
+    ("first batch ms, saved plan + warm-up", "first_warmed_ms", 1), ("next batch ms", "next_ms", 1),
+    ("steady ms/batch (rotation median)", "steady_ms", 1),
+]
 CREATIVE_COLS = [
     ("method", "method", 0), ("prompts", "prompts", 0), ("new tokens", "new_tokens", 0),
     ("headlines/s", "headlines_per_s", 1), ("ms/batch", "latency_ms", 1), ("spread", "spread", 2),
@@ -467,7 +479,7 @@ class Report:
 
     def markdown(self, section: str) -> str:
         rows = self.rows.get(section, [])
-        cols = CREATIVE_COLS if section == "creatives" else SEARCH_COLS
+        cols = {"creatives": CREATIVE_COLS, "first_batch": FIRST_BATCH_COLS}.get(section, SEARCH_COLS)
         body = table(rows, cols) if rows else "(no points measured)"
         notes = "\n".join(f"- {n}" for n in self.notes.get(section, []))
         return f"## decode {self.target} / {section}\n\n{json.dumps(self.meta)}\n\n{notes}\n\n{body}\n"
@@ -733,14 +745,80 @@ def compressed_section(report: Report, shape: str, model, tries: dict[str, Trie]
     w = workload(shape, args.smoke)
     cost_c = calibrate_cost(mc, args.out / "calibration", args.smoke, rows=w["calib_rows"],
                             tokens=(32, 256, 1024, 4096), repeats=2, beams=w["beams"])
-    search_section(report, section, tries, points, names, dict(ctx, variants={"2:4": (mc, cost_c)}, dev=dev),
-                   queries, args, budget, scheme_prefix=f"{shape}:")
+    ctx = dict(ctx, variants={"2:4": (mc, cost_c)}, dev=dev)
+    search_section(report, section, tries, points, names, ctx, queries, args, budget, scheme_prefix=f"{shape}:")
+    if args.first_batch:
+        first_batch_section(report, shape, mc, tries, points, ctx, queries, args, budget)
     from adbatch.decoding.engine import _ENGINES
 
     report.note(section, "\n".join(plan_table(_ENGINES.get(mc) or {}, f"{shape}: the compressed model's per-bucket "
                                                                           "linear plan")))
     del mc, cost_c
     release(dev)
+
+
+def first_batch_section(report: Report, shape: str, mc, tries: dict[str, Trie], points, ctx: dict, queries, args,
+                        budget: Budget) -> None:
+    """(e) The first batch a fresh process serves on the compressed copy ``mc`` (method ``args.first_batch_method``,
+    each point of the compressed section, the first scheme): its engine built anew (``_ENGINES`` / ``_MODEL_COPIES``
+    dropped, as in a new Ray actor) (1) with no saved linear plan (its buckets timed inside the batch), (2) with
+    the plan (1) saved (copies built inside the batch), (3) after ``warm_up_search`` with the whole plan saved
+    (timed apart, as is the warm-up before it that planned the buckets (1) did not use); then the batch after (3). Every state still captures its graphs inside its first batch; Triton's kernels are
+    compiled already (an actor's first compiles read Triton's disk cache). The plans live in a cache folder of this
+    run's (``<out>/first_batch_cache``, emptied first), never the user's."""
+    from adbatch.decoding.engine import _ENGINES, _MODEL_COPIES, warm_up_search
+
+    section, dev = "first_batch", ctx["dev"]
+    scheme, trie = next(iter(tries.items()))
+    cache = args.out / "first_batch_cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    user_cache = os.environ.get("ADBATCH_CACHE")
+    os.environ["ADBATCH_CACHE"] = str(cache)
+    rows = []
+    try:
+        for beams, qbatch in points:
+            if budget.left() <= 0:
+                report.note(section, f"budget reached: skipped {beams}x{qbatch} and later points")
+                break
+            qs = queries[:qbatch]
+            row = {"section": section, "scheme": f"{shape}:{scheme}", "method": args.first_batch_method,
+                   "beams": beams, "query_batch": qbatch}
+            def fresh_runner() -> Runner:
+                _ENGINES.pop(mc, None)  # a new process: no engine, no plan in memory, no copies
+                _MODEL_COPIES.pop(mc, None)
+                release(dev)
+                return runner_for(args.first_batch_method, dict(ctx, trie=trie), beams, min(beams, 10), qbatch)
+
+            for state in ("cold", "saved_plan", "warmed"):
+                run = fresh_runner()
+                if state == "warmed":
+                    # the warm-up routes buckets this batch does not use, whose plan is not saved yet: a first
+                    # warm-up plans them (warm_up_plan_s), and the timed one is a new actor's, whose plan is saved
+                    for name in ("warm_up_plan_s", "warm_up_s"):
+                        run = fresh_runner()
+                        t0 = time.perf_counter()
+                        warmed = warm_up_search(mc, run.config, qbatch, max(len(q) for q in qs))
+                        sync(dev)
+                        row[name] = time.perf_counter() - t0
+                    row["buckets_warmed"] = len(warmed)
+                row[f"first_{state}_ms"] = 1e3 * time_pass(run, qs, qbatch, dev)["time"]
+            row["next_ms"] = 1e3 * time_pass(run, qs, qbatch, dev)["time"]
+            steady = [r for r in report.rows.get("compressed", []) if r["method"] == args.first_batch_method
+                      and r["scheme"] == row["scheme"] and (r["beams"], r["query_batch"]) == (beams, qbatch)]
+            if steady:
+                row["steady_ms"] = steady[0]["latency_ms"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        if user_cache is None:
+            os.environ.pop("ADBATCH_CACHE", None)
+        else:
+            os.environ["ADBATCH_CACHE"] = user_cache
+    report.note(section, f"{shape}: a fresh engine of the compressed copy per state (as a new actor's); 'saved "
+                         "plan' reads the plan the 'no saved plan' batch timed and saved; the warm-up routes "
+                         "DecodeEngine.pass_buckets before the batch (its first run plans the buckets no batch used "
+                         "yet, the timed one reads the saved plan); graphs are captured inside every first batch")
+    report.add(section, rows)
 
 
 def plan_table(engines: dict, title: str) -> list[str]:
@@ -839,7 +917,8 @@ def run_gpu(args, report: Report, budget: Budget) -> None:
                 report.note(shape, f"{scheme} trie: {trie}")
             if shape == "8b" and args.check:
                 exactness_check(report, dev, tries, eos, pad)
-            search_section(report, shape, tries, points, names, ctx, queries, args, budget)
+            if names:  # none: the compressed section's rotation holds every method (--methods "")
+                search_section(report, shape, tries, points, names, ctx, queries, args, budget)
         if shape == "default" and args.creatives:
             creatives_section(report, model, args, budget)
         # smoke: the two tiny models differ only in workload, so the compressed path runs once
@@ -900,8 +979,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", choices=["cpu", "gpu"], default=None, help="required unless --smoke (= the gpu sections)")
     ap.add_argument("--out", type=Path, default=None, help="default bench/out (git-ignored); smoke: a temp folder")
-    ap.add_argument("--methods", type=lambda s: s.split(","), default=["hf", "old", "off", "auto"],
-                    help="search methods, comma-separated: hf, old, off, auto, always")
+    ap.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=["hf", "old", "off", "auto"],
+                    help="search methods, comma-separated: hf, old, off, auto, always; \"\" (gpu): no search "
+                         "section of its own, e.g. where --compressed-methods rotates dense and compressed together")
     ap.add_argument("--schemes", nargs="+", default=["codes", "text"])
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting new points/sections after this (default gpu 420, cpu 400)")
@@ -941,6 +1021,10 @@ def main() -> None:
     g.add_argument("--compressed", action="store_true", help="(d) off/auto on a 2:4 INT4 copy vs dense")
     g.add_argument("--points-compressed", type=points_arg, default=points_arg("10x64,10x256"))
     g.add_argument("--points-compressed-8b", type=points_arg, default=points_arg("8x1,8x64"))
+    g.add_argument("--first-batch", action="store_true",
+                   help="(e) with --compressed: the copy's first batch in a fresh engine without / with a saved linear "
+                        "plan / after the warm-up, at each --points-compressed point")
+    g.add_argument("--first-batch-method", default="auto@2:4", help="(e) the method timed (a compressed one)")
     g.add_argument("--tune-kernels", action="store_true",
                    help="compressed: let the packed kernels autotune (minutes on a fresh machine)")
     args = ap.parse_args()

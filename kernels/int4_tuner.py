@@ -6,7 +6,8 @@
 
 :class:`KernelTuner` is the one owner of the runtime tuning state: the configs chosen per (pattern, N, K,
 dtype, batch bucket, device, autotune flag, L2 mode) in memory, the :class:`TuneCache` JSON file per
-device name under ``$ADBATCH_CACHE/kernels/`` (default ``~/.cache/adbatch``), and the optional log of
+device name under :func:`cache_dir` (``$ADBATCH_CACHE/kernels/``, default ``~/.cache/adbatch``; the decode engine's
+per-bucket linear plans are kept there too), and the optional log of
 every timed candidate (:meth:`KernelTuner.start_tune_log` / :meth:`KernelTuner.tune_log`, for
 benchmarks). It times candidates by CUDA-graph replays, with a warm L2 unless
 ``ADBATCH_NM_INT4_TUNE_L2=cold`` (see :func:`time_graphed_ms`); a heuristic runs under the interpreter or
@@ -176,8 +177,22 @@ def _with_splits(p: PackedNMInt4, batch: int, cfg: KernelConfig, num_sms: int) -
     return [dataclasses.replace(cfg, split_k=v) for v in sorted(splits)]
 
 
-def _cuda_name(device: torch.device) -> str:
+def cuda_device_name(device: torch.device) -> str:
+    """``torch.cuda.get_device_name`` of ``device`` (the current device where it has no index), read once per
+    index: what the tuning caches are kept per."""
     return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def cache_dir() -> Path:
+    """Where measured choices of this machine's kernels are kept: ``$ADBATCH_CACHE/kernels`` (default
+    ``~/.cache/adbatch/kernels``): the tuned kernel configs (:class:`TuneCache`) and the decode engine's per-bucket
+    linear plans (:mod:`adbatch.decoding.linear_plan`), each in files named by the device they were measured on."""
+    return Path(os.environ.get("ADBATCH_CACHE", Path.home() / ".cache" / "adbatch")) / "kernels"
+
+
+def file_safe(name: str) -> str:
+    """``name`` (a device name: ``NVIDIA H100 80GB HBM3``) as a file-name part: runs of other characters -> ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
 class TuneCache:
@@ -189,9 +204,7 @@ class TuneCache:
 
     @staticmethod
     def path(device_name: str) -> Path:
-        root = Path(os.environ.get("ADBATCH_CACHE", Path.home() / ".cache" / "adbatch"))
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name)
-        return root / "kernels" / f"nm_int4_tune_{safe}_triton{triton.__version__}_k{KERNEL_VERSION}.json"
+        return cache_dir() / f"nm_int4_tune_{file_safe(device_name)}_triton{triton.__version__}_k{KERNEL_VERSION}.json"
 
     def _load(self, device_name: str) -> dict[str, KernelConfig]:
         if device_name not in self._mem:
@@ -350,7 +363,7 @@ class KernelTuner:
         ``device`` (CUDA), or None: nothing is timed. A non-CUDA device has no tuned configs."""
         if device.type != "cuda":
             return None
-        return self.cache.get(_cuda_name(device), tune_key(p, batch, dtype))
+        return self.cache.get(cuda_device_name(device), tune_key(p, batch, dtype))
 
     def select(self, x2: torch.Tensor, p: PackedNMInt4, bias: torch.Tensor | None) -> KernelConfig:
         """Cached tuned config, tuning on a miss (CUDA, ``ADBATCH_NM_INT4_AUTOTUNE`` != 0), else heuristic.
@@ -367,7 +380,7 @@ class KernelTuner:
         batch = x2.shape[0]
         if not x2.is_cuda or os.environ.get("ADBATCH_NM_INT4_AUTOTUNE", "1") == "0":
             return heuristic_config(p, batch, _num_sms(x2.device))
-        dev = _cuda_name(x2.device)
+        dev = cuda_device_name(x2.device)
         key = tune_key(p, batch, x2.dtype)
         cfg = self.cache.get(dev, key)
         if cfg is None:

@@ -208,7 +208,7 @@ def test_tuner_lookup_and_tune_log(tmp_path, monkeypatch):
     tune log is empty until started (it fills only while candidates are timed, on a GPU)."""
     monkeypatch.setenv("ADBATCH_CACHE", str(tmp_path))
     monkeypatch.delenv("ADBATCH_NM_INT4_TUNE_L2", raising=False)
-    monkeypatch.setattr(tuner, "_cuda_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(tuner, "cuda_device_name", lambda device: "NVIDIA H200")
     p = random_packed(24, 128, SparsityPattern.TWO_FOUR, generator=torch.Generator().manual_seed(17))
     cfg = tuner.KernelConfig(4, 64, 64, 2, False)
     tuner.TuneCache().put("NVIDIA H200", tuner.tune_key(p, 3, torch.float16), cfg, 7.0)

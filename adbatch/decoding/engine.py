@@ -27,6 +27,8 @@ gate/up concatenated into one GEMM; per row bucket, for a compressed layer, the 
 bf16 / FP8 / 2:4 FP8 copy, by measurement and an accuracy gate) is a plan of its own,
 :class:`adbatch.decoding.linear_plan.LinearPlanner` (``engine.linears``; its measurements ``engine.plan``):
 the engine asks it to route each pass's bucket before the pass runs, and runs every projection through it.
+:meth:`DecodeEngine.warm_up` (:func:`warm_up_search`) routes the buckets a run will use before its work: the plan
+is saved per device, so only a device's first run times it, and no run builds copies inside its work.
 
 Supported decoder families: Llama (SmolLM2), Mistral, Qwen2, Qwen3 (q/k norms), Gemma 3 (q/k norms,
 sandwich norms, sliding-window layers, scaled embeddings). Others are refused with a clear error.
@@ -50,7 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from adbatch.decoding.config import LinearFormats
+from adbatch.decoding.config import LinearFormats, TargetSearchConfig, VerifyMode
 # the plan's names stay importable from here (bench scripts and callers named them when they lived here)
 from adbatch.decoding.linear_plan import (_MODEL_COPIES, DEFAULT_LINEAR_FORMATS, FP8_CHOICES,  # noqa: F401
                                           LinearChoice, LinearPlan, LinearPlanner, semi_structured_copy)
@@ -233,6 +235,35 @@ class DecodeEngine:
     def plan_keys(self, rows: int) -> list[tuple]:
         """The :attr:`plan` keys ``(N, K, pattern, rows)`` a pass at ``rows`` rows routes by."""
         return self.linears.keys(rows)
+
+    def pass_buckets(self, queries: int, beams: int, prompt_tokens: int, tree_tokens: int = 0) -> list[int]:
+        """The row buckets (ascending) at which graph-captured passes route the linears (see :meth:`prefill`,
+        :meth:`step`, :meth:`tree_forward`) in batches of up to ``queries`` queries: prefills of prompts of up to
+        ``prompt_tokens`` tokens (``bucket_queries(Qb * Lw)``), steps of ``beams`` slots per query (``Qb * beams``, at
+        every query bucket ``Qb``: finished queries are compacted away) and tree passes of up to ``tree_tokens``
+        padded tokens (0: none; ``bucket_queries(Vb * F)``, ``F >= 4``, ``Vb < 2 V``: a power of two from 4 to
+        ``bucket_queries(2 * tree_tokens)``)."""
+        query_buckets = [1 << i for i in range(bucket_queries(queries).bit_length())]
+        widths = range(PROMPT_BUCKET, _round_up(max(prompt_tokens, 1), PROMPT_BUCKET) + 1, PROMPT_BUCKET)
+        buckets = {q * beams for q in query_buckets} | {bucket_queries(q * w) for q in query_buckets for w in widths}
+        if tree_tokens:
+            buckets |= {1 << i for i in range(2, bucket_queries(2 * tree_tokens).bit_length())}
+        return sorted(buckets)
+
+    @torch.no_grad()
+    def warm_up(self, queries: int, beams: int, prompt_tokens: int, tree_tokens: int = 0) -> list[int]:
+        """Before the work, plan and build the compressed layers' copies at every bucket of :meth:`pass_buckets`
+        (same arguments), so that no pass of the work times the plan's candidates (seconds per bucket on a device
+        without a saved plan) or builds a copy. Returns the buckets routed: none for a dense model, or where passes
+        run eagerly (CPU: they route nothing). Each shape's graph is still captured at its first pass."""
+        if not self.linears.units or not self.graphs_enabled:
+            return []
+        buckets = self.pass_buckets(queries, beams, prompt_tokens, tree_tokens)
+        t0 = time.perf_counter()
+        self.linears.warm(buckets)
+        log.info("linear plan warmed at %d row buckets (%d to %d) in %.1f s", len(buckets), buckets[0], buckets[-1],
+                 time.perf_counter() - t0)
+        return buckets
 
     # -------------------------------------------------------------- buffers
     def reserve(self, queries: int, beams: int, prompt_width: int, suffix: int) -> None:
@@ -450,12 +481,13 @@ class DecodeEngine:
         self.in_prompt[:Qb].copy_(torch.from_numpy(ids))
         if not self.graphs_enabled:
             return (*self._prefill_body(Qb, Lw, pad_id), Qb)
-        self.linears.route_bucket(bucket_queries(Qb * Lw))  # eager passes choose packed vs dense at their own row count too
         key = ("prefill", Qb, Lw, pad_id)
         g = self._graphs.get(key)
-        if g is not None:
+        if g is not None:  # the graph holds the routing it was captured with: nothing to route per call
             g.graph.replay()
             return g.logits, g.lse, Qb
+        # the pass run now (and captured) chooses each compressed layer's copy at its own row count's bucket
+        self.linears.route_bucket(bucket_queries(Qb * Lw))
         logits, lse = self._prefill_body(Qb, Lw, pad_id)  # this IS the prefill; captured for the next ones
         self._capture_into(key, lambda: self._prefill_body(Qb, Lw, pad_id), "_prefill_pool")
         return logits, lse, Qb
@@ -832,6 +864,19 @@ def serving_engine(model: Any, formats: LinearFormats | None = None) -> Iterator
         yield engine
 
 
+def warm_up_search(model: Any, config: TargetSearchConfig, queries: int, prompt_tokens: int,
+                   tree_tokens: int | None = None) -> list[int]:
+    """:meth:`DecodeEngine.warm_up` of ``model``'s engine for target searches under ``config`` (its beams per
+    query and linear formats) in batches of up to ``queries`` prompts of up to ``prompt_tokens`` tokens, with tree
+    passes of up to ``tree_tokens`` tokens (None: ``config.max_tokens_per_pass`` where it verifies, else none;
+    pass more where exact scoring runs larger ones: ``adbatch.decoding.tree_verify.SCORE_PASS_TOKENS``). Outside
+    ``torch.inference_mode``: such an engine also serves searches inside it. Returns the buckets routed."""
+    if tree_tokens is None:
+        tree_tokens = 0 if config.verify is VerifyMode.OFF else config.max_tokens_per_pass
+    with serving_engine(model, config.linear_formats) as engine:
+        return engine.warm_up(queries, config.pool_size, prompt_tokens, tree_tokens)
+
+
 def exact_logprobs_of(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None,
                       tokens: torch.Tensor) -> torch.Tensor:
     """Exact log-probs at chosen entries: ``logits[rows, tokens].float() - lse[rows]``.
@@ -845,7 +890,8 @@ def exact_logprobs_of(logits: torch.Tensor, lse: torch.Tensor, rows: torch.Tenso
     return logits[rows, tok].float() - lse[rows]
 
 
-__all__ = ["DecodeEngine", "LinearPlan", "LinearFormats", "LinearChoice", "engine_for", "exact_logprobs_of", "check_supported",
+__all__ = ["DecodeEngine", "LinearPlan", "LinearFormats", "LinearChoice", "engine_for", "warm_up_search",
+           "exact_logprobs_of", "check_supported",
            "bucket_queries", "model_device", "model_dtype", "decoder_of",
            "SUPPORTED_MODEL_TYPES"]
 

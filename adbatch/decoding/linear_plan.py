@@ -16,17 +16,31 @@ quantization for FP8), or one launch over their packed weights stacked.
 The engine asks :meth:`LinearPlanner.route_bucket` to route a pass's bucket before the pass, then runs every
 projection through the planner (:meth:`LinearPlanner.linear`, :meth:`LinearPlanner.projections`: the copy that
 serves it, :func:`run_copy`); :meth:`LinearPlanner.group_route` tells its norm where an FP8 copy reads the rows.
-Dense q/k/v and gate/up run as one GEMM of their concatenated weights at every bucket. Measurements are kept in
-:class:`LinearPlan` (``engine.plan``); the copies are shared by a model's engines (:data:`_MODEL_COPIES`).
+Dense q/k/v and gate/up run as one GEMM of their concatenated weights at every bucket, through the same call a
+compressed unit served by its bf16 copy makes (:class:`GroupCall`): where the plan serves every unit bf16, a
+compressed model runs the dense model's calls. Measurements are kept in :class:`LinearPlan` (``engine.plan``); the
+copies are shared by a model's engines (:data:`_MODEL_COPIES`).
+
+**Saved plans.** Timing a bucket's candidates costs seconds per bucket (a trained 135M model's first 297 queries
+ran at 22.6 q/s, later ones at 2,122; H200), and every process -- each Ray actor of a night -- would pay it inside
+its work. A plan is therefore saved as JSON beside the kernel tuner's configs (:func:`kernels.int4_tuner.cache_dir`),
+one file per :func:`plan_identity` (device name, torch / Triton / torchao / kernel versions, dtype, the formats
+planned among and the rules a choice follows), and read by every planner of a compressed model on CUDA when it is built:
+:meth:`LinearPlanner.route_bucket` then finds its choices without timing. Planning a bucket holds the file's lock,
+so the actors of one host time it once and read one plan (their outputs do not depend on which of them timed).
+:meth:`LinearPlanner.warm` routes given buckets before the work (``DecodeEngine.warm_up``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import json
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +90,19 @@ DEFAULT_LINEAR_FORMATS: LinearFormats = TargetSearchConfig.__dataclass_fields__[
 #: a unit's route in a pass: its format and the copy that serves it (None: the members' own packed weights)
 Route = tuple[LinearChoice, Any]
 
+#: the saved plans' layout (:meth:`LinearPlan.to_json`); bump it when what an entry means changes in a way
+#: :func:`plan_identity` does not name (older files are then not read)
+PLAN_FILE_VERSION = 1
+
+
+class GroupCall(NamedTuple):
+    """One GEMM / launch that serves a q/k/v or gate/up group in a pass: a dense model's concatenated weights, or a
+    compressed unit's copy in its routed format; its output ``[..., sum(sizes)]`` splits into the members'."""
+
+    route: Route
+    bias: torch.Tensor | None     # the members' biases concatenated ``[sum(sizes)]`` (all or none have one)
+    sizes: tuple[int, ...]        # out_features per member
+
 
 @dataclass
 class LinearPlan:
@@ -90,6 +117,98 @@ class LinearPlan:
     choice: dict[tuple, LinearChoice] = field(default_factory=dict)
     timings: dict[tuple, dict[LinearChoice, float]] = field(default_factory=dict)
     errors: dict[tuple, dict[LinearChoice, float]] = field(default_factory=dict)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """One dict per key: ``n, k, pattern, rows, choice`` and the ``timings_us`` / ``errors`` by format value."""
+        return [{"n": key[0], "k": key[1], "pattern": key[2], "rows": key[3], "choice": choice.value,
+                 "timings_us": {c.value: t for c, t in self.timings.get(key, {}).items()},
+                 "errors": {c.value: e for c, e in self.errors.get(key, {}).items()}}
+                for key, choice in self.choice.items()]
+
+    def update_from_json(self, entries: list[dict[str, Any]], shapes: set[tuple] | None = None) -> None:
+        """Add :meth:`to_json`'s ``entries`` (those of the unit shapes ``(N, K, pattern)`` in ``shapes``; None:
+        all). Raises ``KeyError`` / ``ValueError`` / ``TypeError`` on a malformed entry, before adding any."""
+        parsed = [((int(e["n"]), int(e["k"]), str(e["pattern"]), int(e["rows"])), LinearChoice(e["choice"]),
+                   {LinearChoice(c): float(t) for c, t in e["timings_us"].items()},
+                   {LinearChoice(c): float(v) for c, v in e["errors"].items()}) for e in entries]
+        for key, choice, timings, errors in parsed:
+            if shapes is None or key[:3] in shapes:
+                self.choice[key], self.timings[key], self.errors[key] = choice, timings, errors
+
+
+def plan_identity(device: torch.device, formats: LinearFormats, dtype: torch.dtype) -> dict[str, Any]:
+    """What a saved plan's choices depend on besides their keys ``(N, K, pattern, rows)``: the GPU (``device``,
+    CUDA) and the software timed on it, the activations' ``dtype``, the formats planned among, and the rules a
+    choice follows (a changed threshold plans again). Plans are saved and read per identity."""
+    import importlib.metadata
+
+    import triton
+
+    from kernels.int4_tuner import KERNEL_VERSION, cuda_device_name
+
+    try:  # the optional 2:4 FP8 kernel's package: a plan that serves it needs it to build its copies
+        torchao = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        torchao = None
+    return {"version": PLAN_FILE_VERSION, "device": cuda_device_name(device), "torch": torch.__version__,
+            "triton": triton.__version__, "torchao": torchao, "kernel_version": KERNEL_VERSION,
+            "dtype": str(dtype).removeprefix("torch."),
+            "formats": [c.value for c in LinearChoice if formats is LinearFormats.FP8 or c not in FP8_CHOICES],
+            "sparse_min_rows": SPARSE_MIN_ROWS, "fp8_max_rel_error": FP8_MAX_REL_ERROR,
+            "fp8_min_speedup": FP8_MIN_SPEEDUP}
+
+
+def plan_path(identity: dict[str, Any]) -> Path:
+    """The saved plan of ``identity``: ``linear_plan_<device>_<hash of the identity>.json`` in the kernel tuner's
+    cache directory."""
+    from adbatch.artifacts import sha256_json
+    from kernels.int4_tuner import cache_dir, file_safe
+
+    return cache_dir() / f"linear_plan_{file_safe(identity['device'])}_{sha256_json(identity)[:16]}.json"
+
+
+def read_saved_plan(path: Path, identity: dict[str, Any], into: LinearPlan, shapes: set[tuple] | None = None) -> int:
+    """Add the plan saved at ``path`` for ``identity`` (the entries of the unit ``shapes``; None: all) to ``into``;
+    returns how many entries were added. A missing file adds nothing; an unreadable one, or one saved for another
+    identity, is ignored with a warning (it is planned again, and overwritten by the next save)."""
+    if not path.is_file():
+        return 0
+    try:
+        raw = json.loads(path.read_text())
+        if raw["identity"] != identity:
+            log.warning("ignoring the linear plan %s: saved for %s, not %s", path, raw["identity"], identity)
+            return 0
+        before = len(into.choice)
+        into.update_from_json(raw["entries"], shapes)
+        return len(into.choice) - before
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+        log.warning("ignoring unreadable linear plan %s: %s", path, exc)
+        return 0
+
+
+def save_plan(path: Path, identity: dict[str, Any], plan: LinearPlan) -> None:
+    """Write ``plan`` to ``path`` (atomically), merged over what the file holds for ``identity``: other models'
+    unit shapes stay, this plan's entries win. The caller holds :func:`_plan_lock`."""
+    from adbatch.artifacts import write_json_atomic
+
+    merged = LinearPlan()
+    read_saved_plan(path, identity, merged)
+    merged.choice.update(plan.choice)
+    merged.timings.update(plan.timings)
+    merged.errors.update(plan.errors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"identity": identity, "entries": merged.to_json()})
+
+
+@contextlib.contextmanager
+def _plan_lock(path: Path) -> Iterator[None]:
+    """The saved plan's file lock (``<path>.lock``), as the decode cost model's calibration takes one: the actors of
+    one host plan a bucket once, the others then read it."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        yield
 
 
 def semi_structured_copy(w: torch.Tensor) -> torch.Tensor | None:
@@ -190,7 +309,6 @@ class LinearPlanner:
         #: measurements of a format; None = the measured plan)
         self.forced: LinearChoice | None = None
         self.device, self.dtype = device, dtype
-        self.plan = LinearPlan()
         # copies of compressed units some bucket chose, by (id of the unit's first module, format); kept
         # across buckets (building one costs a dequantization, FP8 ones a quantization too) and shared by the
         # model's engines of other linear_formats (an 8B model's bf16 copies are 14 GB)
@@ -199,22 +317,38 @@ class LinearPlanner:
         self.route: dict[int, Route] = {}
         self.routed_rows: int | None = None  # the bucket route was planned for
         self._fp8_refused: set[Fp8Layout] = set()
-        # each dense q/k/v and gate/up group's weights concatenated, by id of its first module: (weight, bias, sizes)
-        self.fused: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
-        self._fuse_dense_projections(groups)
+        #: each dense q/k/v and gate/up group's weights concatenated, by id of its first module
+        self.fused: dict[int, GroupCall] = self._fuse_dense_projections(groups)
+        #: the groups that run as one GEMM / launch in the pass being run, by id of their first module: the dense
+        #: ones (every pass) and the compressed units routed to a copy of their members together
+        self.group_calls: dict[int, GroupCall] = dict(self.fused)
         self.packed_modules = [m for m in model.modules() if _is_packed(m)]
         self.units = self._compressed_units(groups)
         self.unit_of = {id(u.mods[0]): u for u in self.units}
+        self.plan = LinearPlan()
+        #: the saved plan this planner reads and extends, and what it was saved for (None: nothing to plan, or no
+        #: GPU to time on)
+        self.plan_file: Path | None = None
+        self._identity: dict[str, Any] | None = None
+        if self.units and device.type == "cuda":
+            self._identity = plan_identity(device, self.formats, dtype)
+            self.plan_file = plan_path(self._identity)
+            n = read_saved_plan(self.plan_file, self._identity, self.plan, {u.key for u in self.units})
+            if n:
+                log.info("linear plan: %d saved choices read from %s", n, self.plan_file)
 
-    def _fuse_dense_projections(self, groups: list[tuple[Any, ...]]) -> None:
-        """Concatenate each layer's dense q/k/v and gate/up weights into one matrix (one GEMM
+    def _fuse_dense_projections(self, groups: list[tuple[Any, ...]]) -> dict[int, GroupCall]:
+        """Each layer's dense q/k/v and gate/up weights concatenated into one matrix (one GEMM
         instead of three / two: at beam-search row counts the launches cost more than the math).
         A copy: the model's own parameters stay untouched. Compressed layers are planned as units."""
+        fused = {}
         for group in groups:
             fusable, bias = group_bias(group)
             if fusable and all(type(m) is torch.nn.Linear for m in group):
-                self.fused[id(group[0])] = (torch.cat([m.weight.detach() for m in group], 0), bias,
-                                            tuple(int(m.out_features) for m in group))
+                weight = torch.cat([m.weight.detach() for m in group], 0)
+                fused[id(group[0])] = GroupCall((LinearChoice.DENSE, weight), bias,
+                                                tuple(int(m.out_features) for m in group))
+        return fused
 
     def _compressed_units(self, groups: list[tuple[Any, ...]]) -> list[_Unit]:
         """The compressed layers as plan units: each q/k/v or gate/up group whose members are all compressed
@@ -236,12 +370,9 @@ class LinearPlanner:
         return list(dict.fromkeys(u.key + (rows,) for u in self.units))
 
     def group_route(self, group: tuple[Any, ...]) -> Route | None:
-        """The route of ``group`` (q/k/v or gate/up) where it runs as one unit's copy (one GEMM / launch), else None."""
-        unit = self.unit_of.get(id(group[0]))
-        if id(group[0]) in self.fused or unit is None or len(unit.mods) != len(group):
-            return None
-        route = self.route.get(id(group[0]))
-        return route if route is not None and route[1] is not None else None
+        """The route of ``group`` (q/k/v or gate/up) where it runs as one GEMM / launch in this pass, else None."""
+        call = self.group_calls.get(id(group[0]))
+        return None if call is None else call.route
 
     def linear(self, mod: Any, x: torch.Tensor) -> torch.Tensor:
         """``mod(x)`` through the copy that serves ``mod`` in this pass (its own forward where none does)."""
@@ -255,54 +386,88 @@ class LinearPlanner:
         """The outputs of ``group``'s members (q/k/v or gate/up) for ``x [..., K]``: one GEMM / launch of the
         group's copy where it has one, else one per member. ``x_fp8``: ``x``'s rows already quantized, for an
         FP8 copy of the group (see :func:`run_copy`)."""
-        fused = self.fused.get(id(group[0]))
-        route = self.group_route(group)
-        if route is not None:  # one GEMM / launch of the members' copy
-            unit = self.unit_of[id(group[0])]
-            return list(run_copy(route, x, unit.bias, x_fp8).split(unit.sizes, dim=-1))
-        if fused is None:
+        call = self.group_calls.get(id(group[0]))
+        if call is None:  # a compressed group whose members run their own packed weights, or a mixed one
             return [self.linear(m, x) for m in group]
-        w, b, sizes = fused
-        return list(F.linear(x, w, b).split(sizes, dim=-1))
+        return list(run_copy(call.route, x, call.bias, x_fp8).split(call.sizes, dim=-1))
 
     def force(self, choice: LinearChoice | None) -> None:
         """Serve every unit as ``choice`` at every bucket from now on, unplanned (None: the measured plan again)."""
         self.forced = None if choice is None else LinearChoice(choice)
-        self.route, self.routed_rows = {}, None
+        self._set_route({}, None)
 
     def route_bucket(self, rows: int) -> None:
-        """For every compressed unit, time its candidate formats at ``rows`` rows (graph-replayed) once per
-        unit shape and route the unit's calls accordingly for the pass that follows (a step being captured,
-        a prefill or a tree pass: eager ones plan at their row count's power-of-two bucket)."""
+        """Route every compressed unit's calls for the pass that follows (a step being captured, a prefill or a
+        tree pass: eager ones plan at their row count's power-of-two bucket) by the plan's choice at ``rows``
+        rows: a saved or earlier choice, else its candidates timed now (graph-replayed, CUDA; the bucket's
+        choices are then saved). On a CPU nothing is timed: units the plan has no choice for keep their own
+        forward (a given plan only)."""
         if not self.units or rows == self.routed_rows:  # the routing depends on the bucket alone
             return
+        if self.forced is None and self.device.type == "cuda":
+            self._plan_bucket(rows)
         route: dict[int, Route] = {}
         planned = True
         for unit in self.units:
             key = unit.key + (rows,)
             if self.forced is not None:
                 choice = self._forced_choice(unit)
-            else:
-                if key not in self.plan.choice:
-                    if self.device.type != "cuda":  # nothing to time without graphs: a given plan only
-                        planned = False
-                        continue
-                    self.time_unit(unit, key, rows)
+            elif key in self.plan.choice:
                 choice = LinearChoice(self.plan.choice[key])
-            if choice is LinearChoice.PACKED:
-                copy_ = self._packed_copy(unit)  # None: the members run their own packed weights
             else:
-                copy_ = self.copies.get((id(unit.mods[0]), choice))
-                if copy_ is None:  # a given plan, another unit of the same shape, or a forced format
-                    copy_ = self._make_copy(unit, choice, self._unit_weight(unit))
-                    if copy_ is None:
-                        raise RuntimeError(f"the plan serves {key[:3]} at {rows} rows as a {choice.value} copy, "
-                                           "which this device cannot build")
-            if copy_ is not None:
-                self.copies[(id(unit.mods[0]), choice)] = copy_
-            route[id(unit.mods[0])] = (choice, copy_)
-        self.route = route
-        self.routed_rows = rows if planned else None
+                planned = False
+                continue
+            route[id(unit.mods[0])] = (choice, self._copy_for(unit, choice, rows))
+        self._set_route(route, rows if planned else None)
+
+    def warm(self, buckets: Iterable[int]) -> None:
+        """Route each of ``buckets`` (rows) once, before the work: their choices are planned (read from the saved
+        plan, else timed and saved) and their copies built, so no pass of the work pays either. The routing left
+        behind is the last bucket's; every pass routes its own before it runs."""
+        for rows in buckets:
+            self.route_bucket(rows)
+
+    def _plan_bucket(self, rows: int) -> None:
+        """Make sure the plan has a choice for every unit shape at ``rows`` rows: time the missing ones under the
+        saved plan's lock, after reading what another process saved meanwhile, and save the bucket's choices."""
+        missing = {u.key: u for u in self.units if u.key + (rows,) not in self.plan.choice}
+        if not missing:
+            return
+        with _plan_lock(self.plan_file):
+            read_saved_plan(self.plan_file, self._identity, self.plan, set(missing))
+            timed = [u for key, u in missing.items() if key + (rows,) not in self.plan.choice]
+            for unit in timed:
+                self.time_unit(unit, unit.key + (rows,), rows)
+            if timed:
+                save_plan(self.plan_file, self._identity, self.plan)
+
+    def _copy_for(self, unit: _Unit, choice: LinearChoice, rows: int) -> Any:
+        """The copy that serves ``unit`` as ``choice``: kept, else built now (None: a packed unit whose members run
+        their own weights). A plan read from disk builds its copies here, at a bucket's first routing: a
+        dequantization (plus a quantization for FP8), far cheaper than the timing it saves."""
+        if choice is LinearChoice.PACKED:
+            copy_ = self._packed_copy(unit)  # None: the members run their own packed weights
+        else:
+            copy_ = self.copies.get((id(unit.mods[0]), choice))
+            if copy_ is None:  # a saved or given plan, another unit of the same shape, or a forced format
+                copy_ = self._make_copy(unit, choice, self._unit_weight(unit))
+                if copy_ is None:
+                    raise RuntimeError(f"the plan serves {unit.key} at {rows} rows as a {choice.value} copy, "
+                                       "which this device cannot build")
+        if copy_ is not None:
+            self.copies[(id(unit.mods[0]), choice)] = copy_
+        return copy_
+
+    def _set_route(self, route: dict[int, Route], rows: int | None) -> None:
+        """Make ``route`` the pass's routing (planned for ``rows``; None: not a whole bucket's) and rebuild
+        :attr:`group_calls`: the dense groups, and each multi-member unit that runs one copy of its members."""
+        self.route, self.routed_rows = route, rows
+        calls = dict(self.fused)
+        for key, (choice, copy_) in route.items():
+            unit = self.unit_of[key]
+            if len(unit.mods) > 1 and copy_ is not None:
+                calls[key] = GroupCall((choice, copy_), unit.bias, unit.sizes)
+        self.group_calls = calls
 
     # -------------------------------------------------------------- copies, candidates, timing
     def _unit_weight(self, unit: _Unit) -> torch.Tensor:
@@ -414,5 +579,7 @@ class LinearPlanner:
         return choice
 
 
-__all__ = ["LinearPlanner", "LinearPlan", "LinearChoice", "FP8_CHOICES", "DEFAULT_LINEAR_FORMATS", "SPARSE_MIN_ROWS",
-           "SPARSE_PATTERNS", "FP8_MAX_REL_ERROR", "FP8_MIN_SPEEDUP", "semi_structured_copy", "run_copy", "group_bias"]
+__all__ = ["LinearPlanner", "LinearPlan", "LinearChoice", "GroupCall", "FP8_CHOICES", "DEFAULT_LINEAR_FORMATS",
+           "SPARSE_MIN_ROWS", "SPARSE_PATTERNS", "FP8_MAX_REL_ERROR", "FP8_MIN_SPEEDUP", "PLAN_FILE_VERSION",
+           "semi_structured_copy", "run_copy", "group_bias", "plan_identity", "plan_path", "read_saved_plan",
+           "save_plan"]
