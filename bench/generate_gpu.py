@@ -12,15 +12,17 @@ A benchmark script, not a test. In one run (``--phase all``, the default):
    index (``adbatch.index.build.build_index``, FAISS k-means); ``--requests`` requests (``request_id,
    query``: the example queries and word spans of the ads); and the ``verify=auto`` cost-model
    calibration, so both timed runs load the same saved one (it decides which beams are verified).
-2. **library**: ``adbatch.serving.generators.TargetGenerator`` in this process, batches of ``--batch-size``
-   (default: the job's, by device: 1,024 on a GPU, 8 on CPU) over the requests sorted by
-   ``request_id``, across partitions: the batches the job forms.
+2. **library**: ``adbatch.serving.generators.TargetGenerator`` in this process, model calls of ``--batch-size``
+   (default: the job's, by device: 1,024 on a GPU, 8 on CPU), called on the job's blocks
+   (``BLOCK_BATCHES`` batches, ``adbatch.serving.generators.block_rows``) over the requests sorted by
+   ``request_id``, across partitions: the blocks the job forms.
    Timed end to end (model + index load included) and generation only.
 3. **cli**: ``python -m jobs.cli generate --task targets ...`` (``jobs.cli:main``, the ``adbatch``
    console script's entry) as a subprocess: local Ray, ``ActorPoolStrategy(size=1)``, ``num_gpus=1``
    when Ray sees a GPU (pipelines/generate.py ``_actor_resources``; the log line that says what the
-   actor got is echoed). ``--partition-size`` is picked so that batches and Ray's blocks line up
-   (a multiple of the batch dividing the requests, else 256: four blocks to a GPU batch of 1,024).
+   actor got is echoed). The job cuts its blocks across partitions, as the library run does, so any
+   ``--partition-size`` gives both runs the same blocks (default: a multiple of the batch dividing the requests,
+   else 256).
 4. **compare**: requests/s of both, their ratio, and whether every request got the same top-10 ad
    ids in the same order (per request, and one sha256 over all of them).
 
@@ -28,9 +30,11 @@ A benchmark script, not a test. In one run (``--phase all``, the default):
 Zipf(``--zipf``) from a pool of ``--pool`` distinct queries (the example queries at the head ranks, then
 distinct ad spans; the ranks drawn by bench/scale_set.py's ``zipf_cdf`` / ``zipf_ranks``), then, in a fresh
 process, the library run of step 2 ``--repeat`` times with ``GenerateConfig.answer_cache=0`` (every request
-decoded) and as often with the default cache (each distinct query decoded once), alternating: requests,
-distinct queries, ``stats()["decoded"]``, median wall seconds and requests/s of each, their ratio, and
-whether every run gave every request the same top-10 ad ids. ``--smoke`` adds a small one (1 run each)
+decoded), as often with the default cache on the job's blocks (each distinct query decoded once, packed into
+full model calls), and as often with the default cache on blocks of one batch (the job's Ray batch before blocks:
+the dedup leaves the calls short), rotating: requests, distinct queries, ``stats()["decoded"]``, the model calls
+and their fill (mean queries per model call), median wall seconds and requests/s of each, the cached/off ratio,
+and whether every run gave every request the same top-10 ad ids. ``--smoke`` adds a small one (1 run each)
 after its CLI check.
 
 ``--deadline-s S`` (from ``$BENCH_T0``, the command's start, if set): when the library run would
@@ -399,7 +403,6 @@ def run_library(args: argparse.Namespace, work: Path, state: dict[str, Any], dea
     from adbatch.serving.requests import GenerateTask, RequestValidationConfig, validate_requests
 
     model = state["model"]
-    part = state["partition_size"]
     t0 = _now()
     gen = TargetGenerator(ModelSpec(model=model), work / "index", search_config(args),
                           GenerateConfig(batch_size=args.batch_size, device=device_choice(args),
@@ -413,10 +416,12 @@ def run_library(args: argparse.Namespace, work: Path, state: dict[str, Any], dea
     next_log = max(1, n // 10)
     batch_size = gen.batch_size  # the job's: --batch-size, else by device (adbatch.serving.generators)
     state["batch_size"] = batch_size
-    log.info("library: %s on %s, %d requests, batch %d", type(gen).__name__, gen.device, n, batch_size)
-    # the job's batches: consecutive requests in request_id order, across partitions (as Ray's)
+    state["block_rows"] = gen.block_rows
+    log.info("library: %s on %s, %d requests, batch %d, blocks of %d", type(gen).__name__, gen.device, n, batch_size,
+             gen.block_rows)
+    # the job's blocks: consecutive requests in request_id order, across partitions (as Ray's)
     while done < n:
-        batch = accepted.slice(done, gen.batch_size)
+        batch = accepted.slice(done, gen.block_rows)
         t = _now()
         answers.append(gen(batch))
         gen_s += _now() - t
@@ -424,9 +429,9 @@ def run_library(args: argparse.Namespace, work: Path, state: dict[str, Any], dea
         if done >= next_log:
             log.info("library: %d/%d requests, %.2f req/s (generation)", done, n, done / gen_s)
             next_log += max(1, n // 10)
-        if _now() > deadline and done < n and done % part == 0:
+        if _now() > deadline and done < n:
             stopped = True
-            log.warning("library: stopping after %d of %d requests (a partition boundary) to leave the "
+            log.warning("library: stopping after %d of %d requests (a block boundary) to leave the "
                         "CLI run its share of --deadline-s", done, n)
             break
     total_s = _now() - t0
@@ -450,10 +455,11 @@ def run_library(args: argparse.Namespace, work: Path, state: dict[str, Any], dea
 
 
 def _library_pass(args: argparse.Namespace, work: Path, state: dict[str, Any], accepted: pa.Table,
-                  answer_cache: int) -> tuple[dict[str, Any], dict[str, list[str]]]:
+                  answer_cache: int, one_batch_blocks: bool = False) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """One library run as :func:`run_library` times it (a fresh ``TargetGenerator``, so an empty answer cache;
-    the job's batches over the requests in ``request_id`` order), with ``GenerateConfig.answer_cache =
-    answer_cache``: (its timings and ``stats()``, each request's top-k ad ids)."""
+    the job's blocks over the requests in ``request_id`` order, or with ``one_batch_blocks`` blocks of one model
+    batch, the job's Ray batch before blocks), with ``GenerateConfig.answer_cache = answer_cache``: (its timings
+    and ``stats()``, each request's top-k ad ids)."""
     import torch
 
     from adbatch.serving.generators import GenerateConfig, ModelSpec, TargetGenerator
@@ -464,8 +470,9 @@ def _library_pass(args: argparse.Namespace, work: Path, state: dict[str, Any], a
                                          max_query_tokens=args.max_query_tokens, answer_cache=answer_cache))
     load_s = _now() - t0
     n, done, gen_s, answers = accepted.num_rows, 0, 0.0, []
+    block = gen.batch_size if one_batch_blocks else gen.block_rows
     while done < n:
-        batch = accepted.slice(done, gen.batch_size)
+        batch = accepted.slice(done, block)
         t = _now()
         answers.append(gen(batch))
         gen_s += _now() - t
@@ -480,64 +487,84 @@ def _library_pass(args: argparse.Namespace, work: Path, state: dict[str, Any], a
     top = search_config(args).top_k
     ids = {r: list(a or [])[:top] for r, a in zip(table.column("request_id").to_pylist(),
                                                    table.column("ad_ids").to_pylist())}
-    return {"answer_cache": answer_cache, "requests": n, "decoded": stats["decoded"], "load_s": round(load_s, 3),
+    return {"answer_cache": answer_cache, "block_rows": block, "requests": n, "decoded": stats["decoded"],
+            "model_calls": stats["model_calls"], "model_call_fill": stats["model_call_fill"],
+            "load_s": round(load_s, 3),
             "generate_s": round(gen_s, 3), "end_to_end_s": round(total_s, 3),
             "errors": int(sum(e is not None for e in table.column("error").to_pylist())),
             "generator_stats": stats}, ids
 
 
+#: the --repeats zipf settings: (name, answer cache on, blocks of one model batch)
+CACHE_SETTINGS = (("off", False, False), ("one-batch blocks", True, True), ("blocks", True, False))
+
+
 def run_cache(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> None:
-    """The answer cache on Zipf-repeated requests: ``--repeat`` library runs with ``answer_cache=0`` (every
-    request decoded) and as many with the library's default, alternating and swapping which goes first (so a
-    busy neighbour on a shared machine slows both alike, and the process's first, cold run is one of
-    ``answer_cache=0``'s, outside its median from 3 runs); each setting's median times, and whether every run
-    gave every request the same ad ids."""
+    """The answer cache on Zipf-repeated requests: ``--repeat`` library runs of each of :data:`CACHE_SETTINGS` --
+    ``answer_cache=0`` (every request decoded); the library's default cache on blocks of one model batch (the job's
+    Ray batch before blocks); the default cache on the job's blocks (``BLOCK_BATCHES`` batches: the distinct misses
+    packed into full model calls) -- rotating which goes first (so a busy neighbour on a shared machine slows all
+    alike, and the process's first, cold run is one of ``answer_cache=0``'s, outside its median from 3 runs); each
+    setting's median times, its model calls and their fill (mean queries per call), and whether every run gave
+    every request the same ad ids."""
     from adbatch.serving.generators import GenerateConfig
     from adbatch.serving.requests import GenerateTask, RequestValidationConfig, validate_requests
 
     accepted = validate_requests(work / "requests_zipf.parquet", GenerateTask.TARGETS,
                                  RequestValidationConfig()).accepted  # sorted by request_id, as the job
     distinct = len(set(accepted.column("query").to_pylist()))
-    settings = (0, GenerateConfig().answer_cache)
-    runs: dict[int, list[dict[str, Any]]] = {c: [] for c in settings}
-    ids: dict[int, list[dict[str, list[str]]]] = {c: [] for c in settings}
-    log.info("answer cache: %d requests (%d distinct queries), answer_cache %s, %d run(s) each",
-             accepted.num_rows, distinct, " vs ".join(f"{c:,}" for c in settings), args.repeat)
+    default_cache = GenerateConfig().answer_cache
+    names = [name for name, _, _ in CACHE_SETTINGS]
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
+    ids: dict[str, list[dict[str, list[str]]]] = {k: [] for k in names}
+    log.info("answer cache: %d requests (%d distinct queries), %s, %d run(s) each", accepted.num_rows, distinct,
+             " vs ".join(names), args.repeat)
     for rep in range(args.repeat):
-        for c in settings if rep % 2 == 0 else settings[::-1]:  # off first, then on first, ...: the cold run is off's
-            res, got = _library_pass(args, work, state, accepted, c)
-            runs[c].append(res)
-            ids[c].append(got)
-            log.info("answer cache: run %d/%d answer_cache=%d: %d decoded, generation %.2f s (%.2f req/s), "
-                     "load %.2f s", rep + 1, args.repeat, c, res["decoded"], res["generate_s"],
-                     res["requests"] / max(res["generate_s"], 1e-9), res["load_s"])
-    ref = ids[0][0]
+        k = rep % len(CACHE_SETTINGS)
+        for name, cached, one_batch in CACHE_SETTINGS[k:] + CACHE_SETTINGS[:k]:  # the cold first run is off's
+            res, got = _library_pass(args, work, state, accepted, default_cache if cached else 0, one_batch)
+            res["setting"] = name
+            runs[name].append(res)
+            ids[name].append(got)
+            log.info("answer cache: run %d/%d %s (answer_cache=%d, blocks of %d): %d decoded in %d model calls "
+                     "(%.1f a call), generation %.2f s (%.2f req/s), load %.2f s", rep + 1, args.repeat, name,
+                     res["answer_cache"], res["block_rows"], res["decoded"], res["model_calls"],
+                     res["model_call_fill"], res["generate_s"], res["requests"] / max(res["generate_s"], 1e-9),
+                     res["load_s"])
+    ref = ids["off"][0]
     rids = sorted(ref)
     rows = []
-    for c in settings:
-        gen_s = float(np.median([r["generate_s"] for r in runs[c]]))
-        e2e_s = float(np.median([r["end_to_end_s"] for r in runs[c]]))
-        n = runs[c][0]["requests"]
-        rows.append({"answer_cache": c, "requests": n, "distinct_queries": distinct,
-                     "decoded": runs[c][0]["decoded"], "decoded_all_runs": sorted({r["decoded"] for r in runs[c]}),
-                     "errors": max(r["errors"] for r in runs[c]),
+    for name in names:
+        gen_s = float(np.median([r["generate_s"] for r in runs[name]]))
+        e2e_s = float(np.median([r["end_to_end_s"] for r in runs[name]]))
+        first = runs[name][0]
+        n = first["requests"]
+        rows.append({"setting": name, "answer_cache": first["answer_cache"], "block_rows": first["block_rows"],
+                     "requests": n, "distinct_queries": distinct,
+                     "decoded": first["decoded"], "decoded_all_runs": sorted({r["decoded"] for r in runs[name]}),
+                     "model_calls": first["model_calls"], "model_call_fill": first["model_call_fill"],
+                     "errors": max(r["errors"] for r in runs[name]),
                      "generate_s_median": round(gen_s, 3), "end_to_end_s_median": round(e2e_s, 3),
-                     "load_s_median": round(float(np.median([r["load_s"] for r in runs[c]])), 3),
+                     "load_s_median": round(float(np.median([r["load_s"] for r in runs[name]])), 3),
                      "requests_per_s_generate": round(n / gen_s, 3) if gen_s else 0.0,
                      "requests_per_s_end_to_end": round(n / e2e_s, 3) if e2e_s else 0.0})
-    same_cached = sum(ref[r] == ids[settings[1]][0].get(r) for r in rids)
-    all_same = all(got == ref for c in settings for got in ids[c])
+    by = {r["setting"]: r for r in rows}
+
+    def ratio(a: str, b: str, key: str) -> float | None:
+        return round(by[a][key] / by[b][key], 3) if by[b][key] else None
+
+    same_cached = sum(ref[r] == ids["blocks"][0].get(r) for r in rids)
+    all_same = all(got == ref for name in names for got in ids[name])
     # run to run: does a setting give the same ids each time (else a difference above is not the cache's alone)
-    stable = {str(c): all(got == ids[c][0] for got in ids[c]) for c in settings}
+    stable = {name: all(got == ids[name][0] for got in ids[name]) for name in names}
     state["cache"] = {
         "requests_file": str(work / "requests_zipf.parquet"), "zipf_requests": state.get("zipf_requests"),
         "repeat": args.repeat, "rows": rows, "runs": runs,
-        "ratio_generate": round(rows[1]["requests_per_s_generate"] / rows[0]["requests_per_s_generate"], 3)
-        if rows[0]["requests_per_s_generate"] else None,
-        "ratio_end_to_end": round(rows[1]["requests_per_s_end_to_end"] / rows[0]["requests_per_s_end_to_end"], 3)
-        if rows[0]["requests_per_s_end_to_end"] else None,
+        "ratio_generate": ratio("blocks", "off", "requests_per_s_generate"),
+        "ratio_end_to_end": ratio("blocks", "off", "requests_per_s_end_to_end"),
+        "ratio_blocks_vs_one_batch_generate": ratio("blocks", "one-batch blocks", "requests_per_s_generate"),
         "same_ad_ids_off_vs_cached": same_cached, "all_runs_identical": all_same, "each_setting_stable": stable,
-        "sha256": {str(c): [_digest(g) for g in ids[c]] for c in settings},
+        "sha256": {name: [_digest(g) for g in ids[name]] for name in names},
     }
 
 
@@ -774,7 +801,7 @@ def report(state: dict[str, Any]) -> str:
     lines = ["", "=== adbatch generate --task targets: library vs CLI (Ray Data, 1 actor) ==="]
     lines.append(f"model: {state.get('model_desc')}  | device: {state.get('env', {}).get('cuda') or 'cpu'}"
                  f" (Ray detects {state.get('env', {}).get('ray_detects_gpus')} GPU)"
-                 f"  | batch {state.get('batch_size')}, partition {state.get('partition_size')}"
+                 f"  | batch {state.get('batch_size')}, block {state.get('block_rows')}, partition {state.get('partition_size')}"
                  f"  | verify {state.get('verify')}")
     c = state.get("index_counts") or {}
     lines.append(f"index: {c.get('ads_indexed')} ads, {c.get('trie_nodes')} trie nodes, depth {c.get('trie_max_depth')}"
@@ -827,22 +854,25 @@ def report(state: dict[str, Any]) -> str:
         lines += ["", f"=== answer cache: library TargetGenerator, answer_cache=0 vs default, Zipf({z.get('zipf')}) "
                       f"requests from a pool of {z.get('pool', 0):,} queries (top 1% of the drawn queries: "
                       f"{100 * z.get('top1pct_share', 0):.1f}% of requests) ===",
-                  f"median of {cache['repeat']} run(s) each, alternating; generate = the batches' wall time, "
-                  f"end to end = + model and index load",
+                  f"median of {cache['repeat']} run(s) each, rotating; rows: off, the cache on blocks of one model "
+                  f"batch (the job's Ray batch before blocks), the cache on the job's blocks; generate = the blocks' "
+                  f"wall time, end to end = + model and index load; queries per call = the model calls' fill",
                   "| answer_cache | requests | distinct queries | decoded | generate s | req/s | end-to-end s "
-                  "| req/s end to end | errors |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| req/s end to end | errors | block | model calls | queries per call |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in cache["rows"]:
             lines.append(f"| {r['answer_cache']:,} | {r['requests']:,} | {r['distinct_queries']:,} | {r['decoded']:,} "
                          f"| {r['generate_s_median']:.2f} | {r['requests_per_s_generate']:.2f} "
-                         f"| {r['end_to_end_s_median']:.2f} | {r['requests_per_s_end_to_end']:.2f} | {r['errors']} |")
+                         f"| {r['end_to_end_s_median']:.2f} | {r['requests_per_s_end_to_end']:.2f} | {r['errors']} "
+                         f"| {r.get('block_rows', 0):,} | {r.get('model_calls', 0):,} | {r.get('model_call_fill', 0):.1f} |")
         n = cache["rows"][0]["requests"]
-        lines.append(f"ratio cached/off req/s: generate {cache['ratio_generate']}, end to end {cache['ratio_end_to_end']}")
+        lines.append(f"ratio cached (blocks) / off req/s: generate {cache['ratio_generate']}, end to end "
+                     f"{cache['ratio_end_to_end']}; blocks / one-batch blocks, generate "
+                     f"{cache.get('ratio_blocks_vs_one_batch_generate')}")
         lines.append(f"ad ids per request, answer_cache=0 vs cached: {'IDENTICAL' if cache['all_runs_identical'] else 'DIFFERENT'}"
                      f" - same in order {cache['same_ad_ids_off_vs_cached']}/{n} (first run of each); every run "
                      f"of a setting the same as its first: "
-                     + ", ".join(f"answer_cache={int(c):,} {'yes' if ok else 'NO'}"
-                                 for c, ok in (cache.get("each_setting_stable") or {}).items()))
+                     + ", ".join(f"{c} {'yes' if ok else 'NO'}" for c, ok in (cache.get("each_setting_stable") or {}).items()))
     return "\n".join(lines)
 
 
@@ -920,18 +950,15 @@ def main(argv: list[str] | None = None) -> int:
 
     state_file = work / "state.json"
     state: dict[str, Any] = _read_json(state_file) or {} if args.phase != "all" else {}
-    from adbatch.serving.generators import default_batch_size
+    from adbatch.serving.generators import block_rows, default_batch_size
 
     import torch
 
     planned = args.batch_size or default_batch_size(
         "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
-    state.update(batch_size=planned, verify=search_config(args).verify.value,
+    state.update(batch_size=planned, block_rows=block_rows(planned), verify=search_config(args).verify.value,
                  partition_size=args.partition_size or auto_partition_size(args.requests, planned),
                  env=environment(), args=vars(args))
-    if planned % state["partition_size"] and state["partition_size"] % planned:
-        log.warning("partition size %d: Ray's blocks will not hold whole batches at the library's offsets; "
-                    "the two runs may batch requests differently", state["partition_size"])
     try:
         if args.phase in ("all", "prepare") or "model" not in state:
             prepare(args, work, state)

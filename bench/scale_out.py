@@ -320,11 +320,14 @@ def phase_train(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> 
 
 
 def kill_batch_size(accepted: int, actors: int, default: int) -> int | None:
-    """None (the job's default batch) when it gives every actor at least two batches, else the largest
-    size that gives three per actor (the fault hook fires on an actor's second batch)."""
-    if accepted >= 2 * actors * default:
+    """None (the job's default batch) when it gives every actor at least two blocks, else the largest
+    batch whose blocks give three per actor (the fault hook fires on an actor's second call, and an actor call
+    maps a block of ``BLOCK_BATCHES`` batches: adbatch.serving.generators.block_rows)."""
+    from adbatch.serving.generators import BLOCK_BATCHES, block_rows
+
+    if accepted >= 2 * actors * block_rows(default):
         return None
-    return max(1, accepted // (3 * actors))
+    return max(1, accepted // (3 * actors * BLOCK_BATCHES))
 
 
 def phase_kill(args: argparse.Namespace, work: Path, state: dict[str, Any]) -> None:

@@ -8,8 +8,10 @@
 2. Partition deterministically: the accepted rows sorted by ``request_id``, cut into fixed-size
    chunks of ``partition_size``; chunk ``i`` is ``_work/requests/part-i.parquet``. The same input
    and config always give the same partitions, which is what makes resuming exact.
-3. ``ray.data.from_arrow(<pending chunks>)`` -> ``map_batches(GeneratorActor, compute=actor pool
-   of concurrency, num_gpus=1 when the cluster has GPUs else CPU actors)``; the actor wraps
+3. ``ray.data.from_arrow(<pending chunks, cut into blocks>)`` -> ``map_batches(GeneratorActor, batch_size=block,
+   compute=actor pool of concurrency, num_gpus=1 when the cluster has GPUs else CPU actors)``: a block is
+   ``BLOCK_BATCHES`` model batches (:func:`adbatch.serving.generators.block_rows`), inside which the generator packs
+   the distinct uncached queries into full model calls; the actor wraps
    :class:`adbatch.serving.generators.TargetGenerator` / :class:`CreativeGenerator` (loaded once).
    Actors restart and their tasks retry when a worker dies (``max_restarts`` /
    ``max_task_retries``), so a lost actor loses no request.
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_manifest, claim_output,
@@ -44,9 +47,9 @@ from adbatch.artifacts import (MANIFEST_NAME, ArtifactKind, StageTimer, build_ma
 from adbatch.config import LOG_FORMAT, ConfigBase, ConfigError
 from adbatch.decoding import CreativeConfig, FusionMode, TargetSearchConfig
 from adbatch.index.dense import DenseBackend
-from adbatch.serving.generators import (DEFAULT_ANSWER_CACHE, DEFAULT_BATCH_SIZE, CreativeGenerator, DeviceChoice,
-                                       GenerateConfig, ModelSpec, TargetGenerator, answers_to_output,
-                                       check_model_index, default_batch_size, generator_fingerprint)
+from adbatch.serving.generators import (BLOCK_BATCHES, BLOCK_STATS, DEFAULT_ANSWER_CACHE, DEFAULT_BATCH_SIZE,
+                                       CreativeGenerator, DeviceChoice, GenerateConfig, ModelSpec, TargetGenerator, answers_to_output,
+                                       block_rows, check_model_index, default_batch_size, generator_fingerprint)
 from adbatch.serving.requests import (REJECTED_SCHEMA, GenerateTask, RequestValidationConfig, list_request_files,
                                       output_schema, validate_requests)
 from pipelines.stage import StageContract
@@ -93,7 +96,8 @@ class GenerateJobConfig(ConfigBase):
     concurrency: int = dataclasses.field(default=1, metadata={"help": "generation actors (one model each)"})
     batch_size: int | None = dataclasses.field(
         default=None, metadata={"help": "requests per model call (halved on out-of-memory); default by the "
-                                        "actors' device: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_BATCH_SIZE.items())})
+                                        "actors' device: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_BATCH_SIZE.items())
+                                        + f"; each actor call maps a block of {BLOCK_BATCHES} batches"})
     partition_size: int = dataclasses.field(
         default=256, metadata={"help": "requests per output partition (the unit of resume)"})
     device: DeviceChoice = dataclasses.field(default=DeviceChoice.AUTO, metadata={"help": "auto | cpu | cuda"})
@@ -146,6 +150,11 @@ class GenerateJobConfig(ConfigBase):
     def decoding(self) -> ConfigBase:
         return self.targets if self.task is GenerateTask.TARGETS else self.creatives
 
+    def model_batch_size(self, device: str) -> int:
+        """Requests per model call of a generator on ``device`` ("cuda" / "cpu"): ``batch_size``, else the
+        device's default -- what the generator itself picks (:class:`adbatch.serving.generators.GenerateConfig`)."""
+        return self.batch_size or default_batch_size(device)
+
     def generate_config(self, num_threads: int = 0) -> GenerateConfig:
         return GenerateConfig(batch_size=self.batch_size, device=self.device, num_threads=num_threads,
                               max_query_tokens=self.max_query_tokens, dense_backend=self.dense_backend,
@@ -178,7 +187,12 @@ class GeneratorActor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         self.calls += 1
         _maybe_inject_fault(self.calls)
-        return self.generator(batch)
+        out = self.generator(batch)
+        s = self.generator.stats()
+        log.info("generation actor pid %d: block %d (%d requests) in %.2f s; so far %d requests, %d decoded in %d "
+                 "model calls (%.1f a call)", os.getpid(), self.calls, batch.num_rows, out.column("batch_seconds")[0].as_py()
+                 if out.num_rows else 0.0, s["requests"], s["decoded"], s["model_calls"], s["model_call_fill"])
+        return out
 
 
 def _maybe_inject_fault(calls: int) -> None:
@@ -291,7 +305,7 @@ def _write_work_partitions(accepted: pa.Table, layout: Layout, size: int) -> lis
 def _commit_partition(layout: Layout, task: GenerateTask, i: int, answers: pa.Table) -> dict[str, Any]:
     """Write partition ``i``'s output and rejected rows atomically, then its completion record."""
     out_table, rejected = answers_to_output(task, answers.drop_columns(
-        [c for c in ("partition", "batch_seconds") if c in answers.column_names]))
+        [c for c in ("partition", "batch_seconds", *BLOCK_STATS) if c in answers.column_names]))
     write_parquet_atomic(out_table, layout.part_file(i))
     write_parquet_atomic(rejected, layout.rejected_file(i))
     rec = {
@@ -304,6 +318,10 @@ def _commit_partition(layout: Layout, task: GenerateTask, i: int, answers: pa.Ta
         "requests_sha256": sha256_file(layout.work_file(i)),
         "batch_seconds": sorted(set(answers.column("batch_seconds").to_pylist()))
         if "batch_seconds" in answers.column_names else [],
+        # the model work of the blocks whose first row is in this partition (BLOCK_STATS): summed over partitions,
+        # each block counted once
+        **{name.removeprefix("block_"): int(pc.sum(answers.column(name)).as_py() or 0)
+           for name in BLOCK_STATS if name in answers.column_names},
         "committed_unix": time.time(),
     }
     # the record is written last: its presence means the partition is complete
@@ -323,8 +341,6 @@ class _PartitionCollector:
 
     def add(self, batch: pa.Table) -> None:
         for i in sorted(set(batch.column("partition").to_pylist())):
-            import pyarrow.compute as pc
-
             part = batch.filter(pc.equal(batch.column("partition"), i))
             if i in self.records:
                 # re-emitted answers of a partition already committed: committing it again would
@@ -352,6 +368,26 @@ class _PartitionCollector:
                                f"({len(missing)} in all); re-run to resume them")
 
 
+def request_blocks(tables: Iterable[pa.Table], rows: int) -> Iterator[pa.Table]:
+    """The rows of ``tables``, in order, cut into blocks of ``rows`` (the last one shorter): blocks span
+    partitions, and a partition commits once all its rows are back. Reads the tables one at a time, carrying a
+    partial block into the next; each block is one contiguous table (its own buffers, not a view of a larger one)."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    carry: list[pa.Table] = []
+    held = 0
+    for table in tables:
+        carry.append(table)
+        held += table.num_rows
+        while held >= rows:
+            joined = pa.concat_tables(carry)
+            yield joined.slice(0, rows).combine_chunks()
+            rest = joined.slice(rows)
+            carry, held = ([rest] if rest.num_rows else []), rest.num_rows
+    if held:
+        yield pa.concat_tables(carry).combine_chunks()
+
+
 def _iter_local(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> Iterator[pa.Table]:
     from tqdm.auto import tqdm
 
@@ -360,18 +396,18 @@ def _iter_local(config: GenerateJobConfig, layout: Layout, pending: list[int]) -
     total = sum(pq.read_metadata(layout.work_file(i)).num_rows for i in pending)
     with tqdm(total=total, desc=f"generate {config.task.value}", unit="req",
               disable=not config.progress) as bar:
-        # batches may span partitions (as Ray's do): a partition commits once all its rows are back;
-        # partitions are read one at a time, a partial batch carried into the next
-        carry = None
-        for n, i in enumerate(pending):
-            table = pq.read_table(layout.work_file(i))
-            carry = table if carry is None else pa.concat_tables([carry, table])
-            last = n == len(pending) - 1
-            while carry.num_rows and (carry.num_rows >= gen.batch_size or last):
-                batch = carry.slice(0, gen.batch_size)   # the generator's: by device, halved on OOM
-                yield gen(batch)
-                bar.update(batch.num_rows)
-                carry = carry.slice(batch.num_rows)
+        # the blocks Ray's actors get (block_rows of the generator's batch size), partitions read one at a time
+        for block in request_blocks((pq.read_table(layout.work_file(i)) for i in pending), gen.block_rows):
+            yield gen(block)
+            bar.update(block.num_rows)
+        log.info("generator: %s", gen.stats())
+
+
+def _actor_device(config: GenerateJobConfig, resources: dict[str, Any]) -> str:
+    """The device the actors' generators will pick (``DeviceChoice.AUTO``: CUDA when the actor gets a GPU)."""
+    if config.device is not DeviceChoice.AUTO:
+        return config.device.value
+    return "cuda" if resources.get("num_gpus") else "cpu"
 
 
 def _actor_resources(config: GenerateJobConfig) -> tuple[dict[str, Any], int]:
@@ -404,18 +440,22 @@ def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> 
     runtime_env = None
     if os.environ.get(FAULT_KILL_ENV):
         runtime_env = {"env_vars": {FAULT_KILL_ENV: os.environ[FAULT_KILL_ENV]}}
-    log.info("generate on Ray: %d actor(s), %s each, %d torch thread(s)", config.concurrency,
-             resources, threads)
-    # The request chunks are small and already validated by this driver: they enter the plan as one
-    # in-memory block per partition (ray.data.from_arrow), so partitions commit (and survive a driver
-    # crash) as they finish. read_parquet would add a file-listing task and read tasks that each need
-    # a whole CPU: on a one-CPU cluster they wait forever behind the actors.
-    ds = ray.data.from_arrow([pq.read_table(layout.work_file(i)) for i in pending])
+    batch = config.model_batch_size(_actor_device(config, resources))
+    rows = block_rows(batch)
+    log.info("generate on Ray: %d actor(s), %s each, %d torch thread(s); blocks of %d requests (%d model calls "
+             "of %d)", config.concurrency, resources, threads, rows, BLOCK_BATCHES, batch)
+    # The requests are small and already validated by this driver: they enter the plan in memory
+    # (ray.data.from_arrow), cut into blocks of block_rows -- one actor call each, its distinct uncached queries
+    # packed into full model calls -- and partitions commit (and survive a driver crash) as their blocks finish.
+    # read_parquet would add a file-listing task and read tasks that each need a whole CPU: on a one-CPU cluster
+    # they wait forever behind the actors. Blocks, not partitions: one ray.put and one task per 8 model calls
+    # (a 100,000-request run: 13 objects, not 391).
+    ds = ray.data.from_arrow(list(request_blocks((pq.read_table(layout.work_file(i)) for i in pending), rows)))
     ds = ds.map_batches(
         GeneratorActor,
         fn_constructor_args=(config.task, config.spec, str(config.index) if config.index else None,
                              config.decoding, config.generate_config(num_threads=threads)),
-        batch_size=config.batch_size or default_batch_size("cuda" if resources.get("num_gpus") else "cpu"),
+        batch_size=rows,  # = the input blocks: one block per actor call
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=config.concurrency),
         # a dead actor is restarted and its in-flight batch retried: no request is lost
@@ -561,9 +601,15 @@ def _generate_into(config: GenerateJobConfig, layout: Layout, validated: Any, id
         "duplicate_answers_dropped": collector.duplicates,
     }
     counts["rejected"] = counts["rejected_validation"] + counts["rejected_generation"]
+    decoded = sum(collector.records[i].get("decoded", 0) for i in collector.records)
+    model_calls = sum(collector.records[i].get("model_calls", 0) for i in collector.records)
     throughput = {
         "requests_run": run_requests,
         "requests_per_s": round(run_requests / gen_seconds, 4) if gen_seconds > 0 and run_requests else 0.0,
+        # the model's share of the work: requests it decoded (the rest: repeats answered from the actors' answer
+        # caches), its calls, and their mean size (the batch size when every call was full)
+        "decoded": decoded, "model_calls": model_calls,
+        "model_call_fill": round(decoded / model_calls, 2) if model_calls else 0.0,
         **_latency(batch_secs),
     }
     timings = {**timer.seconds, "total": time.perf_counter() - t_start}

@@ -24,11 +24,12 @@ def assets(tmp_path_factory):
     return {"model": tiny_model_dir(root), "index": tiny_index_dir(root)}
 
 
-def _cfg(assets, requests, out, executor):
-    return pg.GenerateJobConfig(task="targets", requests=requests, index=assets["index"],
-                                model=str(assets["model"]), out=out, executor=executor, batch_size=3,
-                                partition_size=6, concurrency=2, targets=SEARCH, device="cpu",
-                                progress=False)
+def _cfg(assets, requests, out, executor, **kw):
+    # batch 1: blocks of BLOCK_BATCHES (8) requests, so 24 requests are 3 blocks and one of the 2 actors gets a second
+    base = dict(task="targets", requests=requests, index=assets["index"], model=str(assets["model"]), out=out,
+                executor=executor, batch_size=1, partition_size=6, concurrency=2, targets=SEARCH, device="cpu",
+                progress=False)
+    return pg.GenerateJobConfig(**{**base, **kw})
 
 
 def test_actor_killed_mid_run_every_request_answered_once(ray_local, assets, tmp_path, monkeypatch):
@@ -49,3 +50,40 @@ def test_actor_killed_mid_run_every_request_answered_once(ray_local, assets, tmp
     ref = pq.read_table(tmp_path / "local_out" / "targets")
     order = [("request_id", "ascending"), ("rank", "ascending")]
     assert out.sort_by(order).column("ad_id").to_pylist() == ref.sort_by(order).column("ad_id").to_pylist()
+
+
+def test_ray_run_with_repeated_queries_writes_each_request_once(ray_local, assets, tmp_path):
+    """Requests whose queries repeat, on Ray (one actor; blocks of 8 batches of 3 = 24 requests, spanning
+    partitions of 5): each accepted request written once with its own rows, rejected rows kept, the model's calls
+    full but for each block's last (the manifest's counts), and the ranking the local executor gives."""
+    import json
+
+    import pyarrow as pa
+
+    from adbatch.serving.generators import BLOCK_BATCHES
+
+    pool = [f"{w} {v}" for w in ("lamp", "drill", "saw", "pipe") for v in ("bulb", "tile", "glue")]  # 12
+    queries = pool + pool[::-1] + ["hose door", "fence door", pool[0], "hose door", pool[3], "fence door"]
+    ids = [f"q{i:03d}" for i in range(30)]
+    req = tmp_path / "req.parquet"
+    pq.write_table(pa.table({"request_id": ids + ["bad"], "query": queries + [None]}), req)
+    res = pg.run_generate(_cfg(assets, req, tmp_path / "ray_out", "ray", batch_size=3, partition_size=5,
+                               concurrency=1))
+    assert res["counts"]["answered"] == 30 and res["counts"]["rejected"] == 1 and res["counts"]["partitions_run"] == 6
+    out = pq.read_table(tmp_path / "ray_out" / "targets")
+    keys = list(zip(out.column("request_id").to_pylist(), out.column("rank").to_pylist()))
+    assert len(keys) == len(set(keys)) == 30 * 3 and {k[0] for k in keys} == set(ids)
+    assert pq.read_table(tmp_path / "ray_out" / "rejected.parquet").column("request_id").to_pylist() == ["bad"]
+    # blocks of 24 and 6 requests: block one has 12 distinct queries (4 full calls), block two 2 new ones (1 call)
+    block = 3 * BLOCK_BATCHES
+    first, second = set(queries[:block]), set(queries[block:]) - set(queries[:block])
+    assert (len(first), len(second)) == (12, 2)
+    thr = res["throughput"]
+    assert (thr["decoded"], thr["model_calls"], thr["model_call_fill"]) == (14, 5, 2.8)
+    assert json.loads((tmp_path / "ray_out" / "manifest.json").read_text())["throughput"]["model_calls"] == 5
+
+    local = pg.run_generate(_cfg(assets, req, tmp_path / "local_out", "local", batch_size=3, partition_size=5))
+    assert local["throughput"]["model_calls"] == 5
+    ref = pq.read_table(tmp_path / "local_out" / "targets")
+    assert out.column("request_id").to_pylist() == ref.column("request_id").to_pylist()
+    assert out.column("ad_id").to_pylist() == ref.column("ad_id").to_pylist()

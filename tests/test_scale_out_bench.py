@@ -58,8 +58,10 @@ def test_utilisation_per_gpu_and_kill_batch():
     lines = ["10", "90", "30", "[N/A]", "20", "70", "99"]
     assert median_utilisation(lines, 2) == [25.0, 80.0]  # GPU 0: 10 30 20 99, GPU 1: 90 70
     assert median_utilisation([], 2) == [None, None]
-    assert kill_batch_size(10_000, 4, 1024) is None  # the default gives every actor two batches
-    assert kill_batch_size(48, 2, 1024) == 8 and kill_batch_size(2, 4, 8) == 1
+    # an actor call maps a block of BLOCK_BATCHES (8) batches: the default gives every actor two blocks
+    assert kill_batch_size(100_000, 4, 1024) is None
+    assert kill_batch_size(10_000, 4, 1024) == 104  # 10,000 // (3 blocks x 4 actors x 8)
+    assert kill_batch_size(480, 2, 1024) == 10 and kill_batch_size(2, 4, 8) == 1
 
 
 @pytest.mark.parametrize("task", ["targets", "creatives"])
