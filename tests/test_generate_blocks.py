@@ -268,3 +268,25 @@ def test_columnar_answers_to_output_refuses_ragged_lists():
                                     "scores": [-0.1, -0.2], "flags": [[]]}], schema=CREATIVE_ANSWER_SCHEMA)
     with pytest.raises(ValueError, match="'c0' has 2 headlines but flags"):
         answers_to_output(GenerateTask.CREATIVES, ragged)
+
+
+@pytest.mark.parametrize("overrides, tree", [({}, 0), ({"verify": "auto"}, 4096), ({"verify": "off", "fusion": "hybrid"},
+                                                                                       "score")])
+def test_the_generator_warms_its_engine_before_the_first_request(assets, monkeypatch, overrides, tree):
+    """Issue 60 item 4: a target generator routes its model's linear plan at every bucket of its passes when it
+    is built (prompts of up to max_query_tokens at its batch size; tree passes where it verifies or scores dense
+    candidates exactly), so no work batch pays the plan's timing."""
+    import adbatch.decoding.engine as engine
+    from adbatch.decoding.tree_verify import SCORE_PASS_TOKENS
+    from adbatch.serving.prompts import encode_targeting_prompt
+
+    calls = []
+    monkeypatch.setattr(engine, "warm_up_search", lambda model, config, q, p, t: calls.append((config, q, p, t)) or [])
+    search = TargetSearchConfig(**{**SEARCH, **overrides})
+    if search.fusion.value == "hybrid":  # the tiny index has no query embedder: the dense channel is stubbed out
+        monkeypatch.setattr("adbatch.index.dense.DenseRetriever", lambda *a, **k: object())
+        monkeypatch.setattr("adbatch.index.dense.tuned_query_embedder", lambda *a, **k: None)
+    gen = TargetGenerator(ModelSpec(model=str(assets["model"])), assets["index"], search,
+                          GenerateConfig(batch_size=4, device="cpu", max_query_tokens=12))
+    longest = len(encode_targeting_prompt(gen.tokenizer, "x " * 12, 12))
+    assert calls == [(search, 4, longest, SCORE_PASS_TOKENS if tree == "score" else tree)]
