@@ -140,11 +140,24 @@ def test_training_pairs_are_masked(default_tokenizer):
     ("", [CreativeFlag.LENGTH]),
     ("Tours tours and more tours for every single traveller in every town of the land", [CreativeFlag.LENGTH,
                                                                                          CreativeFlag.REPETITION]),
-    ("Business Insider Business Business Company", [CreativeFlag.REPETITION]),
+    ("Business Insider Business Business Company", [CreativeFlag.REPETITION, CreativeFlag.OFF_TOPIC]),
     ("<company> Tours", [CreativeFlag.PLACEHOLDER]),
+    # no word of the ad's: an invented name of common words (the example's sampled headline), a slogan of any ad
+    ("Grasshopper Tents for a Greener Future", [CreativeFlag.OFF_TOPIC]),
+    ("Luxury and luxury in a greener future", [CreativeFlag.OFF_TOPIC]),
+    ("Wanderlust!", []),  # one content word: too little to judge
+    ("Cruise Away", []),  # "Cruise" is the ad's "cruises"
 ])
 def test_creative_flags(headline, flags):
     assert creative_flags(headline, GALA, creative_prompt_text(GALA)) == flags
+
+
+def test_grounding_counts_the_content_words_the_ad_supports():
+    from adbatch.eval.truthfulness import grounding
+
+    assert grounding("Group Tours Worth Taking", GALA) == (2, 4)  # group, tours of group, tours, worth, taking
+    assert grounding("The Best of the Rest", GALA) == (0, 2)  # function words and short words do not count
+    assert grounding("", GALA) == (0, 0)
 
 
 def test_choose_keeps_passing_candidates_first_and_fills_with_flagged_ones():

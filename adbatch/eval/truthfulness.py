@@ -9,7 +9,7 @@ judges one headline against its ad's own fields, :func:`truthfulness` averages o
 (advertiser, title, description, industry, category, keywords, url), as lower-case words (``[A-Za-z0-9]``
 runs, possessive ``'s`` dropped), plus every two or three adjacent words written together ("Mann Corp"
 supports "MannCorp"; "e-liquid" supports "eLiquid"; "elscience.co.uk" supports "elscience"). A headline
-word is *supported* when its lower-case form, or that form without a plural ``s`` / ``es``, is in the support.
+word is *supported* when its lower-case form, that form without a plural ``s`` / ``es``, or with one, is in the support.
 
 **Entities a headline names** (each found word is one entity; :class:`EntityKind`):
 
@@ -145,7 +145,8 @@ class _Support:
     name: tuple[str, ...]  # the advertiser's words, lower case, connectors dropped
 
     def has(self, low: str) -> bool:
-        return any(v in self.words for v in _variants(low))
+        """``low`` or its singular is a word of the fields, or ``low`` is the singular of one ("cruise" of cruises)."""
+        return any(v in self.words for v in (*_variants(low), low + "s", low + "es"))
 
 
 def _support(ad: Mapping[str, Any], fields: Sequence[str]) -> _Support:
@@ -272,6 +273,16 @@ def check_headline(headline: str, ad: Mapping[str, Any], fields: Sequence[str] =
         elif _name_like(w, shouting, common) and not sup.has(lo):
             found[i] = Entity(raw[i], EntityKind.NAME)
     return HeadlineTruth(tuple(found[i] for i in sorted(found)), uses, name_right)
+
+
+def grounding(headline: str, ad: Mapping[str, Any], fields: Sequence[str] = AD_TEXT_FIELDS) -> tuple[int, int]:
+    """``(supported, content)``: how many of ``headline``'s content words (three or more characters, no function
+    word) the ad's own ``fields`` support (the module docstring's *supported*), of how many. A headline of two or
+    more content words none of which its ad supports is about something else ("Grasshopper Tents for a Greener
+    Future" for a travel agent): an invented name made of common words, or a slogan that fits any ad."""
+    sup = _support(ad, fields)
+    content = [w.lower() for w in _words(headline) if len(w) >= 3 and w.lower() not in _FUNCTION]
+    return sum(sup.has(w) for w in content), len(content)
 
 
 def truthfulness(headlines: Sequence[str], ads: Sequence[Mapping[str, Any]],
