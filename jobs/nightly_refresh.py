@@ -594,7 +594,7 @@ def _sample_lines(result: dict[str, Any], queries: int = 3, ads: int = 3) -> lis
                   for r in made[:ads]]
         flagged = sum(bool(r.get("flags")) for r in made)
         lines.append(f"  {flagged} of {len(made)} headlines flagged by the checks (invented entity, changed name, echo, "
-                     "copy, length, repetition; the flags column)")
+                     "copy, length, repetition, unfinished, off topic; the flags column)")
         known = [r for r in made if r["ad_id"] in ad_of]
         if known:
             heads = [r["headline"] for r in known]

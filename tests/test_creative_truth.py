@@ -147,6 +147,11 @@ def test_training_pairs_are_masked(default_tokenizer):
     ("Luxury and luxury in a greener future", [CreativeFlag.OFF_TOPIC]),
     ("Wanderlust!", []),  # one content word: too little to judge
     ("Cruise Away", []),  # "Cruise" is the ad's "cruises"
+    # cut by the token cap (the example at 16 new tokens); a place's abbreviation in capitals is no connector
+    ("Group tours for the lowest prices and on", [CreativeFlag.UNFINISHED]),
+    ("River Cruises, Group Tours-", [CreativeFlag.UNFINISHED]),
+    ("Group Tours from London &", [CreativeFlag.UNFINISHED]),
+    ("Group Tours from London, ON", [CreativeFlag.INVENTED_ENTITY]),  # ON: a name the ad lacks, not an open end
 ])
 def test_creative_flags(headline, flags):
     assert creative_flags(headline, GALA, creative_prompt_text(GALA)) == flags

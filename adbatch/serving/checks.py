@@ -17,6 +17,11 @@ fields and the prompt text the model read; each failed check is one :class:`Crea
 - ``repetition``: the same word twice in a row, a word pair twice, or a word of three or more letters that
   is no function word three times ("Business Insider Business Business");
 - ``placeholder``: a masking placeholder (``<company>``, ``<ent3>``) left that the ad has no text for;
+- ``unfinished``: it stops mid-phrase -- its last word is a connector or function word (:data:`_OPEN_ENDINGS`;
+  not written in capitals: "Guelph, ON" is a place) or it ends in a hyphen, comma, ampersand, colon, slash or
+  an open bracket: the decoder's token cap (``max_new_tokens``) cut it ("... for the lowest prices and on",
+  "Eco-Solvent, Hand-Sanitizers, Disinfectants-" in the example at 16 tokens); 1 of the slogan test set's 994
+  human headlines ends that way ("... to do business with");
 - ``off_topic``: two or more content words and not one of them in the ad's fields
   (:func:`adbatch.eval.truthfulness.grounding`): the invented names the entity rule cannot see because they are
   made of common words ("Grasshopper Tents for a Greener Future" for Gala Travels, a travel agent), and slogans
@@ -44,6 +49,9 @@ COPY_RUN_WORDS = 6
 MAX_WORDS = 12
 
 _FUNCTION = frozenset("a an the to for in on at by of with from your our my you we is are and or it its".split())
+#: last words that leave a headline open (a phrase the token cap cut): connectors, articles, prepositions, possessives
+_OPEN_ENDINGS = frozenset("a an the to for in on at by of with from and or & your our my".split())
+_OPEN_PUNCT = re.compile(r"[-,&:/(]\s*$")
 
 
 class CreativeFlag(str, enum.Enum):
@@ -56,6 +64,7 @@ class CreativeFlag(str, enum.Enum):
     LENGTH = "length"
     REPETITION = "repetition"
     PLACEHOLDER = "placeholder"
+    UNFINISHED = "unfinished"
     OFF_TOPIC = "off_topic"
 
 
@@ -70,6 +79,14 @@ def _repeats(words: Sequence[str]) -> bool:
         if len(w) >= 3 and w not in _FUNCTION:
             counts[w] = counts.get(w, 0) + 1
     return any(c >= 3 for c in counts.values())
+
+
+def _unfinished(headline: str) -> bool:
+    """Whether ``headline`` stops mid-phrase (the ``unfinished`` rule of the module docstring)."""
+    if _OPEN_PUNCT.search(headline):
+        return True
+    last = re.findall(r"[A-Za-z&']+", headline)[-1:]
+    return bool(last) and last[0].lower() in _OPEN_ENDINGS and not (len(last[0]) > 1 and last[0].isupper())
 
 
 def creative_flags(headline: str, ad: Mapping[str, Any], prompt_text: str) -> list[CreativeFlag]:
@@ -98,6 +115,8 @@ def creative_flags(headline: str, ad: Mapping[str, Any], prompt_text: str) -> li
         flags.add(CreativeFlag.REPETITION)
     if SLOT_PATTERN.search(headline):
         flags.add(CreativeFlag.PLACEHOLDER)
+    if words and _unfinished(headline):
+        flags.add(CreativeFlag.UNFINISHED)
     supported, content = grounding(headline, ad)
     if content >= 2 and not supported:
         flags.add(CreativeFlag.OFF_TOPIC)
