@@ -359,6 +359,7 @@ class _PartitionCollector:
             if len(seen) == self.expected[i]:
                 answers = pa.concat_tables(self.pending.pop(i)).sort_by("request_id")
                 self.records[i] = _commit_partition(self.layout, self.task, i, answers)
+                del self.seen[i]  # a committed partition's later copies are caught by records: hold no ids
                 log.info("partition %d committed (%d requests)", i, answers.num_rows)
 
     def check_complete(self) -> None:
@@ -427,6 +428,23 @@ def _actor_resources(config: GenerateJobConfig) -> tuple[dict[str, Any], int]:
     return {"num_cpus": round(per_actor, 3)}, max(1, int(per_actor))
 
 
+#: rows of one object the requests enter Ray in (a multiple of the block; one block when the block is larger): Ray
+#: keeps ~50 KB in the driver per object from_arrow puts (measured: 4,688 blocks of 64 requests, 300,000 on the CPU,
+#: +254 MB of driver RSS), so objects of one CPU block each made the driver's memory grow with the request count
+INPUT_OBJECT_ROWS = 4096
+#: objects per actor, at least, when a run is too small for INPUT_OBJECT_ROWS (every actor still gets blocks)
+INPUT_OBJECTS_PER_ACTOR = 4
+
+
+def input_object_rows(total: int, rows: int, concurrency: int) -> int:
+    """Rows of each object the ``total`` pending requests enter Ray in: a multiple of the block's ``rows`` (so the
+    actors' batches are the blocks :func:`request_blocks` cuts, the same as ``--executor local``), about
+    :data:`INPUT_OBJECT_ROWS`, smaller when that would leave an actor of ``concurrency`` without
+    :data:`INPUT_OBJECTS_PER_ACTOR` objects."""
+    want = min(INPUT_OBJECT_ROWS, -(-total // (concurrency * INPUT_OBJECTS_PER_ACTOR)))
+    return max(rows, -(-want // rows) * rows)
+
+
 def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> Iterator[pa.Table]:
     import ray
 
@@ -449,13 +467,16 @@ def _iter_ray(config: GenerateJobConfig, layout: Layout, pending: list[int]) -> 
     # packed into full model calls -- and partitions commit (and survive a driver crash) as their blocks finish.
     # read_parquet would add a file-listing task and read tasks that each need a whole CPU: on a one-CPU cluster
     # they wait forever behind the actors. Blocks, not partitions: one ray.put and one task per 8 model calls
-    # (a 100,000-request run: 13 objects, not 391).
-    ds = ray.data.from_arrow(list(request_blocks((pq.read_table(layout.work_file(i)) for i in pending), rows)))
+    # (a 100,000-request run: 13 objects, not 391). On a CPU a block is 64 requests: the objects hold several blocks
+    # (input_object_rows), which map_batches cuts back into blocks, one actor call each.
+    total = sum(pq.read_metadata(layout.work_file(i)).num_rows for i in pending)
+    obj_rows = input_object_rows(total, rows, config.concurrency)
+    ds = ray.data.from_arrow(list(request_blocks((pq.read_table(layout.work_file(i)) for i in pending), obj_rows)))
     ds = ds.map_batches(
         GeneratorActor,
         fn_constructor_args=(config.task, config.spec, str(config.index) if config.index else None,
                              config.decoding, config.generate_config(num_threads=threads)),
-        batch_size=rows,  # = the input blocks: one block per actor call
+        batch_size=rows,  # one block per actor call (an input object is a whole number of blocks)
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=config.concurrency),
         # a dead actor is restarted and its in-flight batch retried: no request is lost
@@ -560,6 +581,10 @@ def _generate_into(config: GenerateJobConfig, layout: Layout, validated: Any, id
     """The part of :func:`run_generate` that writes: under the folder's claim."""
     _prepare_out(config, identity, layout)
     counts_per_part = _write_work_partitions(validated.accepted, layout, config.partition_size)
+    # the partitions on disk are the requests from here on (the blocks are read from them): the driver lets the
+    # validated table go, keeping its row count, so a long run does not hold every request for its whole length
+    accepted_rows = validated.accepted.num_rows
+    validated.accepted = validated.accepted.schema.empty_table()
     expected = dict(enumerate(counts_per_part))
     done = {i: rec for i in expected if (rec := partition_done(layout, i)) is not None}
     pending = [i for i in expected if i not in done]
@@ -590,7 +615,7 @@ def _generate_into(config: GenerateJobConfig, layout: Layout, validated: Any, id
     batch_secs = [s for i in collector.records for s in collector.records[i]["batch_seconds"]]
     counts = {
         "rows_in": validated.rows_in,
-        "accepted": validated.accepted.num_rows,
+        "accepted": accepted_rows,
         "rejected_validation": validated.rejected.num_rows,
         "rejected_generation": sum(r["rejected"] for r in records.values()),
         "answered": sum(r["answered"] for r in records.values()),

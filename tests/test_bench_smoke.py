@@ -23,6 +23,11 @@ SMOKE = {
                             == ["dense:3:6", "compressed:3:6"]),
     "decode.py": (["--out", "{tmp}"], lambda out, tmp: (tmp / "decode_gpu_default.md").is_file()
                   and (tmp / "decode_gpu_8b.md").is_file()),
+    # the generate driver's peak RSS per request count (dense channel over a 200-ad index), Ray and local
+    "driver_memory.py": (["--work", "{tmp}/work", "--out", "{tmp}"], lambda out, tmp: "| ray | 800 |" in out
+                         and "| local | 200 |" in out and all(
+        r["answered"] == r["requests"] and r["peak_rss_mib"] > 0
+        for r in json.loads((tmp / "driver_memory.json").read_text())["rows"])),
     "fp8_layers.py": (["--out", "{tmp}/f.md"], lambda out, tmp: all(
         set(json.loads(x)["rel_err"]) == {"bf16", "int4_2:4", "fp8"} and json.loads(x)["rel_err"]["fp8"] < 0.06
         for x in (tmp / "f.jsonl").read_text().splitlines())),

@@ -192,6 +192,21 @@ def test_request_blocks_cut_across_partitions_in_order():
         list(pg.request_blocks(parts, 0))
 
 
+@pytest.mark.parametrize("total, rows, actors, want", [
+    (300_000, 64, 1, pg.INPUT_OBJECT_ROWS),  # CPU blocks: 64 of them an object (74 objects, not 4,688)
+    (300_000, 8192, 1, 8192),  # GPU blocks are larger than an object: one block each, as before
+    (24, 8, 2, 8),  # a small run: every actor still gets INPUT_OBJECTS_PER_ACTOR objects where blocks allow
+    (1000, 64, 1, 256),
+    (5, 64, 4, 64),
+])
+def test_input_objects_are_whole_blocks(total, rows, actors, want):
+    """The requests enter Ray in objects of several blocks (Ray keeps ~50 KB in the driver per object): a whole
+    number of blocks each, so map_batches(batch_size=rows) hands the actors the blocks --executor local maps."""
+    got = pg.input_object_rows(total, rows, actors)
+    assert got == want and got % rows == 0
+    assert got <= max(rows, pg.INPUT_OBJECT_ROWS)
+
+
 # --- answers_to_output: columnar, the same tables as the per-row one ----------------------------------------------
 def _rowwise_answers_to_output(task: GenerateTask, answers: pa.Table) -> tuple[pa.Table, pa.Table]:
     """The per-row implementation ``answers_to_output`` had before (the reference)."""

@@ -307,6 +307,7 @@ def test_answers_re_emitted_after_a_partition_committed_do_not_replace_it(tmp_pa
     collector.add(answers.slice(1, 1))  # a retried task re-emits an answer after the commit
     assert layout.part_file(0).read_bytes() == committed
     assert collector.records[0]["answered"] == 2 and collector.duplicates == 1
+    assert collector.seen == {} and collector.pending == {}  # a committed partition's ids are not held on
     assert pq.read_table(layout.part_file(0)).num_rows == 2
 
 

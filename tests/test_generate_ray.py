@@ -78,9 +78,11 @@ def test_ray_run_with_repeated_queries_writes_each_request_once(ray_local, asset
     block = 3 * BLOCK_BATCHES
     first, second = set(queries[:block]), set(queries[block:]) - set(queries[:block])
     assert (len(first), len(second)) == (12, 2)
+    # Ray may hand the one actor the two blocks in either order: the 6-request block first decodes its 4 distinct
+    # queries (calls of 3 + 1), then the 24-request block its 10 uncached ones (3 + 3 + 3 + 1)
     thr = res["throughput"]
-    assert (thr["decoded"], thr["model_calls"], thr["model_call_fill"]) == (14, 5, 2.8)
-    assert json.loads((tmp_path / "ray_out" / "manifest.json").read_text())["throughput"]["model_calls"] == 5
+    assert thr["decoded"] == 14 and (thr["model_calls"], thr["model_call_fill"]) in {(5, 2.8), (6, 2.33)}
+    assert json.loads((tmp_path / "ray_out" / "manifest.json").read_text())["throughput"]["model_calls"] == thr["model_calls"]
 
     local = pg.run_generate(_cfg(assets, req, tmp_path / "local_out", "local", batch_size=3, partition_size=5))
     assert local["throughput"]["model_calls"] == 5

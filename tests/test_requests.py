@@ -228,3 +228,45 @@ def test_corrupt_data_pages_name_the_file(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(RequestSchemaError, match=r"r\.parquet: corrupt Parquet data"):
         validate_requests(path, GenerateTask.TARGETS)
+
+
+@pytest.mark.parametrize("batch_rows", [1, 3, 64])
+@pytest.mark.parametrize("task", [GenerateTask.TARGETS, GenerateTask.CREATIVES])
+def test_validation_in_batches_equals_one_pass(tmp_path, monkeypatch, task, batch_rows):
+    """Files are validated VALIDATE_BATCH_ROWS rows at a time (the driver holds no Python object per request
+    beyond one batch): duplicates that straddle batches and files, rejected rows' numbers and raw values, the
+    accepted columns (a field only some files carry) come out as in a single pass."""
+    import random
+
+    import adbatch.serving.requests as req
+
+    rnd = random.Random(7)
+    d = tmp_path / "reqs"
+    d.mkdir()
+    for k, fields in enumerate((["advertiser"], ["advertiser", "title"], ["description"])):
+        n = 20
+        ids = [rnd.choice([None, " ", f"r{rnd.randint(0, 12)}", f"r{rnd.randint(0, 12)} "]) for _ in range(n)]
+        cols = {"request_id": ids}
+        texts = ["drill", "  lamp ", "", None, "x" * 30]
+        if task is GenerateTask.TARGETS:
+            cols["query"] = [rnd.choice(texts) for _ in range(n)]
+        else:
+            cols["ad_id"] = [rnd.choice([None, "a1", "a2"]) for _ in range(n)]
+            cols.update({f: [rnd.choice(texts) for _ in range(n)] for f in fields})
+        # identical copies (file 0, rows 0 and 19: the first is answered), copies that disagree (files 1 and 2)
+        for rid, row, text in [("twin", 0, "drill"), ("twin", 19, "drill")] if k == 0 else [("clash", 3 * k, f"lamp {k}")]:
+            for c in cols:
+                cols[c][row] = {"request_id": rid, "ad_id": "a1"}.get(c, text)
+        _write(d / f"part-{k}.parquet", **cols)
+    cfg = RequestValidationConfig(max_query_chars=20, max_ad_chars=25)
+    monkeypatch.setattr(req, "VALIDATE_BATCH_ROWS", 1 << 20)
+    whole = validate_requests(d, task, cfg)
+    monkeypatch.setattr(req, "VALIDATE_BATCH_ROWS", batch_rows)
+    batched = validate_requests(d, task, cfg)
+    assert batched.accepted.equals(whole.accepted) and batched.rejected.equals(whole.rejected)
+    assert whole.accepted.num_rows > 3 and whole.rows_in == 60
+    reasons = whole.rejected.column("reason").to_pylist()
+    assert any("conflicting" in r for r in reasons) and any("identical copy" in r for r in reasons)
+    ids = whole.accepted.column("request_id").to_pylist()
+    assert ids == sorted(set(ids))
+    assert whole.accepted.num_rows + whole.rejected.num_rows == 60  # nothing dropped silently

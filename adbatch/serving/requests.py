@@ -29,10 +29,12 @@ import enum
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from adbatch.config import ConfigBase, ConfigError
 from adbatch.index.corpus import is_blank, read_parquet_schema, read_parquet_table
@@ -281,6 +283,99 @@ def _raw_json(row: dict[str, Any], limit: int = 500) -> str:
     return json.dumps(row, default=lambda v: v.hex() if isinstance(v, bytes) else str(v))[:limit]
 
 
+#: rows of a request file validated at a time: the Python objects of the row checks live for one batch; what is
+#: kept across batches is columnar (the accepted rows' Arrow columns) or a rejected row
+VALIDATE_BATCH_ROWS = 8_192
+#: columns a candidate row carries until the duplicate check: its file (index into ``files``) and row there
+_FILE_COL, _ROW_COL = "_file", "_row"
+
+
+def _request_batches(path: Path, columns: list[str], rows: int) -> Iterator[pa.Table]:
+    """The ``columns`` of one request file, ``rows`` at a time, in file order; a file whose data pages cannot be
+    read (corrupt bytes inside, the footer intact) raises :class:`RequestSchemaError` naming it."""
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=rows, columns=columns):
+            yield pa.Table.from_batches([batch])
+    except (OSError, pa.ArrowException) as exc:
+        raise RequestSchemaError(f"{path}: corrupt Parquet data ({exc})") from None
+
+
+def _raw_rows(path: Path, columns: list[str], rows: set[int]) -> dict[int, dict[str, Any]]:
+    """Rows ``rows`` of ``path`` as read (before normalization): the ``raw`` of a rejected duplicate."""
+    out: dict[int, dict[str, Any]] = {}
+    wanted = np.sort(np.fromiter(rows, dtype=np.int64, count=len(rows)))
+    offset = 0
+    for table in _request_batches(path, columns, VALIDATE_BATCH_ROWS):
+        lo, hi = np.searchsorted(wanted, [offset, offset + table.num_rows])
+        if hi > lo:
+            want = wanted[lo:hi] - offset
+            picked = table.take(pa.array(want))
+            data = {c: _column_values(picked.column(c)) for c in columns}
+            out.update({offset + int(j): {c: data[c][k] for c in columns} for k, j in enumerate(want)})
+        offset += table.num_rows
+    return out
+
+
+def _accepted_schema(task: GenerateTask, fields: list[str]) -> pa.Schema:
+    """``request_id`` + the task's columns (creatives: ``ad_id`` and ``fields``), all strings."""
+    if task is GenerateTask.TARGETS:
+        return pa.schema([("request_id", pa.string()), ("query", pa.string())])
+    return pa.schema([("request_id", pa.string()), ("ad_id", pa.string())] + [(c, pa.string()) for c in fields])
+
+
+def _check_row(task: GenerateTask, raw: dict[str, Any], present: list[str],
+               config: RequestValidationConfig) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    """One row's checks: (normalized row, None, None) when accepted, else (None, reason, request_id or None)."""
+    rid = _id_to_str(raw["request_id"])
+    if rid is None:
+        return None, ("request_id is null, empty or not an integer/string" if raw["request_id"] is None
+                      or isinstance(raw["request_id"], (str, bytes)) else
+                      f"request_id {raw['request_id']!r} is not an integer or string (wrong type)"), None
+    row: dict[str, Any] = {"request_id": rid}
+    if task is GenerateTask.TARGETS:
+        query, problem = _text_value(raw["query"])
+        if problem:
+            return None, f"query is {problem}", rid
+        query = query.strip()
+        if is_blank(query):
+            return None, "query is empty", rid
+        if len(query) > config.max_query_chars:
+            return None, (f"query is oversized ({len(query)} chars > max_query_chars="
+                          f"{config.max_query_chars})"), rid
+        row["query"] = query
+        return row, None, None
+    ad_id = _id_to_str(raw["ad_id"])
+    if ad_id is None:
+        return None, "ad_id is null, empty or not an integer/string", rid
+    row["ad_id"] = ad_id
+    problems = []
+    total = 0
+    for c in present:
+        text, problem = _text_value(raw[c])
+        if problem and problem != "null":
+            problems.append(f"{c} is {problem}")
+        row[c] = text.strip() if text and not is_blank(text) else None
+        total += len(row[c] or "")
+    if problems:
+        return None, "; ".join(problems), rid
+    if total == 0:
+        return None, f"no ad text: all of {present} are null or empty", rid
+    if total > config.max_ad_chars:
+        return None, f"ad fields are oversized ({total} chars > max_ad_chars={config.max_ad_chars})", rid
+    return row, None, None
+
+
+def _repeated(ids: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """``bool [n]``: the rows of a sorted id column whose id is also on a neighbouring row."""
+    ids = ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
+    rep = np.zeros(len(ids), dtype=bool)
+    if len(ids) > 1:
+        same = pc.equal(ids.slice(1), ids.slice(0, len(ids) - 1)).to_numpy(zero_copy_only=False)
+        rep[1:] |= same
+        rep[:-1] |= same
+    return rep
+
+
 def validate_requests(
     path: str | Path, task: GenerateTask, config: RequestValidationConfig | None = None
 ) -> ValidatedRequests:
@@ -288,109 +383,98 @@ def validate_requests(
 
     Duplicate ``request_id``: identical copies keep the first (file order) and reject the rest;
     copies that disagree are all rejected (which one is meant cannot be known).
+
+    Memory: the files are read :data:`VALIDATE_BATCH_ROWS` rows at a time, and only Arrow columns are kept across
+    batches (the accepted rows) beside the rejected rows: no Python object per request outlives its batch.
+    Duplicates are found on the sorted ids; only the rows of a repeated id come back to Python (their raw values
+    re-read from their file).
     """
     config = config or RequestValidationConfig()
     task = GenerateTask(task)
     files = check_request_schema(path, task)
-    text_cols = ["query"] if task is GenerateTask.TARGETS else [
-        c for c in CREATIVE_FIELDS
-    ]
+    text_cols = ["query"] if task is GenerateTask.TARGETS else list(CREATIVE_FIELDS)
     rejected: list[dict[str, Any]] = []
-    kept: list[dict[str, Any]] = []  # normalized rows with their origin
+    kept_tables: list[pa.Table] = []  # each batch's normalized rows + their origin (_file, _row)
+    read_cols: list[list[str]] = []  # per file: the columns read
     rows_in = 0
-    for f in files:
-        table = read_parquet_table(f, error=RequestSchemaError)
-        rows_in += table.num_rows
-        present = [c for c in text_cols if c in table.column_names]
+    for fi, f in enumerate(files):
+        names = read_parquet_schema(f, RequestSchemaError).names
+        present = [c for c in text_cols if c in names]
         cols = ["request_id"] + (["ad_id"] if task is GenerateTask.CREATIVES else []) + present
-        data = {c: _column_values(table.column(c)) for c in cols}
-        for i in range(table.num_rows):
-            raw = {c: data[c][i] for c in cols}
+        read_cols.append(cols)
+        schema = _accepted_schema(task, present)
+        file_row = 0  # the row number of the batch's first row in f
+        for table in _request_batches(f, cols, VALIDATE_BATCH_ROWS):
+            data = {c: _column_values(table.column(c)) for c in cols}
+            kept, kept_rows = [], []
+            for j in range(table.num_rows):
+                raw = {c: data[c][j] for c in cols}
+                row, reason, rid = _check_row(task, raw, present, config)
+                if row is None:
+                    rejected.append({"request_id": rid, "file": str(f), "row": file_row + j,
+                                     "stage": RejectStage.VALIDATE.value, "reason": reason, "raw": _raw_json(raw)})
+                else:
+                    kept.append(row)
+                    kept_rows.append(file_row + j)
+            if kept:
+                batch = pa.Table.from_pylist(kept, schema=schema)
+                kept_tables.append(batch.append_column(_FILE_COL, pa.array([fi] * len(kept), pa.int32()))
+                                   .append_column(_ROW_COL, pa.array(kept_rows, pa.int64())))
+            rows_in += table.num_rows
+            file_row += table.num_rows
+            del data, kept
 
-            def reject(reason: str, rid: str | None = None) -> None:
-                rejected.append({"request_id": rid, "file": str(f), "row": i,
-                                 "stage": RejectStage.VALIDATE.value, "reason": reason,
-                                 "raw": _raw_json(raw)})
-
-            rid = _id_to_str(raw["request_id"])
-            if rid is None:
-                reject("request_id is null, empty or not an integer/string" if raw["request_id"] is None
-                       or isinstance(raw["request_id"], (str, bytes)) else
-                       f"request_id {raw['request_id']!r} is not an integer or string (wrong type)")
-                continue
-            row: dict[str, Any] = {"request_id": rid}
-            if task is GenerateTask.TARGETS:
-                query, problem = _text_value(raw["query"])
-                if problem:
-                    reject(f"query is {problem}", rid)
-                    continue
-                query = query.strip()
-                if is_blank(query):
-                    reject("query is empty", rid)
-                    continue
-                if len(query) > config.max_query_chars:
-                    reject(f"query is oversized ({len(query)} chars > max_query_chars="
-                           f"{config.max_query_chars})", rid)
-                    continue
-                row["query"] = query
+    # every field any file carries, null where a file lacks it; the columns of no accepted row are dropped below
+    full = _accepted_schema(task, [c for c in text_cols if any(c in cols for cols in read_cols)])
+    full = full.append(pa.field(_FILE_COL, pa.int32())).append(pa.field(_ROW_COL, pa.int64()))
+    cand = pa.concat_tables([pa.table({n: t.column(n) if n in t.column_names else pa.nulls(t.num_rows, full.field(n).type)
+                                       for n in full.names}, schema=full) for t in kept_tables]) \
+        if kept_tables else full.empty_table()
+    del kept_tables
+    # sorted by id, then file order: a repeated id's copies are adjacent, first copy first
+    cand = cand.take(pc.sort_indices(cand, sort_keys=[("request_id", "ascending"), (_FILE_COL, "ascending"),
+                                                       (_ROW_COL, "ascending")]))
+    rep = _repeated(cand.column("request_id"))
+    winners: list[int] = []
+    if rep.any():
+        dup_at = np.flatnonzero(rep)
+        dups = cand.take(pa.array(dup_at)).to_pylist()
+        content = [c for c in cand.column_names if c not in (_FILE_COL, _ROW_COL)]
+        losers: list[tuple[dict[str, Any], str]] = []
+        start = 0
+        while start < len(dups):
+            stop = start
+            while stop < len(dups) and dups[stop]["request_id"] == dups[start]["request_id"]:
+                stop += 1
+            items, first = dups[start:stop], dups[start]
+            rid = first["request_id"]
+            body = [_prompt_content({c: it[c] for c in content}) for it in items]
+            if all(b == body[0] for b in body[1:]):
+                winners.append(int(dup_at[start]))
+                losers += [(it, f"duplicate request_id {rid!r} (identical copy of {files[first[_FILE_COL]]} row "
+                                f"{first[_ROW_COL]}, which is answered)") for it in items[1:]]
             else:
-                ad_id = _id_to_str(raw["ad_id"])
-                if ad_id is None:
-                    reject("ad_id is null, empty or not an integer/string", rid)
-                    continue
-                row["ad_id"] = ad_id
-                problems = []
-                total = 0
-                for c in present:
-                    text, problem = _text_value(raw[c])
-                    if problem and problem != "null":
-                        problems.append(f"{c} is {problem}")
-                    row[c] = text.strip() if text and not is_blank(text) else None
-                    total += len(row[c] or "")
-                if problems:
-                    reject("; ".join(problems), rid)
-                    continue
-                if total == 0:
-                    reject(f"no ad text: all of {present} are null or empty", rid)
-                    continue
-                if total > config.max_ad_chars:
-                    reject(f"ad fields are oversized ({total} chars > max_ad_chars="
-                           f"{config.max_ad_chars})", rid)
-                    continue
-            kept.append({"row": row, "file": str(f), "index": i, "raw": raw})
-
-    # duplicates: group by id, in file order
-    by_id: dict[str, list[dict[str, Any]]] = {}
-    for item in kept:
-        by_id.setdefault(item["row"]["request_id"], []).append(item)
-    accepted_rows = []
-    for rid, items in by_id.items():
-        first = items[0]
-        if len(items) == 1:
-            accepted_rows.append(first["row"])
-            continue
-        identical = all(_prompt_content(it["row"]) == _prompt_content(first["row"]) for it in items[1:])
-        if identical:
-            accepted_rows.append(first["row"])
-            losers = items[1:]
-            why = (f"duplicate request_id {rid!r} (identical copy of {first['file']} row "
-                   f"{first['index']}, which is answered)")
-        else:
-            losers = items
-            why = f"duplicate request_id {rid!r} with conflicting content ({len(items)} rows)"
-        for it in losers:
-            rejected.append({"request_id": rid, "file": it["file"], "row": it["index"],
+                losers += [(it, f"duplicate request_id {rid!r} with conflicting content ({len(items)} rows)")
+                           for it in items]
+            start = stop
+        by_file: dict[int, set[int]] = {}
+        for it, _ in losers:
+            by_file.setdefault(it[_FILE_COL], set()).add(it[_ROW_COL])
+        raws = {fi: _raw_rows(files[fi], read_cols[fi], rows) for fi, rows in by_file.items()}
+        for it, why in losers:
+            rejected.append({"request_id": it["request_id"], "file": str(files[it[_FILE_COL]]), "row": it[_ROW_COL],
                              "stage": RejectStage.VALIDATE.value, "reason": why,
-                             "raw": _raw_json(it["raw"])})
-
-    accepted_rows.sort(key=lambda r: r["request_id"])
-    if task is GenerateTask.TARGETS:
-        schema = pa.schema([("request_id", pa.string()), ("query", pa.string())])
+                             "raw": _raw_json(raws[it[_FILE_COL]][it[_ROW_COL]])})
+    keep = ~rep
+    keep[winners] = True
+    # ids are unique now, and sorted (byte order of UTF-8 = code-point order, as Python sorts str)
+    accepted = cand.filter(pa.array(keep))
+    if task is GenerateTask.CREATIVES:  # the fields of the files an accepted row came from
+        used = set(pc.unique(accepted.column(_FILE_COL)).to_pylist())
+        accepted = accepted.select(["request_id", "ad_id"] + [
+            c for c in CREATIVE_FIELDS if any(c in read_cols[fi] for fi in used)])
     else:
-        present_all = [c for c in CREATIVE_FIELDS if any(c in r for r in accepted_rows)]
-        schema = pa.schema([("request_id", pa.string()), ("ad_id", pa.string())]
-                           + [(c, pa.string()) for c in present_all])
-    accepted = pa.Table.from_pylist(accepted_rows, schema=schema)
+        accepted = accepted.drop_columns([_FILE_COL, _ROW_COL])
     rejected_table = pa.Table.from_pylist(rejected, schema=REJECTED_SCHEMA)
     if rejected_table.num_rows:
         rejected_table = rejected_table.sort_by([("file", "ascending"), ("row", "ascending")])
