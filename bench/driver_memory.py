@@ -119,12 +119,7 @@ def write_requests(path: Path, n: int, pool_size: int, zipf: float, seed: int = 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    # bench/ on the path only here: its kernels.py would shadow the kernels package in the driver
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        from scale_set import query_pool, zipf_cdf, zipf_ranks
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    from bench.scale_set import query_pool, zipf_cdf, zipf_ranks
 
     rng = np.random.default_rng(seed)
     titles = pq.read_table(EXAMPLE_ADS, columns=["title"]).column("title").to_pylist()

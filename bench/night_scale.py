@@ -234,15 +234,6 @@ def peaks(samples: list[Sample], start: float, end: float) -> dict[str, Any]:
     }
 
 
-def visible_gpus() -> int:
-    """GPUs ``nvidia-smi`` lists (0 without it); no CUDA initialised in this process."""
-    try:
-        done = subprocess.run(NVIDIA_SMI_MEMORY_QUERY, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return len([ln for ln in done.stdout.splitlines() if ln.strip()]) if done.returncode == 0 else 0
-
-
 # --------------------------------------------------------------------------- output checks
 @dataclasses.dataclass
 class OutputCheck:
@@ -461,6 +452,8 @@ def measure_night(config: NightScaleConfig) -> dict[str, Any]:
     from jobs.nightly_refresh import STAMP_DIR, run_refresh
 
     work = config.work.resolve()
+    from bench.scale_out import visible_gpus
+
     data, refresh_work, measured_file = work / "data", work / "refresh", work / "measured.json"
     gpus = visible_gpus() if config.gpus is None else config.gpus
     t0 = time.perf_counter()

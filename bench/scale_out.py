@@ -70,7 +70,7 @@ def visible_gpus() -> int:
     """GPUs ``nvidia-smi`` lists (0 without it): no torch, no CUDA initialised in this process."""
     try:
         out = subprocess.run(NVIDIA_SMI_QUERY, capture_output=True, text=True, timeout=30)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired):
         return 0
     return len([ln for ln in out.stdout.splitlines() if ln.strip()]) if out.returncode == 0 else 0
 
